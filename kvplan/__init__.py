@@ -1,0 +1,48 @@
+"""kvplan: plan KV-cache transfers between prefill and decode engines, exactly and purely.
+
+The whole public API::
+
+    src = EngineSpec.from_dict(prefill_json)          # validated, immutable engine specs
+    dst = EngineSpec.from_dict(decode_json)
+    tmap = pull_map(src, dst, dst_rank)               # once per handshake (or push_map)
+    plan = tmap.plan(src_blocks, dst_blocks)          # once per request: numpy only
+    plan.copies()                                     # read-only structured array of byte runs
+    simulate(plan, src_buffers, dst_buffers)          # reference executor over numpy buffers
+"""
+
+from kvplan.errors import IncompatibleLayoutError, KVPlanError, RequestError, SpecError
+from kvplan.layout import RankLayout, rank_layout
+from kvplan.placement import HeadSource, Placement, head_sources, held_heads, holders
+from kvplan.plan import COPY_DTYPE, TransferPlan
+from kvplan.planner import Lane, Mode, TransferMap, pull_map, push_map
+from kvplan.simulate import simulate
+from kvplan.spec import DTYPE_SIZES, KV, EngineSpec, Kind, Layout, RegionSpec
+
+__all__ = [
+    "COPY_DTYPE",
+    "DTYPE_SIZES",
+    "KV",
+    "EngineSpec",
+    "HeadSource",
+    "IncompatibleLayoutError",
+    "KVPlanError",
+    "Kind",
+    "Lane",
+    "Layout",
+    "Mode",
+    "Placement",
+    "RankLayout",
+    "RegionSpec",
+    "RequestError",
+    "SpecError",
+    "TransferMap",
+    "TransferPlan",
+    "head_sources",
+    "held_heads",
+    "holders",
+    "pull_map",
+    "push_map",
+    "rank_layout",
+    "simulate",
+]
+__version__ = "0.1.0"

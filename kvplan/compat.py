@@ -1,0 +1,73 @@
+"""What a handshake refuses: two valid specs that cannot exchange KV, named with their numbers.
+
+Every layout pair (HND/NHD, split/joint, either way) is supported by the one planning rule, so
+none is refused for its layout alone; what is refused is what would make the bytes meaningless
+(different heads, dims, dtypes, kinds, windows) or what the placement rule does not define (TP
+sizes or block sizes that do not divide).
+"""
+
+from __future__ import annotations
+
+from kvplan.errors import IncompatibleLayoutError
+from kvplan.spec import EngineSpec, RegionSpec
+
+# Fields that must be equal on both sides of a region pair, with how to name them in a message.
+_MUST_MATCH = (
+    ("kind", "kind"),
+    ("dtype", "dtype"),
+    ("num_kv_heads", "num_kv_heads"),
+    ("head_dim", "head_dim"),
+    ("dim", "dim"),
+    ("window", "window"),
+    ("group", "group"),
+)
+
+
+def _divides_either_way(a: int, b: int) -> bool:
+    return a % b == 0 or b % a == 0
+
+
+def region_pairs(src: EngineSpec, dst: EngineSpec) -> tuple[tuple[int, int], ...]:
+    """Pair regions by name, in destination order; refuse any mismatch between the two specs.
+
+    Returns ``(src_index, dst_index)`` per destination region. Raises
+    :class:`IncompatibleLayoutError` naming the region and the numbers that disagree.
+    """
+    if not _divides_either_way(src.tp_size, dst.tp_size):
+        raise IncompatibleLayoutError(
+            f"TP sizes do not divide: source tp {src.tp_size}, destination tp {dst.tp_size} "
+            f"({max(src.tp_size, dst.tp_size)} % {min(src.tp_size, dst.tp_size)} = "
+            f"{max(src.tp_size, dst.tp_size) % min(src.tp_size, dst.tp_size)})"
+        )
+    src_names = [r.name for r in src.regions]
+    dst_names = [r.name for r in dst.regions]
+    if set(src_names) != set(dst_names):
+        only_src = sorted(set(src_names) - set(dst_names))
+        only_dst = sorted(set(dst_names) - set(src_names))
+        raise IncompatibleLayoutError(
+            f"region names differ: source has {len(src_names)} regions, destination "
+            f"{len(dst_names)}; only on source: {only_src}; only on destination: {only_dst}"
+        )
+    pairs = []
+    for j, d in enumerate(dst.regions):
+        i = src.region_index(d.name)
+        check_region_pair(src.regions[i], d)
+        pairs.append((i, j))
+    return tuple(pairs)
+
+
+def check_region_pair(s: RegionSpec, d: RegionSpec) -> None:
+    """Refuse a source/destination region pair whose bytes cannot correspond."""
+    for attr, label in _MUST_MATCH:
+        a, b = getattr(s, attr), getattr(d, attr)
+        if a != b:
+            a = getattr(a, "value", a)
+            b = getattr(b, "value", b)
+            raise IncompatibleLayoutError(
+                f"region {d.name!r}: {label} differs: source {a!r}, destination {b!r}"
+            )
+    if not _divides_either_way(s.block_size, d.block_size):
+        raise IncompatibleLayoutError(
+            f"region {d.name!r}: block sizes do not divide: source {s.block_size}, "
+            f"destination {d.block_size}"
+        )

@@ -1,0 +1,76 @@
+"""Which ranks hold which heads, and which source rank serves each head a destination needs.
+
+Theory of operation. Every region is a set of ``K`` global heads sharded over ``tp`` ranks
+(domain.md section 2). A replicated region (MLA, indexer) is the degenerate case ``K = 1``: every
+rank holds head 0. With ``K >= tp`` rank ``r`` holds heads ``[r*K/tp, (r+1)*K/tp)``; with
+``K < tp`` it holds head ``r*K//tp`` and ``tp/K`` consecutive ranks share it. That one rule covers
+SPLIT, replicated heads and REPLICATE alike, so nothing downstream branches on the model family.
+
+Choosing a source for a head ``h`` needed by destination rank ``d``: ``h`` is held by ``n``
+consecutive destination ranks (``d`` is the ``i``-th of them) and ``m`` consecutive source ranks;
+``d`` reads it from source ``i*m//n`` among those. Each head is thus read exactly once per
+destination rank, and the destinations sharing a head spread evenly over its source replicas
+(loads differ by at most one). For a replicated region this is the anchors' ``t * R // T``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class Placement(enum.Enum):
+    """How a region is placed over TP ranks."""
+
+    SPLIT = "S"  # heads sharded (possibly replicated when heads < ranks)
+    REPLICATE = "R"  # every rank holds all of it
+
+
+def held_heads(num_heads: int, tp: int, rank: int) -> range:
+    """Global heads held by ``rank`` of ``tp``: post-condition ``len(result) == max(1, K//tp)``."""
+    if num_heads >= tp:
+        per = num_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    head = rank * num_heads // tp
+    return range(head, head + 1)
+
+
+def holders(num_heads: int, tp: int, head: int) -> range:
+    """Ranks of ``tp`` that hold global ``head``: one rank, or ``tp/K`` consecutive ranks."""
+    if num_heads >= tp:
+        rank = head // (num_heads // tp)
+        return range(rank, rank + 1)
+    share = tp // num_heads
+    return range(head * share, (head + 1) * share)
+
+
+@attrs.frozen
+class HeadSource:
+    """Heads ``[start, stop)`` (global) that a destination rank reads from ``src_rank``."""
+
+    src_rank: int
+    start: int
+    stop: int
+
+    def __str__(self) -> str:
+        return f"p{self.src_rank} heads {self.start}:{self.stop}"
+
+
+def head_sources(num_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> tuple[HeadSource, ...]:
+    """Where destination rank ``dst_rank`` reads each head it holds, as maximal head intervals.
+
+    Post-conditions: the intervals are disjoint, ascending, cover exactly
+    ``held_heads(num_heads, dst_tp, dst_rank)``, and each source rank holds its interval.
+    """
+    out: list[HeadSource] = []
+    for h in held_heads(num_heads, dst_tp, dst_rank):
+        dsts = holders(num_heads, dst_tp, h)
+        srcs = holders(num_heads, src_tp, h)
+        i = dst_rank - dsts.start
+        src = srcs.start + i * len(srcs) // len(dsts)
+        if out and out[-1].src_rank == src and out[-1].stop == h:
+            out[-1] = HeadSource(src, out[-1].start, h + 1)
+        else:
+            out.append(HeadSource(src, h, h + 1))
+    return tuple(out)

@@ -1,0 +1,261 @@
+"""The request stage: block ids -> the read-only array of byte copies, by numpy index arithmetic.
+
+For each lane's template (see ``planner.py``) the destination blocks a request fully covers are
+taken in ascending block-id order and the template is broadcast over them: offsets are
+``block_id * block_stride + template_offset``. Rows then come out sorted by destination offset
+within a lane, so one pass of :func:`kvplan.runs.merge_runs` joins every pair of runs that is
+contiguous on both sides -- across consecutive block ids too -- and the result is the smallest
+list of maximal runs. There is no Python loop per block, token or copy: loops run over templates
+and lanes (at most regions x peer ranks), and over the at most two partially covered blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from kvplan.errors import RequestError
+from kvplan.planner import BlockTemplate, Lane, Mode, Placement, TransferMap, _frozen
+from kvplan.runs import merge_runs
+from kvplan.spec import EngineSpec
+
+#: dtype of :meth:`TransferPlan.copies`: one row per run, offsets in bytes from a region's base.
+COPY_DTYPE = np.dtype(
+    [
+        ("src_rank", np.int64),
+        ("src_region", np.int64),
+        ("src_offset", np.int64),
+        ("dst_rank", np.int64),
+        ("dst_region", np.int64),
+        ("dst_offset", np.int64),
+        ("length", np.int64),
+    ]
+)
+
+
+def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarray, ...]:
+    """Validate one side's block ids: one list per group, ids in range and unique."""
+    if isinstance(lists, (str, bytes)) or not hasattr(lists, "__len__"):
+        raise RequestError(f"{side} block ids: expected one sequence per group, got {lists!r}")
+    if len(lists) != spec.num_groups:
+        raise RequestError(
+            f"{side} block ids: {len(lists)} lists for {spec.num_groups} KV-cache group(s); "
+            "pass one sequence of block ids per group, e.g. [[3, 7, 9]] for one group"
+        )
+    out = []
+    for g, ids in enumerate(lists):
+        a = np.asarray(ids)
+        if a.size == 0:
+            a = np.zeros(0, dtype=np.int64)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise RequestError(
+                f"{side} group {g}: block ids must be a flat sequence of integers, got "
+                f"shape {a.shape} dtype {a.dtype}"
+            )
+        a = a.astype(np.int64)
+        limit, holder = min((r.num_blocks, r.name) for r in spec.regions if r.group == g)
+        bad = np.flatnonzero((a < 0) | (a >= limit))
+        if bad.size:
+            raise RequestError(
+                f"{side} group {g}: block id {int(a[bad[0]])} at position {int(bad[0])} is out of "
+                f"range [0, {limit}) (region {holder!r} has {limit} blocks)"
+            )
+        s = np.sort(a)
+        dup = np.flatnonzero(s[1:] == s[:-1])
+        if dup.size:
+            raise RequestError(f"{side} group {g}: block id {int(s[dup[0]])} appears twice")
+        a.flags.writeable = False
+        out.append(a)
+    return tuple(out)
+
+
+def _expand(
+    tpl: BlockTemplate,
+    pos: np.ndarray,
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    rows: slice | np.ndarray,
+    js: np.ndarray,
+    src: np.ndarray,
+    dst: np.ndarray,
+    length: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of template pieces ``rows`` for destination block positions ``pos`` (block-major)."""
+    first = pos * tpl.dst_bs
+    s_pos = first // tpl.src_bs
+    shift = (first - s_pos * tpl.src_bs) * tpl.src_token
+    src_off = src_ids[s_pos[:, None] + js[rows]] * tpl.src_block + (src[rows] + shift[:, None])
+    dst_off = (dst_ids[pos] * tpl.dst_block)[:, None] + dst[rows]
+    lens = np.broadcast_to(length[rows], dst_off.shape)
+    return src_off.ravel(), dst_off.ravel(), lens.ravel()
+
+
+def _lane_runs(
+    lane: Lane, src_ids: np.ndarray, dst_ids: np.ndarray, order_cache: dict
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merged ``(src_offset, dst_offset, length)`` of one lane, sorted by destination offset."""
+    tpl = lane.template
+    bs = tpl.dst_bs
+    n = min(len(src_ids) * tpl.src_bs, len(dst_ids) * bs)  # request positions both sides cover
+    lo = 0 if lane.window is None else max(0, n - (lane.window // bs + 1) * bs)
+    j0, j1 = -(-lo // bs), n // bs  # destination blocks covered in full
+    key = (lane.group, j0, j1)
+    pos = order_cache.get(key)
+    if pos is None:  # ascending block id, so that rows come out in destination-offset order
+        pos = j0 + np.argsort(dst_ids[j0:j1], kind="stable") if j1 > j0 else np.zeros(0, np.int64)
+        order_cache[key] = pos
+    parts = [
+        _expand(tpl, pos, src_ids, dst_ids, slice(a, b), tpl.js, tpl.src, tpl.dst, tpl.length)
+        for a, b in tpl.slabs
+    ]
+    partial = {j for j in (lo // bs, n // bs) if j * bs < n and not j0 <= j < j1}
+    for j in sorted(partial):  # at most two blocks: keep only the atoms of covered tokens
+        t_lo, t_hi = max(lo, j * bs) - j * bs, min(n, (j + 1) * bs) - j * bs
+        keep = np.flatnonzero((tpl.atom_token >= t_lo) & (tpl.atom_token < t_hi))
+        parts.append(
+            _expand(tpl, np.array([j]), src_ids, dst_ids, keep, tpl.atom_js, tpl.atom_src,
+                    tpl.atom_dst, tpl.atom_length)
+        )
+    if not parts:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    src_off, dst_off, length = (np.concatenate(c) for c in zip(*parts))
+    if partial:  # two sorted sequences: a stable sort merges them in linear time
+        o = np.argsort(dst_off, kind="stable")
+        src_off, dst_off, length = src_off[o], dst_off[o], length[o]
+    return merge_runs(src_off, dst_off, length)
+
+
+def build_plan(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence) -> TransferPlan:
+    """Expand ``tmap``'s lanes over one request's block ids (see :meth:`TransferMap.plan`)."""
+    src_lists = _block_lists(tmap.src, src_blocks, "source")
+    dst_lists = _block_lists(tmap.dst, dst_blocks, "destination")
+    order_cache: dict = {}
+    by_template: dict = {}
+    lane_rows = []
+    for lane in tmap.lanes:
+        g = lane.group
+        key = (id(lane.template), g, lane.window)  # identical lanes (layers) share their runs
+        runs = by_template.get(key)
+        if runs is None:
+            runs = _lane_runs(lane, src_lists[g], dst_lists[g], order_cache)
+            by_template[key] = runs
+        lane_rows.append(runs)
+    bounds = np.cumsum([0] + [len(r[2]) for r in lane_rows])
+    out = np.empty(int(bounds[-1]), dtype=COPY_DTYPE)
+    for lane, (src_off, dst_off, length), at, end in zip(
+        tmap.lanes, lane_rows, bounds[:-1], bounds[1:]
+    ):
+        out["src_rank"][at:end] = lane.src_rank
+        out["src_region"][at:end] = lane.src_region
+        out["src_offset"][at:end] = src_off
+        out["dst_rank"][at:end] = lane.dst_rank
+        out["dst_region"][at:end] = lane.dst_region
+        out["dst_offset"][at:end] = dst_off
+        out["length"][at:end] = length
+    out.flags.writeable = False
+    return TransferPlan(
+        map=tmap, src_blocks=src_lists, dst_blocks=dst_lists, rows=out, lane_bounds=_frozen(bounds)
+    )
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@attrs.frozen(eq=False, repr=False)
+class TransferPlan:
+    """One request's byte copies: an immutable value over a read-only structured array.
+
+    Post-conditions (tested against an independent oracle): every destination byte of the
+    covered positions of the requested blocks is written exactly once with the source's value;
+    no other destination byte is touched; every run lies inside its two regions; rows are
+    grouped by (source rank, destination rank, destination region) in the map's lane order, and
+    within that sorted by destination offset, with no two rows mergeable.
+    """
+
+    map: TransferMap
+    src_blocks: tuple[np.ndarray, ...]
+    dst_blocks: tuple[np.ndarray, ...]
+    rows: np.ndarray
+    lane_bounds: np.ndarray = attrs.field(eq=False)  # rows of lane k: [bounds[k], bounds[k+1])
+
+    def copies(self) -> np.ndarray:
+        """The runs as a read-only structured array of :data:`COPY_DTYPE`."""
+        return self.rows
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The other engine's ranks this plan touches, ascending."""
+        col = "src_rank" if self.map.mode is Mode.PULL else "dst_rank"
+        return tuple(int(x) for x in np.unique(self.rows[col]))
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes copied."""
+        return int(self.rows["length"].sum())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferPlan):
+            return NotImplemented
+        return (
+            self.map == other.map
+            and len(self.src_blocks) == len(other.src_blocks)
+            and all(map(np.array_equal, self.src_blocks, other.src_blocks))
+            and all(map(np.array_equal, self.dst_blocks, other.dst_blocks))
+            and np.array_equal(self.rows, other.rows)
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # holds arrays: a value, but not hashable
+
+    def summary(self) -> str:
+        """Per peer rank: bytes, runs, and per region its placement and streams."""
+        m = self.map
+        me, other = ("d", "p") if m.mode is Mode.PULL else ("p", "d")
+        lines = [
+            f"TransferPlan {m.mode.value} {me}{m.rank}: {_human(self.nbytes)} in {len(self)} runs, "
+            f"{sum(len(b) for b in self.dst_blocks)} destination blocks in "
+            f"{len(self.dst_blocks)} group(s)"
+        ]
+        lengths = np.add.reduceat(self.rows["length"], self.lane_bounds[:-1]) if len(self) else None
+        per_lane = [
+            (int(lengths[k]) if lengths is not None and end > at else 0, int(end - at))
+            for k, (at, end) in enumerate(zip(self.lane_bounds[:-1], self.lane_bounds[1:]))
+        ]
+        peer_of = (lambda x: x.src_rank) if m.mode is Mode.PULL else (lambda x: x.dst_rank)
+        for peer in sorted({peer_of(x) for x in m.lanes}):
+            mine = [k for k, x in enumerate(m.lanes) if peer_of(x) == peer]
+            nbytes = sum(per_lane[k][0] for k in mine)
+            runs = sum(per_lane[k][1] for k in mine)
+            lines.append(f"  {other}{peer}: {_human(nbytes)}, {runs} runs")
+            for k in mine:
+                lane = m.lanes[k]
+                r = m.dst.regions[lane.dst_region]
+                place = "R" if lane.placement is Placement.REPLICATE else (
+                    f"S(heads {lane.heads.start}:{lane.heads.stop})"
+                )
+                to = f" -> d{lane.dst_rank}" if m.mode is Mode.PUSH else ""
+                lines.append(
+                    f"    {r.name}{to}: {place} {'K+V' if r.streams == 2 else 'K'}, "
+                    f"{_human(per_lane[k][0])} in {per_lane[k][1]} runs"
+                )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        m = self.map
+        return (
+            f"TransferPlan(mode={m.mode.value}, rank={m.rank}, peers={list(self.peers)}, "
+            f"runs={len(self)}, nbytes={self.nbytes})"
+        )
+
+    def __str__(self) -> str:
+        return self.summary()
