@@ -17,7 +17,15 @@ import attrs
 import numpy as np
 
 from kvplan.errors import RequestError
-from kvplan.planner import BlockTemplate, Lane, Mode, Placement, TransferMap, _frozen
+from kvplan.planner import (
+    BlockTemplate,
+    Lane,
+    Mode,
+    Placement,
+    ReadOnlyArrays,
+    TransferMap,
+    _frozen,
+)
 from kvplan.runs import merge_runs
 from kvplan.spec import EngineSpec
 
@@ -169,8 +177,8 @@ def _human(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-@attrs.frozen(eq=False, repr=False)
-class TransferPlan:
+@attrs.frozen(eq=False, repr=False, getstate_setstate=False)
+class TransferPlan(ReadOnlyArrays):
     """One request's byte copies: an immutable value over a read-only structured array.
 
     Post-conditions (tested against an independent oracle): every destination byte of the

@@ -50,8 +50,27 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-@attrs.frozen(eq=False, repr=False)
-class BlockTemplate:
+class ReadOnlyArrays:
+    """Mixin for frozen attrs classes holding numpy arrays: they stay read-only through pickle.
+
+    (Unpickled arrays are fresh and writeable; a value must not become mutable by a round trip.)
+    """
+
+    __slots__ = ()
+
+    def __getstate__(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in attrs.fields(type(self))}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            for a in value if isinstance(value, tuple) else (value,):
+                if isinstance(a, np.ndarray):
+                    a.flags.writeable = False
+            object.__setattr__(self, name, value)
+
+
+@attrs.frozen(eq=False, repr=False, getstate_setstate=False)
+class BlockTemplate(ReadOnlyArrays):
     """The runs that copy one destination block of one lane, relative to block bases.
 
     ``js[k]`` is the source block position of run ``k`` relative to the first source block the

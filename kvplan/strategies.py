@@ -1,8 +1,9 @@
 """Hypothesis strategies for engine specs and requests, at the level of JSON-able dicts.
 
-Connector authors can reuse these to test their own code against kvplan. Everything here is
-plain data (the JSON engine spec form), so this module depends only on hypothesis and numpy
-and never imports the rest of kvplan.
+Connector authors can reuse these to test their own code against kvplan. The generators work on
+plain data (the JSON engine spec form); :func:`engine_pairs` wraps :func:`spec_pairs` into
+:class:`~kvplan.EngineSpec` values, and :func:`requests` takes either form. Importing this module
+needs hypothesis (the ``test`` extra); the rest of kvplan does not.
 
 An engine spec is ``{"tp_size": int, "regions": [region, ...]}``; a region is one of::
 
@@ -25,11 +26,14 @@ from collections.abc import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
+from kvplan.spec import DTYPE_SIZES, EngineSpec
+
 __all__ = [
     "DTYPES",
     "ELEMENT_SIZE",
     "block_lists",
     "block_size_pairs",
+    "engine_pairs",
     "head_counts",
     "region_pairs",
     "requests",
@@ -37,12 +41,9 @@ __all__ = [
     "tp_pairs",
 ]
 
+#: The dtypes the generators use, with their element sizes.
 ELEMENT_SIZE: dict[str, int] = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "uint8": 1,
+    k: DTYPE_SIZES[k] for k in ("float32", "bfloat16", "float16", "float8_e4m3fn", "uint8")
 }
 DTYPES: tuple[str, ...] = tuple(ELEMENT_SIZE)
 
@@ -244,15 +245,29 @@ def _first_block_size(spec: dict, group: int) -> int | None:
     return None
 
 
+def engine_pairs(**kwargs) -> st.SearchStrategy[tuple[EngineSpec, EngineSpec]]:
+    """Like :func:`spec_pairs` (same keyword arguments), as ``(src, dst)`` EngineSpec values."""
+    return spec_pairs(**kwargs).map(lambda p: (EngineSpec.from_dict(p[0]),
+                                               EngineSpec.from_dict(p[1])))
+
+
 @st.composite
-def requests(draw, src_dict: dict, dst_dict: dict) -> tuple[list[list[int]], list[list[int]]]:
+def requests(
+    draw, src_dict: dict | EngineSpec, dst_dict: dict | EngineSpec
+) -> tuple[list[list[int]], list[list[int]]]:
     """A request for a spec pair: (src_blocks, dst_blocks), lists indexed by group id.
+
+    The specs may be dicts or :class:`~kvplan.EngineSpec` values.
 
     Block ids are unique within each list and lie below the smallest ``num_blocks`` of the
     group's regions on that side. Lengths on the two sides are either independent (any,
     including empty) or matched: enough destination blocks for the source tokens, measured
     with the block sizes of the group's first region on each side.
     """
+    if isinstance(src_dict, EngineSpec):
+        src_dict = src_dict.to_dict()
+    if isinstance(dst_dict, EngineSpec):
+        dst_dict = dst_dict.to_dict()
     g_count = _num_groups(src_dict, dst_dict)
     src_blocks, dst_blocks = [], []
     for g in range(g_count):

@@ -201,3 +201,15 @@ def test_granule_divides_every_run():
     assert g > 0
     for f in ("src_offset", "dst_offset", "length"):
         assert (c[f] % g == 0).all()
+
+
+def test_maps_and_plans_survive_pickle_as_read_only_values():
+    import pickle
+
+    m = pull_map(engine(4), engine(2), 1)
+    p = m.plan([[1, 2]], [[3, 4]])
+    m2, p2 = pickle.loads(pickle.dumps(m)), pickle.loads(pickle.dumps(p))
+    assert m2 == m and p2 == p and p2.summary() == p.summary()
+    assert not p2.copies().flags.writeable and not p2.dst_blocks[0].flags.writeable
+    assert not m2.lanes[0].template.src.flags.writeable
+    assert m2.plan([[1, 2]], [[3, 4]]) == p

@@ -1,0 +1,91 @@
+"""Request-path and handshake benchmarks of the planning core, as ratios to a same-run baseline.
+
+    python benchmarks/bench_plan.py            # prints a markdown table
+
+1. Llama-3-70B-like engine (80 layers, 8 KV heads of 128, bf16, HND split, block 16), P TP8 ->
+   D TP4, one 128k-token request with scattered block ids: ``plan()`` + ``copies()`` against
+   numpy filling an int64 array of the same size (rows x 7 fields). Goal: within 10x.
+2. ``pull_map`` at 1e3 vs 1e6 ``num_blocks``. Goal: within 2x (handshake work is per block
+   template, independent of num_blocks).
+Extra rows show layouts that cost more runs (NHD under hetero TP) and a mixed GQA + MLA model.
+Times are medians of repeated runs; ratios, not absolute times, are what carries over.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from kvplan import pull_map
+from kvplan.examples import gqa_with_mla_draft, llama3_70b
+
+
+def median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def request_path(name: str, src, dst, tokens: int, repeat: int) -> list[str]:
+    tmap = pull_map(src, dst, 0)
+    rng = np.random.default_rng(0)
+    bs = src.regions[0].block_size
+    n = tokens // bs
+    src_ids = rng.permutation(src.regions[0].num_blocks)[:n]
+    dst_ids = rng.permutation(dst.regions[0].num_blocks)[:n]
+    lists_s, lists_d = [src_ids] * src.num_groups, [dst_ids] * dst.num_groups
+    rows = len(tmap.plan(lists_s, lists_d).copies())
+    t_plan = median_time(lambda: tmap.plan(lists_s, lists_d).copies(), repeat)
+    t_fill = median_time(lambda: np.full(rows * 7, 1, dtype=np.int64), repeat)
+    return [
+        f"| {name} | {tokens // 1024}k | {rows:,} | {t_plan * 1e3:.1f} ms | "
+        f"{t_fill * 1e3:.1f} ms | **{t_plan / t_fill:.2f}x** |"
+    ]
+
+
+def handshake(repeat: int) -> list[str]:
+    out = []
+    base = None
+    for nb in (1_000, 1_000_000):
+        src, dst = llama3_70b(8, num_blocks=nb), llama3_70b(4, num_blocks=nb)
+        t = median_time(lambda s=src, d=dst: pull_map(s, d, 0), repeat)
+        base = base or t
+        out.append(f"| pull_map, Llama-3-70B P TP8 -> D TP4 | {nb:,} | {t * 1e3:.2f} ms | "
+                   f"**{t / base:.2f}x** |")
+    return out
+
+
+def main() -> None:
+    repeat = 7
+    lines = [
+        "### Request path: `plan()` + `copies()` vs `np.full` of the same int64 size",
+        "",
+        "| engine pair | request | runs | plan + copies | np.full | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += request_path("Llama-3-70B HND, P TP8 -> D TP4", llama3_70b(8, num_blocks=16384),
+                          llama3_70b(4, num_blocks=16384), 128 * 1024, repeat)
+    lines += request_path("Llama-3-70B NHD, P TP8 -> D TP4",
+                          llama3_70b(8, num_blocks=16384, layout="NHD"),
+                          llama3_70b(4, num_blocks=16384, layout="NHD"), 32 * 1024, repeat)
+    lines += request_path("GQA + MLA draft (4+1 layers), P TP4 -> D TP2",
+                          gqa_with_mla_draft(4, num_blocks=16384),
+                          gqa_with_mla_draft(2, num_blocks=16384), 128 * 1024, repeat)
+    lines += [
+        "",
+        "### Handshake: `pull_map` at 1e3 vs 1e6 `num_blocks`",
+        "",
+        "| map | num_blocks | time | vs 1e3 |",
+        "|---|---|---|---|",
+    ]
+    lines += handshake(repeat)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

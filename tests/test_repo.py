@@ -1,0 +1,50 @@
+"""Repository hygiene that a newcomer relies on: lint, documented API, the README's commands."""
+
+import inspect
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kvplan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    r = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_public_name_is_documented():
+    missing = []
+    for name in kvplan.__all__:
+        obj = getattr(kvplan, name)
+        if (inspect.isclass(obj) or inspect.isfunction(obj)) and not inspect.getdoc(obj):
+            missing.append(name)
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                documentable = callable(member) or isinstance(member, property)
+                if attr.startswith("_") or not documentable:
+                    continue
+                if not inspect.getdoc(member):
+                    missing.append(f"{name}.{attr}")
+    assert not missing, missing
+
+
+def test_core_imports_neither_torch_nor_nixl():
+    code = ("import sys, kvplan, kvplan.strategies; "
+            "print(any(m.split('.')[0] in ('torch', 'nixl', 'nixl_cu12') for m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.stdout.strip() == "False", r.stdout + r.stderr
+
+
+def test_readme_opens_with_the_two_commands_and_ci_runs_the_second():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
+    run_cmd, test_cmd = blocks[0].strip(), blocks[1].strip()
+    assert "torch==2.13.0" in run_cmd and run_cmd.endswith("kvplan demo")
+    assert "torch==2.13.0" in test_cmd and "pytest" in test_cmd
+    assert test_cmd in (ROOT / ".ci" / "run").read_text()
