@@ -1,9 +1,10 @@
 """What a handshake refuses: two valid specs that cannot exchange KV, named with their numbers.
 
-Every layout pair (HND/NHD, split/joint, either way) is supported by the one planning rule, so
-none is refused for its layout alone; what is refused is what would make the bytes meaningless
-(different heads, dims, dtypes, kinds, windows) or what the placement rule does not define (TP
-sizes or block sizes that do not divide).
+Every layout pair (HND/NHD, split/joint, kernel blocks, pools, either way) and every pair of
+pipeline sizes is supported by the one planning rule, so none is refused for its layout alone.
+What is refused is what would make the bytes meaningless (different heads, dims, dtypes, kinds,
+windows, state parts) or what the placement rule does not define (TP sizes or block sizes that
+do not divide).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ _MUST_MATCH = (
     ("dim", "dim"),
     ("window", "window"),
     ("group", "group"),
+    ("parts", "state parts"),
 )
+
+
+def _plain(v):
+    """A field value as it reads in JSON (enum values, parts as name:units x bytes)."""
+    if isinstance(v, tuple):
+        return [f"{p.name}:{p.units}x{p.unit_bytes}B" for p in v]
+    return getattr(v, "value", v)
 
 
 def _divides_either_way(a: int, b: int) -> bool:
@@ -61,8 +70,7 @@ def check_region_pair(s: RegionSpec, d: RegionSpec) -> None:
     for attr, label in _MUST_MATCH:
         a, b = getattr(s, attr), getattr(d, attr)
         if a != b:
-            a = getattr(a, "value", a)
-            b = getattr(b, "value", b)
+            a, b = (_plain(v) for v in (a, b))
             raise IncompatibleLayoutError(
                 f"region {d.name!r}: {label} differs: source {a!r}, destination {b!r}"
             )

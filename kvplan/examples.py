@@ -81,10 +81,75 @@ def sliding_window_mix(
     return EngineSpec.from_dict({"tp_size": tp_size, "regions": regions})
 
 
+
+
+def mamba2_conv_parts(d_conv: int = 4, dtype_bytes: int = 2) -> list[dict]:
+    """Nemotron-H-8B's Mamba2 state parts: conv x (8192 channels), B and C (8 groups of 128
+    channels), and the temporal state (128 heads of 64 x 128 values), as state-region parts."""
+    per_channel = (d_conv - 1) * dtype_bytes
+    return [
+        {"name": "x", "units": 8192, "unit_bytes": per_channel},
+        {"name": "B", "units": 8, "unit_bytes": 128 * per_channel},
+        {"name": "C", "units": 8, "unit_bytes": 128 * per_channel},
+        {"name": "ssm", "units": 128, "unit_bytes": 64 * 128 * dtype_bytes},
+    ]
+
+
+def nemotron_h_like(
+    tp_size: int, *, pp_size: int = 1, mamba_layers: int = 3, num_blocks: int = 64,
+    num_slots: int = 16, block_size: int = 16,
+) -> EngineSpec:
+    """A Nemotron-H-like hybrid: Mamba2 state layers (group 1) and GQA attention (group 0)."""
+    regions: list[dict] = [
+        {"name": f"layers.{i}.mamba", "kind": "state", "group": 1, "num_blocks": num_slots,
+         "dtype": "bfloat16", "parts": mamba2_conv_parts()}
+        for i in range(mamba_layers)
+    ]
+    regions.append(
+        {"name": "layers.attn", "kind": "attention", "num_blocks": num_blocks,
+         "block_size": block_size, "dtype": "bfloat16", "num_kv_heads": 8, "head_dim": 128}
+    )
+    return EngineSpec.from_dict({"tp_size": tp_size, "pp_size": pp_size, "regions": regions})
+
+
+def kda_parts(heads: int = 8, head_dim: int = 64, d_conv: int = 4) -> list[dict]:
+    """KimiLinear's KDA state, four parts: short-conv states of q, k, v (bf16, per channel) and
+    the recurrent state (float32, head_dim x head_dim per head)."""
+    conv = (d_conv - 1) * 2
+    return [
+        {"name": "q_conv", "units": heads * head_dim, "unit_bytes": conv},
+        {"name": "k_conv", "units": heads * head_dim, "unit_bytes": conv},
+        {"name": "v_conv", "units": heads * head_dim, "unit_bytes": conv},
+        {"name": "recurrent", "units": heads, "unit_bytes": head_dim * head_dim * 4},
+    ]
+
+
+def kimi_linear_like(
+    tp_size: int, *, layers: int = 2, num_blocks: int = 32, block_size: int = 64,
+    kernel_block_size: int | None = 16, heads: int = 8, head_dim: int = 64,
+) -> EngineSpec:
+    """A KimiLinear-like hybrid: per layer pair, an MLA layer (group 0) and a KDA layer
+    (group 1) sharing one pool, as vLLM's hybrid allocator lays them out (PR 49762)."""
+    regions: list[dict] = []
+    for i in range(layers):
+        mla = {"name": f"layers.{2 * i}.mla", "kind": "mla", "group": 0,
+               "num_blocks": num_blocks, "block_size": block_size, "dtype": "bfloat16",
+               "dim": 576, "pool": f"pool.{i}"}
+        if kernel_block_size:
+            mla["kernel_block_size"] = kernel_block_size
+        regions.append(mla)
+        regions.append({"name": f"layers.{2 * i + 1}.kda", "kind": "state", "group": 1,
+                        "num_blocks": num_blocks, "dtype": "bfloat16",
+                        "parts": kda_parts(heads, head_dim), "pool": f"pool.{i}"})
+    return EngineSpec.from_dict({"tp_size": tp_size, "regions": regions})
+
+
 #: Example name -> builder, for command lines.
 EXAMPLES = {
     "gqa-mla-draft": gqa_with_mla_draft,
     "llama3-70b": llama3_70b,
     "deepseek-v32": deepseek_v32,
     "sliding-window": sliding_window_mix,
+    "nemotron-h": nemotron_h_like,
+    "kimi-linear": kimi_linear_like,
 }

@@ -1,9 +1,18 @@
 """Byte layouts of a region on one rank, as shape:stride. The address formula lives only here.
 
-A region on a rank is addressed by (stream, block, local head, token) plus a contiguous run of
-``head_bytes`` (one head's features). Each of the five layouts of domain.md section 4 is just a
-choice of the four byte strides; MLA and indexer regions are the HND/split case with one stream
-and one head, which gives their ``(NB, bs, F)`` formula exactly.
+A region's block on a rank is made of components (``spec.Component``: the KV heads of an
+attention layer, the latent of an MLA layer, the parts of a state slot). A byte run of one unit
+(one head's features, one state unit) of component ``c`` is addressed by (stream, block, unit,
+token)::
+
+    offset = base[c] + s*stream[c] + b*block + (t // kernel_size)*kernel
+             + (t % kernel_size)*token[c] + (u - first_unit[c])*unit[c]
+
+Each layout of domain.md section 4 is a choice of these strides: HND/NHD swap the unit and token
+strides, split/joint swap the stream and kernel-block strides, MLA and indexer are one stream of
+one unit, a state slot is one token whose parts sit side by side (``base``). Kernel blocks
+(``kernel_block_size`` < ``block_size``) make a logical block ``n`` consecutive kernel blocks;
+a pooled region steps its blocks by the pool's page instead of its own size.
 """
 
 from __future__ import annotations
@@ -11,79 +20,95 @@ from __future__ import annotations
 import attrs
 
 from kvplan.placement import held_heads
-from kvplan.spec import KV, Layout, RegionSpec
+from kvplan.spec import KV, EngineSpec, Layout
+
+
+@attrs.frozen(kw_only=True)
+class ComponentLayout:
+    """Strides of one component of a region on one rank (bytes; see the module docstring)."""
+
+    first_unit: int  # global index of the rank's first held unit (head, channel group)
+    local_units: int
+    unit_bytes: int
+    streams: int
+    base: int
+    stream: int
+    unit: int
+    token: int
 
 
 @attrs.frozen(kw_only=True)
 class RankLayout:
-    """Where every head-run of one region lives on one rank, in bytes from the region's base.
+    """Where every unit-run of one region lives on one rank, in bytes from its allocation's base.
 
-    ``offset(s, b, h, t) = s*stream + b*block + (h - first_head)*head + t*token`` for stream ``s``,
-    block ``b``, global head ``h`` held by the rank, token ``t``; the run is ``head_bytes`` long.
+    Post-condition of :meth:`offset`: distinct (component, stream, block, unit, token) within
+    the region's blocks map to disjoint ``unit_bytes`` runs inside ``[0, nbytes)``.
     """
 
-    streams: int
     num_blocks: int
     block_size: int
-    first_head: int  # global index of the rank's first held head
-    local_heads: int
-    head_bytes: int
-    stream: int  # byte strides
-    block: int
-    head: int
-    token: int
+    kernel_size: int
+    block: int  # stride of a logical block: the page of a pool, else n kernel blocks
+    kernel: int  # stride of a kernel block inside a logical block
+    components: tuple[ComponentLayout, ...]
 
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block on this rank (all streams and local heads)."""
-        return self.streams * self.local_heads * self.block_size * self.head_bytes
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole region on this rank."""
-        return self.num_blocks * self.block_nbytes
-
-    def offset(self, stream, block, head, token):  # ints or numpy arrays alike
-        """Byte offset of (stream, block, global head, token); see the class docstring."""
+    def offset(self, c: int, stream, block, unit, token):  # ints or numpy arrays alike
+        """Byte offset of (component ``c``, stream, block, global unit, token)."""
+        k = self.components[c]
         return (
-            stream * self.stream
+            k.base
+            + stream * k.stream
             + block * self.block
-            + (head - self.first_head) * self.head
-            + token * self.token
+            + (token // self.kernel_size) * self.kernel
+            + (token % self.kernel_size) * k.token
+            + (unit - k.first_unit) * k.unit
         )
 
     def shape_stride(self) -> str:
-        """CuTe-style notation, e.g. ``(2,1024,2,16):(4194304,4096,2048,256) x 256 B``."""
-        shape = (self.streams, self.num_blocks, self.local_heads, self.block_size)
-        stride = (self.stream, self.block, self.head, self.token)
-        return (
-            f"({','.join(map(str, shape))}):({','.join(map(str, stride))}) x {self.head_bytes} B"
-        )
+        """CuTe-style notation per component, e.g. ``(2,1024,2,16):(...,4096,2048,256) x 256 B``."""
+        out = []
+        for k in self.components:
+            shape = (k.streams, self.num_blocks, k.local_units, self.block_size)
+            stride = (k.stream, self.block, k.unit, k.token)
+            out.append(
+                f"({','.join(map(str, shape))}):({','.join(map(str, stride))}) x {k.unit_bytes} B"
+            )
+        return "; ".join(out)
 
 
-def rank_layout(region: RegionSpec, tp_size: int, rank: int) -> RankLayout:
-    """The byte layout of ``region`` on ``rank`` of an engine with ``tp_size`` ranks."""
-    heads = held_heads(region.heads, tp_size, rank)
-    nh, bs, nb, hb = len(heads), region.block_size, region.num_blocks, region.head_bytes
-    s_count = region.streams
-    if region.layout is Layout.HND:  # ... heads, tokens, features
-        token, head = hb, bs * hb
-    else:  # NHD: ... tokens, heads, features
-        head, token = hb, nh * hb
-    one_stream = nh * bs * hb  # one stream of one block
-    if region.kv is KV.SPLIT or s_count == 1:  # (S, NB, ...)
-        block, stream = one_stream, nb * one_stream
-    else:  # joint: (NB, S, ...)
-        stream, block = one_stream, s_count * one_stream
+def rank_layout(spec: EngineSpec, index: int, rank: int) -> RankLayout:
+    """The byte layout of region ``index`` of ``spec`` on flat rank ``rank``."""
+    region = spec.regions[index]
+    tp, tp_rank = spec.tp_size, rank % spec.tp_size
+    ks, nb = region.kernel_size, region.num_blocks
+    n = region.block_size // ks
+    comps = region.components
+    if region.is_state:  # one slot: parts side by side, each its local units
+        base, layouts = 0, []
+        for c in comps:
+            units = held_heads(c.units, tp, tp_rank)
+            layouts.append(ComponentLayout(
+                first_unit=units.start, local_units=len(units), unit_bytes=c.unit_bytes,
+                streams=1, base=base, stream=0, unit=c.unit_bytes, token=0,
+            ))
+            base += len(units) * c.unit_bytes
+        kernel = base
+    else:  # attention, MLA, indexer: one component
+        (c,) = comps
+        units = held_heads(c.units, tp, tp_rank)
+        nh, hb = len(units), c.unit_bytes
+        token, unit = (hb, ks * hb) if region.layout is Layout.HND else (nh * hb, hb)
+        one_stream = nh * ks * hb  # one stream of one kernel block
+        if region.kv is KV.SPLIT or c.streams == 1:  # (S, NB*n, ...)
+            kernel, stream = one_stream, nb * n * one_stream
+        else:  # joint: (NB*n, S, ...)
+            stream, kernel = one_stream, c.streams * one_stream
+        layouts = [ComponentLayout(
+            first_unit=units.start, local_units=nh, unit_bytes=hb, streams=c.streams, base=0,
+            stream=stream, unit=unit, token=token,
+        )]
+    block = spec.rank_page_nbytes(index) if region.pool is not None else n * kernel
     return RankLayout(
-        streams=s_count,
-        num_blocks=nb,
-        block_size=bs,
-        first_head=heads.start,
-        local_heads=nh,
-        head_bytes=hb,
-        stream=stream,
-        block=block,
-        head=head,
-        token=token,
+        num_blocks=nb, block_size=region.block_size, kernel_size=ks, block=block, kernel=kernel,
+        components=tuple(layouts),
     )

@@ -21,10 +21,10 @@ from kvplan.planner import (
     BlockTemplate,
     Lane,
     Mode,
-    Placement,
     ReadOnlyArrays,
     TransferMap,
     _frozen,
+    _streams,
 )
 from kvplan.runs import merge_runs
 from kvplan.spec import EngineSpec
@@ -91,10 +91,8 @@ def _expand(
     length: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows of template pieces ``rows`` for destination block positions ``pos`` (block-major)."""
-    first = pos * tpl.dst_bs
-    s_pos = first // tpl.src_bs
-    shift = (first - s_pos * tpl.src_bs) * tpl.src_token
-    src_off = src_ids[s_pos[:, None] + js[rows]] * tpl.src_block + (src[rows] + shift[:, None])
+    s_pos = pos * tpl.dst_bs // tpl.src_bs  # first source block each destination block touches
+    src_off = src_ids[s_pos[:, None] + js[rows]] * tpl.src_block + src[rows]
     dst_off = (dst_ids[pos] * tpl.dst_block)[:, None] + dst[rows]
     lens = np.broadcast_to(length[rows], dst_off.shape)
     return src_off.ravel(), dst_off.ravel(), lens.ravel()
@@ -104,9 +102,9 @@ def _lane_runs(
     lane: Lane, src_ids: np.ndarray, dst_ids: np.ndarray, order_cache: dict
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merged ``(src_offset, dst_offset, length)`` of one lane, sorted by destination offset."""
-    tpl = lane.template
-    bs = tpl.dst_bs
-    n = min(len(src_ids) * tpl.src_bs, len(dst_ids) * bs)  # request positions both sides cover
+    tpls = lane.templates
+    bs, phases = tpls[0].dst_bs, len(tpls)
+    n = min(len(src_ids) * tpls[0].src_bs, len(dst_ids) * bs)  # positions both sides cover
     lo = 0 if lane.window is None else max(0, n - (lane.window // bs + 1) * bs)
     j0, j1 = -(-lo // bs), n // bs  # destination blocks covered in full
     key = (lane.group, j0, j1)
@@ -114,12 +112,17 @@ def _lane_runs(
     if pos is None:  # ascending block id, so that rows come out in destination-offset order
         pos = j0 + np.argsort(dst_ids[j0:j1], kind="stable") if j1 > j0 else np.zeros(0, np.int64)
         order_cache[key] = pos
-    parts = [
-        _expand(tpl, pos, src_ids, dst_ids, slice(a, b), tpl.js, tpl.src, tpl.dst, tpl.length)
-        for a, b in tpl.slabs
-    ]
+    parts = []
+    for ph, tpl in enumerate(tpls):  # one phase unless source blocks are larger
+        pos_ph = pos if phases == 1 else pos[pos % phases == ph]
+        parts += [
+            _expand(tpl, pos_ph, src_ids, dst_ids, slice(a, b), tpl.js, tpl.src, tpl.dst,
+                    tpl.length)
+            for a, b in tpl.slabs
+        ]
     partial = {j for j in (lo // bs, n // bs) if j * bs < n and not j0 <= j < j1}
     for j in sorted(partial):  # at most two blocks: keep only the atoms of covered tokens
+        tpl = tpls[j % phases]
         t_lo, t_hi = max(lo, j * bs) - j * bs, min(n, (j + 1) * bs) - j * bs
         keep = np.flatnonzero((tpl.atom_token >= t_lo) & (tpl.atom_token < t_hi))
         parts.append(
@@ -130,7 +133,7 @@ def _lane_runs(
         empty = np.zeros(0, np.int64)
         return empty, empty, empty
     src_off, dst_off, length = (np.concatenate(c) for c in zip(*parts))
-    if partial:  # two sorted sequences: a stable sort merges them in linear time
+    if partial or phases > 1:  # a few sorted sequences: a stable sort merges them fast
         o = np.argsort(dst_off, kind="stable")
         src_off, dst_off, length = src_off[o], dst_off[o], length[o]
     return merge_runs(src_off, dst_off, length)
@@ -140,12 +143,19 @@ def build_plan(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence) ->
     """Expand ``tmap``'s lanes over one request's block ids (see :meth:`TransferMap.plan`)."""
     src_lists = _block_lists(tmap.src, src_blocks, "source")
     dst_lists = _block_lists(tmap.dst, dst_blocks, "destination")
+    for g in sorted({r.group for r in tmap.dst.regions if r.is_state}):
+        if len(src_lists[g]) != len(dst_lists[g]):
+            raise RequestError(
+                f"group {g} holds state slots: {len(src_lists[g])} source slot(s) but "
+                f"{len(dst_lists[g])} destination slot(s); the j-th source slot goes to the "
+                "j-th destination slot, so the lists must be equally long"
+            )
     order_cache: dict = {}
     by_template: dict = {}
     lane_rows = []
     for lane in tmap.lanes:
         g = lane.group
-        key = (id(lane.template), g, lane.window)  # identical lanes (layers) share their runs
+        key = (id(lane.templates), g, lane.window)  # identical lanes (layers) share their runs
         runs = by_template.get(key)
         if runs is None:
             runs = _lane_runs(lane, src_lists[g], dst_lists[g], order_cache)
@@ -248,12 +258,9 @@ class TransferPlan(ReadOnlyArrays):
             for k in mine:
                 lane = m.lanes[k]
                 r = m.dst.regions[lane.dst_region]
-                place = "R" if lane.placement is Placement.REPLICATE else (
-                    f"S(heads {lane.heads.start}:{lane.heads.stop})"
-                )
                 to = f" -> d{lane.dst_rank}" if m.mode is Mode.PUSH else ""
                 lines.append(
-                    f"    {r.name}{to}: {place} {'K+V' if r.streams == 2 else 'K'}, "
+                    f"    {r.name}{to}: {lane.describe(m.dst)} {_streams(r)}, "
                     f"{_human(per_lane[k][0])} in {per_lane[k][1]} runs"
                 )
         return "\n".join(lines)

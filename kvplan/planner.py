@@ -1,15 +1,19 @@
 """The one planning rule, at handshake: need ∩ hold -> per-block copy templates.
 
-Theory of operation. A destination rank needs, for each region, every (stream, head, token,
-feature) of the blocks a request names, for the heads it holds. ``placement.head_sources`` says
-which source rank serves each of those heads (each head exactly once, replicas spread evenly).
-For one (source rank, destination rank, region) -- a *lane* -- the copy of one destination block
-is then the same every time up to the block ids: an atom per (stream, head, token) of
-``head_bytes``, its source and destination offsets given by the two ``RankLayout``s. We build
-those atoms once, relative to block bases, and merge the ones contiguous on both sides into a
-*template* of runs. Blocks of different sizes on the two sides are handled by token arithmetic:
-destination token ``t`` of block position ``j`` is request position ``j*bs_dst + t``, which lives
-in source block position ``(j*bs_dst + t) // bs_src``. Nothing here depends on ``num_blocks``.
+Theory of operation. A destination rank needs, for each region its pipeline stage holds, every
+(component, stream, unit, token) of the blocks a request names, for the units it holds: a unit
+is a KV head, the single latent of an MLA or indexer layer, or a channel group / head of one part
+of a state slot. ``placement.head_sources`` says which source rank (of the source stage holding
+the region) serves each unit, each exactly once, replicas spread evenly. For one (source rank,
+destination rank, region) -- a *lane* -- the copy of one destination block is the same every time
+up to the block ids: an atom per (component, stream, unit, token) of ``unit_bytes``, its offsets
+on both sides given by the two ``RankLayout``s. We build those atoms once, relative to block
+bases, and merge the ones contiguous on both sides into a *template* of runs. Blocks of
+different sizes are handled by token arithmetic: destination token ``t`` of block position ``j``
+is request position ``j*bs_dst + t``, at source block position ``(j*bs_dst + t) // bs_src``. When
+source blocks are larger, a destination block starts at one of ``bs_src // bs_dst`` *phases*
+inside its source block, each with its own template (kernel blocks make phases differ by more
+than a shift). Nothing here depends on ``num_blocks``.
 
 At request time (``plan.py``) a template is only broadcast over the block ids with numpy; the
 per-token atoms are kept for the at most two destination blocks a request covers partially
@@ -29,7 +33,7 @@ import numpy as np
 from kvplan.compat import region_pairs
 from kvplan.errors import SpecError
 from kvplan.layout import RankLayout, rank_layout
-from kvplan.placement import HeadSource, Placement, head_sources
+from kvplan.placement import Placement, head_sources
 from kvplan.runs import merge_runs
 from kvplan.spec import EngineSpec
 
@@ -77,14 +81,13 @@ class BlockTemplate(ReadOnlyArrays):
     destination block touches; ``src[k]``/``dst[k]`` are byte offsets from the base of that source
     block / of destination block 0 (so a split layout's V stream sits ``num_blocks`` blocks up);
     runs are sorted by ``dst``. The ``atom_*`` arrays are the same copy before merging across
-    tokens, one row per (stream, token, head run), for partially covered blocks.
+    tokens, one row per (stream, token, unit run), for partially covered blocks.
     """
 
     src_bs: int
     dst_bs: int
     src_block: int  # byte stride of a block on each side
     dst_block: int
-    src_token: int  # byte stride of a source token (the shift when bs_dst < bs_src)
     js: np.ndarray
     src: np.ndarray
     dst: np.ndarray
@@ -99,27 +102,50 @@ class BlockTemplate(ReadOnlyArrays):
     @property
     def granule(self) -> int:
         """Largest byte count dividing every offset and length this template can produce."""
-        parts = [self.src_block, self.dst_block, self.src_token, self.atom_length, self.atom_src,
-                 self.atom_dst]
+        parts = [self.src_block, self.dst_block, self.atom_length, self.atom_src, self.atom_dst]
         return int(np.gcd.reduce(np.concatenate([np.ravel(p) for p in parts])))
 
 
+@attrs.frozen
+class UnitRange:
+    """Global units ``[start, stop)`` of component ``component`` (0 but for state parts)."""
+
+    component: int
+    start: int
+    stop: int
+
+
 def build_template(
-    src: RankLayout, dst: RankLayout, heads: range, src_bs: int, dst_bs: int
+    src: RankLayout, dst: RankLayout, units: Sequence[UnitRange], phase: int = 0
 ) -> BlockTemplate:
-    """Template for copying ``heads`` of one destination block from the source layout."""
-    s, h, t = np.meshgrid(
-        np.arange(dst.streams), np.arange(heads.start, heads.stop), np.arange(dst_bs),
-        indexing="ij",
-    )
-    s, h, t = s.ravel(), h.ravel(), t.ravel()
-    js = t // src_bs
-    a_src = src.offset(s, 0, h, t % src_bs)
-    a_dst = dst.offset(s, 0, h, t)
+    """Template for copying ``units`` of one destination block from the source layout.
+
+    ``phase`` is the destination block's index inside its source block (when source blocks
+    are larger): its tokens start at source token ``phase * dst.block_size``.
+    """
+    src_bs, dst_bs = src.block_size, dst.block_size
+    cols: list[list[np.ndarray]] = [[], [], [], [], []]
+    for ur in units:
+        s, u, t = np.meshgrid(
+            np.arange(dst.components[ur.component].streams),
+            np.arange(ur.start, ur.stop),
+            np.arange(dst_bs),
+            indexing="ij",
+        )
+        s, u, t = s.ravel(), u.ravel(), t.ravel()
+        p = phase * dst_bs + t  # token position counted from the first source block touched
+        for col, v in zip(cols, (
+            src.offset(ur.component, s, 0, u, p % src_bs),
+            dst.offset(ur.component, s, 0, u, t),
+            np.full(len(t), dst.components[ur.component].unit_bytes, dtype=np.int64),
+            p // src_bs,
+            t,
+        )):
+            col.append(np.asarray(v, dtype=np.int64))
+    a_src, a_dst, a_len, js, t = (np.concatenate(c) for c in cols)
     order = np.argsort(a_dst, kind="stable")
-    a_src, a_dst, js, t = a_src[order], a_dst[order], js[order], t[order]
-    a_len = np.full(len(order), dst.head_bytes, dtype=np.int64)
-    # Atoms: merge only within a token (heads side by side in NHD), keeping token granularity.
+    a_src, a_dst, a_len, js, t = a_src[order], a_dst[order], a_len[order], js[order], t[order]
+    # Atoms: merge only within a token (heads side by side in NHD, parts of a state slot).
     a_src, a_dst, a_len, js, t = merge_runs(a_src, a_dst, a_len, js, t)
     # Template: merge everything contiguous on both sides within one source block.
     f_src, f_dst, f_len, f_js = merge_runs(a_src, a_dst, a_len, js)
@@ -130,7 +156,6 @@ def build_template(
         dst_bs=dst_bs,
         src_block=src.block,
         dst_block=dst.block,
-        src_token=src.token,
         js=_frozen(f_js),
         src=_frozen(f_src),
         dst=_frozen(f_dst),
@@ -146,26 +171,37 @@ def build_template(
 
 @attrs.frozen(repr=False)
 class Lane:
-    """What one destination rank copies of one region from one source rank.
+    """What one destination rank copies of one region from one source rank (flat ranks).
 
-    ``template`` is shared by every lane of identical geometry (e.g. all layers of a model);
-    ``window`` and ``group`` say which block ids and token positions a request covers.
+    ``units`` are the heads (or state-part units) it reads; ``templates`` holds one block
+    template per phase (several only when source blocks are larger than destination blocks), and
+    is shared by every lane of identical geometry (e.g. all layers of a model).
     """
 
     src_rank: int
     dst_rank: int
     src_region: int
     dst_region: int
-    heads: HeadSource
+    units: tuple[UnitRange, ...]
     placement: Placement
     group: int
     window: int | None
-    template: BlockTemplate = attrs.field(eq=False)
+    templates: tuple[BlockTemplate, ...] = attrs.field(eq=False)
+
+    def describe(self, dst: EngineSpec) -> str:
+        """Placement in the compact notation: ``R``, ``S(heads 0:4)``, ``S(x 0:2048, B 0:2)``."""
+        if self.placement is Placement.REPLICATE:
+            return "R"
+        region = dst.regions[self.dst_region]
+        names = [c.name for c in region.components]
+        label = (lambda u: "heads") if not region.is_state else (lambda u: names[u.component])
+        return "S(" + ", ".join(f"{label(u)} {u.start}:{u.stop}" for u in self.units) + ")"
 
     def __repr__(self) -> str:
+        units = ", ".join(f"c{u.component} {u.start}:{u.stop}" for u in self.units)
         return (
             f"Lane(p{self.src_rank} L{self.src_region} -> d{self.dst_rank} L{self.dst_region}, "
-            f"{self.placement.value}, heads {self.heads.start}:{self.heads.stop})"
+            f"{self.placement.value}, {units})"
         )
 
 
@@ -178,37 +214,38 @@ def _lanes_for_dst_rank(
     only_src: int | None = None,
 ) -> list[Lane]:
     lanes = []
+    t_rank = dst_rank % dst.tp_size
     for i, j in pairs:
+        if j not in dst.regions_on(dst_rank):
+            continue
         sr, dr = src.regions[i], dst.regions[j]
-        placement = Placement.REPLICATE if dr.is_replicated else Placement.SPLIT
-        d_lay = rank_layout(dr, dst.tp_size, dst_rank)
-        for hs in head_sources(dr.heads, src.tp_size, dst.tp_size, dst_rank):
-            if only_src is not None and hs.src_rank != only_src:
-                continue
-            s_lay = rank_layout(sr, src.tp_size, hs.src_rank)
-            # Geometry relative to the first held head: identical layers share one template.
-            key = (
-                attrs.evolve(s_lay, first_head=0),
-                attrs.evolve(d_lay, first_head=0),
-                hs.start - s_lay.first_head,
-                hs.start - d_lay.first_head,
-                hs.stop - hs.start,
-            )
-            tpl = cache.get(key)
-            if tpl is None:
-                tpl = build_template(
-                    s_lay, d_lay, range(hs.start, hs.stop), sr.block_size, dr.block_size
+        src_stage_base = src.stage_of(i) * src.tp_size
+        by_src: dict[int, list[UnitRange]] = {}
+        for c, comp in enumerate(dr.components):
+            for hs in head_sources(comp.units, src.tp_size, dst.tp_size, t_rank):
+                by_src.setdefault(src_stage_base + hs.src_rank, []).append(
+                    UnitRange(c, hs.start, hs.stop)
                 )
-                cache[key] = tpl
-            lanes.append(
-                Lane(hs.src_rank, dst_rank, i, j, hs, placement, dr.group, dr.window, tpl)
-            )
+        placement = Placement.REPLICATE if dr.is_replicated else Placement.SPLIT
+        d_lay = rank_layout(dst, j, dst_rank)
+        phases = max(1, sr.block_size // dr.block_size)
+        for s_rank, units in sorted(by_src.items()):
+            if only_src is not None and s_rank != only_src:
+                continue
+            s_lay = rank_layout(src, i, s_rank)
+            key = (s_lay, d_lay, tuple(units))
+            templates = cache.get(key)
+            if templates is None:
+                templates = tuple(build_template(s_lay, d_lay, units, ph) for ph in range(phases))
+                cache[key] = templates
+            lanes.append(Lane(s_rank, dst_rank, i, j, tuple(units), placement, dr.group,
+                              dr.window, templates))
     return lanes
 
 
 def _check_rank(spec: EngineSpec, rank: int, side: str) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.tp_size:
-        raise SpecError(f"{side} rank {rank!r} is not in [0, {spec.tp_size})")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.num_ranks:
+        raise SpecError(f"{side} rank {rank!r} is not in [0, {spec.num_ranks})")
 
 
 @attrs.frozen(repr=False)
@@ -239,7 +276,9 @@ class TransferMap:
         and address every run by granule indices. 0 when this map copies nothing of the region.
         """
         j = self.dst.region_index(name)
-        return math.gcd(*(lane.template.granule for lane in self.lanes if lane.dst_region == j))
+        return math.gcd(
+            *(t.granule for lane in self.lanes if lane.dst_region == j for t in lane.templates)
+        )
 
     def plan(self, src_blocks: Sequence, dst_blocks: Sequence) -> TransferPlan:
         """The byte copies for one request: one block-id sequence per KV-cache group per side.
@@ -263,15 +302,11 @@ class TransferMap:
         ]
         for lane in self.lanes:
             r = self.dst.regions[lane.dst_region]
-            tpl = lane.template
-            place = "R" if lane.placement is Placement.REPLICATE else (
-                f"S(heads {lane.heads.start}:{lane.heads.stop})"
-            )
-            per_block = int(tpl.length.sum())
+            tpl = lane.templates[0]
+            unit = "slot" if r.is_state else f"block of {r.block_size}"
             lines.append(
-                f"  p{lane.src_rank} -> d{lane.dst_rank}  {r.name}: {place}, "
-                f"{'K+V' if r.streams == 2 else 'K'}, {per_block} B and {len(tpl.length)} runs "
-                f"per block of {r.block_size}"
+                f"  p{lane.src_rank} -> d{lane.dst_rank}  {r.name}: {lane.describe(self.dst)}, "
+                f"{_streams(r)}, {int(tpl.length.sum())} B and {len(tpl.length)} runs per {unit}"
             )
         return "\n".join(lines)
 
@@ -283,8 +318,15 @@ class TransferMap:
         )
 
 
+def _streams(region) -> str:
+    """Stream notation for summaries: K+V, K (key only), or the parts of a state slot."""
+    if region.is_state:
+        return "parts " + "+".join(c.name for c in region.components)
+    return "K+V" if region.streams == 2 else "K"
+
+
 def _sorted_lanes(lanes: list[Lane]) -> tuple[Lane, ...]:
-    return tuple(sorted(lanes, key=lambda x: (x.src_rank, x.dst_rank, x.dst_region, x.heads.start)))
+    return tuple(sorted(lanes, key=lambda x: (x.src_rank, x.dst_rank, x.dst_region)))
 
 
 def pull_map(src: EngineSpec, dst: EngineSpec, dst_rank: int) -> TransferMap:
@@ -309,7 +351,7 @@ def push_map(src: EngineSpec, dst: EngineSpec, src_rank: int) -> TransferMap:
     cache: dict = {}
     lanes = [
         lane
-        for d in range(dst.tp_size)
+        for d in range(dst.num_ranks)
         for lane in _lanes_for_dst_rank(src, dst, d, pairs, cache, only_src=src_rank)
     ]
     return TransferMap(src, dst, Mode.PUSH, src_rank, _sorted_lanes(lanes))

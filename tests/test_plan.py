@@ -211,5 +211,5 @@ def test_maps_and_plans_survive_pickle_as_read_only_values():
     m2, p2 = pickle.loads(pickle.dumps(m)), pickle.loads(pickle.dumps(p))
     assert m2 == m and p2 == p and p2.summary() == p.summary()
     assert not p2.copies().flags.writeable and not p2.dst_blocks[0].flags.writeable
-    assert not m2.lanes[0].template.src.flags.writeable
+    assert not m2.lanes[0].templates[0].src.flags.writeable
     assert m2.plan([[1, 2]], [[3, 4]]) == p

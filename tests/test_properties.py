@@ -40,14 +40,15 @@ def _bytes(offsets, lengths):
 def test_every_destination_byte_exactly_once_and_nothing_else(case):
     src_d, dst_d, src_blocks, dst_blocks = case
     src, dst = EngineSpec.from_dict(src_d), EngineSpec.from_dict(dst_d)
-    src_bufs = oracle.source_buffers(src_d, seed=3)
-    for rank in range(dst.tp_size):
+    src_bufs = oracle.source_buffers(src_d, seed=3, request_blocks=src_blocks)
+    for rank in range(dst.num_ranks):
         plan = pull_map(src, dst, rank).plan(src_blocks, dst_blocks)
         before = {k: v for k, v in oracle.destination_buffers(dst_d, seed=4).items()
                   if k[0] == rank}
         expected, must = oracle.expected_destination(
             src_d, dst_d, src_blocks, dst_blocks, rank, src_bufs, before)
-        got = {k: v.copy() for k, v in before.items()}
+        copies = {id(v): v.copy() for v in before.values()}  # pooled regions share one array
+        got = {k: copies[id(v)] for k, v in before.items()}
         simulate(plan, src_bufs, got)
         c = plan.copies()
         assert (c["dst_rank"] == rank).all()
@@ -70,8 +71,8 @@ def test_every_destination_byte_exactly_once_and_nothing_else(case):
 def test_push_equals_pull_and_plans_are_deterministic(case):
     src_d, dst_d, src_blocks, dst_blocks = case
     src, dst = EngineSpec.from_dict(src_d), EngineSpec.from_dict(dst_d)
-    pulls = [pull_map(src, dst, r).plan(src_blocks, dst_blocks) for r in range(dst.tp_size)]
-    pushes = [push_map(src, dst, r).plan(src_blocks, dst_blocks) for r in range(src.tp_size)]
+    pulls = [pull_map(src, dst, r).plan(src_blocks, dst_blocks) for r in range(dst.num_ranks)]
+    pushes = [push_map(src, dst, r).plan(src_blocks, dst_blocks) for r in range(src.num_ranks)]
     for p in pushes:
         assert (p.copies()["src_rank"] == p.map.rank).all()
     as_set = lambda plans: sorted(  # noqa: E731
@@ -88,7 +89,7 @@ def test_push_equals_pull_and_plans_are_deterministic(case):
 def test_runs_are_maximal(case):
     src_d, dst_d, src_blocks, dst_blocks = case
     src, dst = EngineSpec.from_dict(src_d), EngineSpec.from_dict(dst_d)
-    for r in range(dst.tp_size):
+    for r in range(dst.num_ranks):
         c = pull_map(src, dst, r).plan(src_blocks, dst_blocks).copies()
         key = _lane_key(c)
         o = np.lexsort((c["dst_offset"], *key.T[::-1]))
@@ -103,19 +104,22 @@ def test_runs_are_maximal(case):
 @given(ks.spec_pairs())
 def test_replicas_share_load_evenly(pair):
     src, dst = (EngineSpec.from_dict(d) for d in pair)
-    maps = [pull_map(src, dst, r) for r in range(dst.tp_size)]
+    maps = [pull_map(src, dst, r) for r in range(dst.num_ranks)]
     for j, region in enumerate(dst.regions):
-        for h in range(region.heads):
-            load = Counter()
-            for m in maps:
-                for lane in m.lanes:
-                    if lane.dst_region == j and lane.heads.start <= h < lane.heads.stop:
-                        load[lane.src_rank] += 1
-            holders = [r for r in range(src.tp_size)
-                       if h in held_heads(region.heads, src.tp_size, r)]
-            counts = [load[r] for r in holders]
-            assert set(load) <= set(holders)
-            assert max(counts) - min(counts) <= 1, (region.name, h, counts)
-            if region.is_replicated:
-                assert all(lane.placement is Placement.REPLICATE
-                           for m in maps for lane in m.lanes if lane.dst_region == j)
+        i = src.region_index(region.name)
+        base = src.stage_of(i) * src.tp_size
+        for c, comp in enumerate(region.components):
+            for h in range(comp.units):
+                load = Counter(
+                    lane.src_rank
+                    for m in maps for lane in m.lanes if lane.dst_region == j
+                    for u in lane.units if u.component == c and u.start <= h < u.stop
+                )
+                holders = [base + r for r in range(src.tp_size)
+                           if h in held_heads(comp.units, src.tp_size, r)]
+                counts = [load[r] for r in holders]
+                assert set(load) <= set(holders)
+                assert max(counts) - min(counts) <= 1, (region.name, comp.name, h, counts)
+        if region.is_replicated:
+            assert all(lane.placement is Placement.REPLICATE
+                       for m in maps for lane in m.lanes if lane.dst_region == j)
