@@ -7,7 +7,8 @@
    numpy filling an int64 array of the same size (rows x 7 fields). Goal: within 10x.
 2. ``pull_map`` at 1e3 vs 1e6 ``num_blocks``. Goal: within 2x (handshake work is per block
    template, independent of num_blocks).
-Extra rows show layouts that cost more runs (NHD under hetero TP) and a mixed GQA + MLA model.
+Extra rows show layouts that cost more runs (NHD under hetero TP), a mixed GQA + MLA model and
+two hybrids (state parts, shared pools, kernel blocks).
 Times are medians of repeated runs; ratios, not absolute times, are what carries over.
 """
 
@@ -19,7 +20,7 @@ import time
 import numpy as np
 
 from kvplan import pull_map
-from kvplan.examples import gqa_with_mla_draft, llama3_70b
+from kvplan.examples import gqa_with_mla_draft, kimi_linear_like, llama3_70b, nemotron_h_like
 
 
 def median_time(fn, repeat: int) -> float:
@@ -31,14 +32,24 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def _ids(spec, tokens: int, rng) -> list[np.ndarray]:
+    """Scattered block ids per group: enough blocks for ``tokens``, one slot for a state group;
+    groups sharing a pool get disjoint ids."""
+    pooled = any(r.pool for r in spec.regions)
+    out, at = [], 0
+    for g in range(spec.num_groups):
+        regions = [r for r in spec.regions if r.group == g]
+        n = 1 if regions[0].is_state else tokens // regions[0].block_size
+        perm = rng.permutation(min(r.num_blocks for r in regions))
+        out.append(perm[at:at + n])
+        at += n if pooled else 0
+    return out
+
+
 def request_path(name: str, src, dst, tokens: int, repeat: int) -> list[str]:
     tmap = pull_map(src, dst, 0)
     rng = np.random.default_rng(0)
-    bs = src.regions[0].block_size
-    n = tokens // bs
-    src_ids = rng.permutation(src.regions[0].num_blocks)[:n]
-    dst_ids = rng.permutation(dst.regions[0].num_blocks)[:n]
-    lists_s, lists_d = [src_ids] * src.num_groups, [dst_ids] * dst.num_groups
+    lists_s, lists_d = _ids(src, tokens, rng), _ids(dst, tokens, rng)
     rows = len(tmap.plan(lists_s, lists_d).copies())
     t_plan = median_time(lambda: tmap.plan(lists_s, lists_d).copies(), repeat)
     t_fill = median_time(lambda: np.full(rows * 7, 1, dtype=np.int64), repeat)
@@ -61,7 +72,7 @@ def handshake(repeat: int) -> list[str]:
 
 
 def main() -> None:
-    repeat = 7
+    repeat = 11
     lines = [
         "### Request path: `plan()` + `copies()` vs `np.full` of the same int64 size",
         "",
@@ -76,6 +87,14 @@ def main() -> None:
     lines += request_path("GQA + MLA draft (4+1 layers), P TP4 -> D TP2",
                           gqa_with_mla_draft(4, num_blocks=16384),
                           gqa_with_mla_draft(2, num_blocks=16384), 128 * 1024, repeat)
+    lines += request_path("KimiLinear-like (12 MLA + 12 KDA, pooled, kernel 16), P TP2 -> D TP4",
+                          kimi_linear_like(2, layers=12, num_blocks=8192, heads=32, head_dim=128),
+                          kimi_linear_like(4, layers=12, num_blocks=8192, heads=32, head_dim=128),
+                          128 * 1024, repeat)
+    lines += request_path("Nemotron-H-like (24 Mamba2 + 1 attention), P TP1 -> D TP4",
+                          nemotron_h_like(1, num_blocks=16384, num_slots=64, mamba_layers=24),
+                          nemotron_h_like(4, num_blocks=16384, num_slots=64, mamba_layers=24),
+                          128 * 1024, repeat)
     lines += [
         "",
         "### Handshake: `pull_map` at 1e3 vs 1e6 `num_blocks`",
