@@ -110,7 +110,7 @@ def _lane_runs(
     key = (lane.group, j0, j1)
     pos = order_cache.get(key)
     if pos is None:  # ascending block id, so that rows come out in destination-offset order
-        pos = j0 + np.argsort(dst_ids[j0:j1], kind="stable") if j1 > j0 else np.zeros(0, np.int64)
+        pos = j0 + np.argsort(dst_ids[j0:j1]) if j1 > j0 else np.zeros(0, np.int64)  # ids unique
         order_cache[key] = pos
     parts = []
     for ph, tpl in enumerate(tpls):  # one phase unless source blocks are larger

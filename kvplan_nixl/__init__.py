@@ -1,0 +1,68 @@
+"""kvplan_nixl: execute kvplan plans over NIXL, pull or push, with failures named and handled.
+
+The whole public API::
+
+    ep = Endpoint("decode", spec, rank, buffers)        # agent + registered regions
+    ep.connect(peer_metadata, mode="pull")              # per peer rank: layout check + lists
+    plan = ep.map("prefill").plan(src_blocks, dst_blocks)
+    t = ep.read(plan, "prefill", notify=b"req-7")       # or ep.write(plan, "decode") to push
+    t.wait(timeout=5.0)                                 # TransferFailed / TransferTimeout
+    ep.close()
+
+nixl is imported on first use of ``Endpoint``, ``Transfer`` or ``State`` (PEP 562), so the
+errors, ``kvplan_nixl.descriptors``, ``kvplan_nixl.metadata`` and ``kvplan plan`` work without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvplan_nixl.errors import (
+    BoundsError,
+    BufferSizeError,
+    ClosedError,
+    ExecutorError,
+    MetadataError,
+    NixlError,
+    NotConnectedError,
+    PlanMismatchError,
+    TransferFailed,
+    TransferTimeout,
+)
+
+if TYPE_CHECKING:
+    from kvplan_nixl.endpoint import Endpoint, Notification, Peer
+    from kvplan_nixl.transfer import State, Transfer
+
+_LAZY = {
+    "Endpoint": "kvplan_nixl.endpoint",
+    "Notification": "kvplan_nixl.endpoint",
+    "Peer": "kvplan_nixl.endpoint",
+    "State": "kvplan_nixl.transfer",
+    "Transfer": "kvplan_nixl.transfer",
+}
+
+__all__ = [
+    "BoundsError",
+    "BufferSizeError",
+    "ClosedError",
+    "Endpoint",
+    "ExecutorError",
+    "MetadataError",
+    "NixlError",
+    "NotConnectedError",
+    "Notification",
+    "Peer",
+    "PlanMismatchError",
+    "State",
+    "Transfer",
+    "TransferFailed",
+    "TransferTimeout",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvplan_nixl' has no attribute {name!r}")

@@ -1,0 +1,33 @@
+"""The one place nixl is imported (meta package first, then the CUDA-12 wheel directly).
+
+``import nixl`` costs ~1.2 s when CPU torch is installed (it imports torch to detect CUDA);
+importing ``nixl_cu12`` directly avoids that when the meta package is missing or broken.
+"""
+
+from __future__ import annotations
+
+try:
+    from nixl._api import nixl_agent, nixl_agent_config
+except ImportError:  # meta package absent: use the backend wheel directly
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+__all__ = ["NIXL_LOCAL", "make_agent"]
+
+#: The agent name NIXL uses for the local side of a prepared descriptor list.
+NIXL_LOCAL = "NIXL_INIT_AGENT"
+
+
+def make_agent(name: str, backends: tuple[str, ...], telemetry: bool) -> nixl_agent:
+    """A NIXL agent without a progress thread (NIXL's thread spins a core at 100% when idle).
+
+    Without it, the agent is progressed by our own calls: ``check_xfer_state`` on the initiator
+    and ``get_new_notifs`` on the target (see ``Endpoint.progress``).
+    """
+    missing_ok = list(backends)
+    cfg = nixl_agent_config(
+        enable_prog_thread=False,
+        enable_listen_thread=False,
+        capture_telemetry=telemetry,
+        backends=missing_ok,
+    )
+    return nixl_agent(name, cfg)

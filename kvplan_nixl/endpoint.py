@@ -1,0 +1,563 @@
+"""Endpoint: one rank of one engine, with its NIXL agent, its registered regions and its peers.
+
+Lifecycle: construct (buffers checked against the spec, then registered) -> ``metadata()`` out,
+peers' metadata in through ``connect`` (layout check with kvplan, descriptor lists prepared once
+per route and per peer) -> ``read``/``write`` per request -> ``close``. Everything that decides
+which bytes move comes from the plan; this module only checks the plan fits what was connected,
+lowers it (``descriptors.py``) and posts it (``transfer.py``).
+
+Not thread-safe: use an Endpoint, and its Transfers, from one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import secrets
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvplan import EngineSpec, Mode, TransferMap, TransferPlan, pull_map, push_map
+from kvplan_nixl import metadata as md
+from kvplan_nixl._nixl import NIXL_LOCAL, make_agent
+from kvplan_nixl.descriptors import Ladder, Lowered, lower, run_text
+from kvplan_nixl.errors import (
+    BufferSizeError,
+    ClosedError,
+    MetadataError,
+    NixlError,
+    NotConnectedError,
+    PlanMismatchError,
+    is_nixl_error,
+    nixl_call,
+)
+from kvplan_nixl.transfer import Transfer, _Part
+
+#: Separator of the fields of an agent name, ``engine#rank#nonce`` (parsed from the right).
+_SEP = "#"
+
+
+@attrs.frozen
+class Notification:
+    """A message a peer attached to a transfer, delivered when its part completed here."""
+
+    engine: str
+    rank: int
+    message: bytes
+
+
+@attrs.frozen
+class Peer:
+    """A connected peer rank, as :meth:`Endpoint.connect` returns it."""
+
+    engine: str
+    rank: int
+    agent: str
+    spec: EngineSpec = attrs.field(repr=False)
+
+
+class _Route:
+    """Per (remote engine, mode): the map, both ladders and the local descriptor list."""
+
+    __slots__ = ("dst_groups", "local", "local_dlist", "map", "peer_dlists", "remote")
+
+    def __init__(self, tmap: TransferMap, local: Ladder, remote: Ladder, local_dlist) -> None:
+        self.map = tmap
+        self.local = local
+        self.remote = remote
+        self.local_dlist = local_dlist
+        self.peer_dlists: dict[int, Any] = {}
+        self.dst_groups = np.array([r.group for r in tmap.dst.regions], dtype=np.int64)
+
+
+def _describer(seg: np.ndarray):
+    """Error text for run ``i`` of ``seg`` (rows of one peer), in the project's run notation."""
+
+    def describe(i: int, reason: str) -> str:
+        row = seg[i]
+        s = ("p", int(row["src_rank"]), int(row["src_region"]), int(row["src_offset"]))
+        d = ("d", int(row["dst_rank"]), int(row["dst_region"]), int(row["dst_offset"]))
+        return f"run {run_text(s, d, int(row['length']))}: {reason}"
+
+    return describe
+
+
+def _parse_agent(name: str) -> tuple[str, int]:
+    parts = name.rsplit(_SEP, 2)
+    if len(parts) == 3 and parts[1].isdigit():
+        return parts[0], int(parts[1])
+    return name, -1
+
+
+def _buffer(buf: Any, spec: EngineSpec, i: int) -> tuple[int, int, int, str]:
+    """(address, nbytes, device, mem_type) of one region's buffer; refuses a wrong size at once."""
+    name = spec.regions[i].name
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor):
+        if not buf.is_contiguous():
+            raise BufferSizeError(f"region {name!r}: tensor is not contiguous")
+        if buf.device.type not in ("cpu", "cuda"):
+            raise BufferSizeError(f"region {name!r}: tensor on {buf.device}, not cpu or cuda")
+        cuda = buf.device.type == "cuda"
+        addr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+        dev, mem = (buf.device.index or 0, "VRAM") if cuda else (0, "DRAM")
+    elif isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise BufferSizeError(f"region {name!r}: numpy array is not C-contiguous")
+        addr, nbytes, dev, mem = buf.ctypes.data, buf.nbytes, 0, "DRAM"
+    elif (
+        isinstance(buf, tuple)
+        and len(buf) == 2
+        and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in buf)
+    ):
+        addr, nbytes, dev, mem = int(buf[0]), int(buf[1]), 0, "DRAM"
+    else:
+        raise TypeError(
+            f"region {name!r}: a buffer is a contiguous torch tensor, a numpy array or an "
+            f"(address, nbytes) pair, got {type(buf).__name__}"
+        )
+    want = spec.rank_region_nbytes(i)
+    if nbytes != want:
+        r = spec.regions[i]
+        raise BufferSizeError(
+            f"region {name!r}: buffer has {nbytes} bytes, the spec implies {want} "
+            f"({r.num_blocks} blocks x {spec.rank_block_nbytes(i)} bytes per block on one of "
+            f"{spec.tp_size} ranks)"
+        )
+    if addr <= 0:
+        raise BufferSizeError(f"region {name!r}: address {addr} is not a valid pointer")
+    return addr, nbytes, dev, mem
+
+
+class Endpoint:
+    """One rank of one engine: NIXL agent, registered regions, connected peers.
+
+    ``buffers`` holds one buffer per region of ``spec`` (in spec order, or a mapping by region
+    name): a contiguous torch tensor (CPU -> DRAM, CUDA -> VRAM), a C-contiguous numpy array, or
+    an ``(address, nbytes)`` pair of DRAM. A size that differs from
+    ``spec.rank_region_nbytes(i)`` raises :class:`BufferSizeError` before NIXL is touched. The
+    buffers must outlive the endpoint. ``telemetry=True`` records NIXL's descriptor counts.
+    """
+
+    def __init__(
+        self,
+        engine: str,
+        spec: EngineSpec | Mapping[str, Any],
+        rank: int,
+        buffers: Sequence[Any] | Mapping[str, Any],
+        *,
+        backends: Sequence[str] = ("UCX",),
+        telemetry: bool = False,
+    ) -> None:
+        if not isinstance(engine, str) or not engine:
+            raise ValueError(f"engine must be a non-empty name, got {engine!r}")
+        if isinstance(spec, Mapping):
+            spec = EngineSpec.from_dict(spec)
+        if not isinstance(spec, EngineSpec):
+            raise TypeError(f"spec must be an EngineSpec or its dict, got {type(spec).__name__}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.tp_size:
+            raise ValueError(f"rank {rank!r} is not in [0, {spec.tp_size}) of engine {engine!r}")
+        names = [r.name for r in spec.regions]
+        if isinstance(buffers, Mapping):
+            unknown = sorted(set(buffers) - set(names))
+            missing = [n for n in names if n not in buffers]
+            if unknown or missing:
+                raise BufferSizeError(f"buffers: missing regions {missing}, unknown {unknown}")
+            buffers = [buffers[n] for n in names]
+        buffers = list(buffers)
+        if len(buffers) != len(names):
+            raise BufferSizeError(
+                f"{len(buffers)} buffers for the {len(names)} regions of the spec ({names})"
+            )
+        regs = [_buffer(b, spec, i) for i, b in enumerate(buffers)]
+        mems = sorted({m for *_, m in regs})
+        if len(mems) != 1:
+            raise BufferSizeError(f"all regions of a rank must be in one memory, got {mems}")
+        self.engine = engine
+        self.spec = spec
+        self.rank = rank
+        self.telemetry = bool(telemetry)
+        self.mem_type = mems[0]
+        self._bases = tuple(a for a, *_ in regs)
+        self._nbytes = tuple(n for _, n, *_ in regs)
+        self._devices = tuple(d for _, _, d, _ in regs)
+        self._buffers = buffers  # keep them alive while registered
+        self.agent_name = f"{engine}{_SEP}{rank}{_SEP}{os.getpid():x}{secrets.token_hex(4)}"
+        self._live: collections.Counter[str] = collections.Counter()
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._routes: dict[tuple[str, Mode], _Route] = {}
+        self._transfers: set[Transfer] = set()
+        self._notifs: collections.deque[Notification] = collections.deque()
+        with nixl_call("agent creation", f"backends {list(backends)}"):
+            self._agent = make_agent(self.agent_name, tuple(backends), self.telemetry)
+        try:
+            missing = [b for b in backends if b not in self._agent.backends]
+            if missing:
+                raise NixlError("create_backend", "NIXL_ERR_NOT_FOUND", f"no backend {missing}")
+            with nixl_call("register_memory", f"{len(regs)} regions of {engine} rank {rank}"):
+                self._reg = self._agent.register_memory(
+                    [(a, n, d, "") for a, n, d, _ in regs], self.mem_type
+                )
+            self._live["registrations"] += 1
+        except BaseException:
+            self._agent = None
+            raise
+
+    # -- identity and peers ------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """What a peer passes to ``connect``: versioned, checksummed, a few hundred bytes + spec."""
+        agent = self._require()
+        with nixl_call("get_agent_metadata"):
+            agent_md = agent.get_agent_metadata()
+        return md.encode(
+            md.PeerInfo(
+                engine=self.engine,
+                rank=self.rank,
+                agent=self.agent_name,
+                spec=self.spec,
+                mem_type=self.mem_type,
+                bases=self._bases,
+                nbytes=self._nbytes,
+                devices=self._devices,
+                agent_metadata=agent_md,
+            )
+        )
+
+    def connect(self, metadata: bytes, *, mode: str | Mode = "pull") -> Peer:
+        """Add a peer rank; ``mode="pull"`` to read from it later, ``"push"`` to write to it.
+
+        Checks the peer's layout against ours with kvplan (``kvplan.IncompatibleLayoutError``
+        here, never mid-transfer) and prepares descriptor lists: once per (engine, mode) for the
+        local side and once per peer rank for the remote side, as NIXL strided rows whose count
+        grows with ``log(num_blocks)`` only. Connecting the same peer again is a no-op; a peer
+        rank that restarted (new agent) replaces the old one.
+        """
+        agent = self._require()
+        info = md.decode(metadata)
+        mode = Mode(mode)
+        if info.agent == self.agent_name:
+            raise MetadataError("this is the endpoint's own metadata; connect to a peer's")
+        key = (info.engine, mode)
+        route = self._routes.get(key)
+        if route is not None:
+            other = route.map.src if mode is Mode.PULL else route.map.dst
+            if other != info.spec:
+                raise MetadataError(
+                    f"engine {info.engine!r} rank {info.rank} advertises a spec that differs from "
+                    f"the one its other ranks advertised; every rank of an engine has one spec"
+                )
+        else:
+            route = self._new_route(agent, info, mode)
+            self._routes[key] = route
+        old = self._peers.get((info.engine, info.rank))
+        if old is not None and old.agent != info.agent:
+            self._drop_peer(agent, old)
+            old = None
+        if old is None:
+            with nixl_call("add_remote_agent", f"{info.engine} rank {info.rank}"):
+                loaded = agent.add_remote_agent(info.agent_metadata)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            self._live["remote_agents"] += 1
+            if loaded != info.agent:
+                self._remove_agent(agent, loaded)
+                raise MetadataError(
+                    f"metadata names agent {info.agent!r} but carries NIXL metadata of {loaded!r}"
+                )
+            old = Peer(info.engine, info.rank, info.agent, info.spec)
+            self._peers[(info.engine, info.rank)] = old
+        if info.rank not in route.peer_dlists:
+            rows = route.remote.rows(info.bases, info.devices)
+            route.peer_dlists[info.rank] = self._prep(agent, info.agent, rows, info.mem_type)
+        return old
+
+    def _new_route(self, agent, info: md.PeerInfo, mode: Mode) -> _Route:
+        if mode is Mode.PULL:
+            tmap = pull_map(info.spec, self.spec, self.rank)
+        else:
+            tmap = push_map(self.spec, info.spec, self.rank)
+        mine = [tmap.granule(r.name) for r in self.spec.regions]
+        theirs = [tmap.granule(r.name) for r in info.spec.regions]
+        local = Ladder.build([r.name for r in self.spec.regions], self._nbytes, mine)
+        remote = Ladder.build([r.name for r in info.spec.regions], info.nbytes, theirs)
+        dlist = self._prep(agent, NIXL_LOCAL, local.rows(self._bases, self._devices), self.mem_type)
+        return _Route(tmap, local, remote, dlist)
+
+    def map(self, remote: str, mode: str | Mode = "pull") -> TransferMap:
+        """The TransferMap connect built for ``remote`` (make plans with its ``plan``)."""
+        return self._route(remote, Mode(mode)).map
+
+    def peers(self) -> tuple[Peer, ...]:
+        return tuple(self._peers[k] for k in sorted(self._peers))
+
+    def disconnect(self, remote: str, rank: int) -> None:
+        """Forget one peer rank: its transfers in flight fail, its descriptor lists are released."""
+        agent = self._require()
+        peer = self._peers.get((remote, rank))
+        if peer is None:
+            raise NotConnectedError(f"engine {remote!r} rank {rank} is not connected")
+        self._drop_peer(agent, peer)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def read(
+        self,
+        plan: TransferPlan,
+        remote: str,
+        *,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+    ) -> Transfer:
+        """Pull: post the reads of ``plan`` (made by this rank's pull map for ``remote``).
+
+        ``notify`` is delivered to each source rank when its part is complete (see
+        :meth:`notifications`). ``timeout`` (seconds) is a deadline enforced by ``poll`` and
+        ``wait``. Before anything is posted every run is checked against both sides'
+        registered bounds; a plan that does not fit raises and posts nothing.
+        """
+        return self._post(plan, remote, Mode.PULL, notify, timeout)
+
+    def write(
+        self,
+        plan: TransferPlan,
+        remote: str,
+        *,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+    ) -> Transfer:
+        """Push: post the writes of ``plan`` (made by this rank's push map for ``remote``)."""
+        return self._post(plan, remote, Mode.PUSH, notify, timeout)
+
+    def _post(self, plan, remote, mode, notify, timeout) -> Transfer:
+        agent = self._require()
+        route = self._route(remote, mode)
+        self._check_plan(plan, route, remote, mode)
+        rows = plan.copies()
+        lside, rside = ("dst", "src") if mode is Mode.PULL else ("src", "dst")
+        peer = rows[f"{rside}_rank"]
+        if len(rows) and not (rows[f"{lside}_rank"] == self.rank).all():
+            bad = int(rows[f"{lside}_rank"][rows[f"{lside}_rank"] != self.rank][0])
+            raise PlanMismatchError(
+                f"plan has runs of local rank {bad}; this endpoint is rank {self.rank}"
+            )
+        starts = np.flatnonzero(np.concatenate(([len(peer) > 0], peer[1:] != peer[:-1])))
+        if len(np.unique(peer[starts])) != len(starts):  # a peer's rows are not contiguous
+            rows = rows[np.argsort(peer, kind="stable")]
+            peer = rows[f"{rside}_rank"]
+            starts = np.flatnonzero(np.concatenate(([True], peer[1:] != peer[:-1])))
+        ends = np.append(starts[1:], len(peer)) if len(starts) else starts
+        ranks = [int(r) for r in peer[starts]]
+        missing = [r for r in ranks if r not in route.peer_dlists]
+        if missing:
+            raise NotConnectedError(
+                f"plan reads/writes ranks {missing} of engine {remote!r}, never connected in "
+                f"{mode.value} mode by {self.engine!r} rank {self.rank}; connected: "
+                f"{sorted(route.peer_dlists)}"
+            )
+        lowered: list[Lowered] = []
+        for a, b in zip(starts, ends, strict=True):
+            seg = rows[a:b]
+            lowered.append(
+                lower(route.local, route.remote, seg[f"{lside}_region"], seg[f"{lside}_offset"],
+                      seg[f"{rside}_region"], seg[f"{rside}_offset"], seg["length"],
+                      describe=_describer(seg))
+            )
+        groups = {
+            r: frozenset(np.unique(route.dst_groups[rows["dst_region"][a:b]]).tolist())
+            for r, a, b in zip(ranks, starts, ends, strict=True)
+        }
+        deadline = None if timeout is None else time.monotonic() + timeout
+        parts = [_Part(r, lw.runs, lw.nbytes) for r, lw in zip(ranks, lowered, strict=True)]
+        t = Transfer(self, plan, remote, parts, groups, deadline)
+        t._start(
+            agent,
+            "READ" if mode is Mode.PULL else "WRITE",
+            route.local_dlist,
+            [route.peer_dlists[r] for r in ranks],
+            lowered,
+            b"" if notify is None else bytes(notify),
+        )
+        if not t.done:
+            self._transfers.add(t)
+        return t
+
+    def _check_plan(self, plan: TransferPlan, route: _Route, remote: str, mode: Mode) -> None:
+        if not isinstance(plan, TransferPlan):
+            raise TypeError(f"expected a kvplan.TransferPlan, got {type(plan).__name__}")
+        m = plan.map
+        if m is route.map:
+            return
+        verb = "read" if mode is Mode.PULL else "write"
+        if m.mode is not mode:
+            raise PlanMismatchError(
+                f"{verb} needs a {mode.value} plan (from kvplan.{mode.value}_map), got a "
+                f"{m.mode.value} plan"
+            )
+        if m.rank != self.rank:
+            raise PlanMismatchError(
+                f"plan was made for rank {m.rank}; this endpoint is {self.engine!r} "
+                f"rank {self.rank}"
+            )
+        if (m.src, m.dst) != (route.map.src, route.map.dst):
+            raise PlanMismatchError(
+                f"plan was made for other engine specs than {self.engine!r} and {remote!r} "
+                f"exchanged at connect"
+            )
+
+    # -- notifications and progress ----------------------------------------------------------
+
+    def progress(self) -> int:
+        """Progress this agent (a target must be progressed) and queue new notifications."""
+        agent = self._agent
+        if agent is None:
+            return 0
+        with nixl_call("get_new_notifs"):
+            new = agent.get_new_notifs()
+        n = 0
+        for name, msgs in new.items():
+            engine, rank = _parse_agent(name.decode() if isinstance(name, bytes) else name)
+            for m in msgs:
+                self._notifs.append(Notification(engine, rank, bytes(m)))
+                n += 1
+        return n
+
+    def notifications(self) -> list[Notification]:
+        """Messages peers attached to transfers that completed here, oldest first (drained)."""
+        self.progress()
+        out = list(self._notifs)
+        self._notifs.clear()
+        return out
+
+    # -- resources ---------------------------------------------------------------------------
+
+    def handles(self) -> dict[str, int]:
+        """Live NIXL objects this endpoint holds, by kind (all 0 after close)."""
+        out = {k: self._live[k] for k in ("xfer", "dlist", "remote_agents", "registrations")}
+        out["transfers"] = len(self._transfers)
+        return out
+
+    def close(self) -> None:
+        """Fail pending transfers, release every handle and list, forget peers, deregister."""
+        agent = self._agent
+        if agent is None:
+            return
+        errors: list[BaseException] = []
+        for t in list(self._transfers):
+            t.cancel("endpoint closed")
+        for peer in list(self._peers.values()):
+            try:
+                self._drop_peer(agent, peer)
+            except Exception as exc:  # keep releasing the rest
+                errors.append(exc)
+        for route in self._routes.values():
+            self._release_dlist(route.local_dlist, errors)
+        self._routes.clear()
+        try:
+            with nixl_call("deregister_memory"):
+                agent.deregister_memory(self._reg)
+            self._live["registrations"] -= 1
+        except Exception as exc:
+            errors.append(exc)
+        self._agent = None
+        self._buffers = []
+        if errors:
+            raise errors[0]
+
+    @property
+    def closed(self) -> bool:
+        return self._agent is None
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._agent is None else f"{len(self._peers)} peers"
+        return f"Endpoint({self.engine!r}, rank={self.rank}, tp={self.spec.tp_size}, {state})"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _require(self):
+        if self._agent is None:
+            raise ClosedError(f"endpoint {self.engine!r} rank {self.rank} is closed")
+        return self._agent
+
+    def _agent_or_none(self):
+        return self._agent
+
+    def _route(self, remote: str, mode: Mode) -> _Route:
+        route = self._routes.get((remote, mode))
+        if route is None:
+            known = sorted(f"{e} ({m.value})" for e, m in self._routes)
+            raise NotConnectedError(
+                f"{self.engine!r} rank {self.rank} has no {mode.value} connection to engine "
+                f"{remote!r}; connect(metadata, mode={mode.value!r}) first (connected: {known})"
+            )
+        return route
+
+    def _prep(self, agent, name: str, rows: np.ndarray, mem: str):
+        with nixl_call("prep_xfer_dlist", f"{len(rows)} strided rows for {name}"):
+            h = agent.prep_xfer_dlist(name, rows, mem)
+        self._live["dlist"] += 1
+        return h
+
+    def _release_dlist(self, h, errors: list[BaseException] | None = None) -> None:
+        try:
+            with nixl_call("release of a descriptor list"):
+                h.release()
+            self._live["dlist"] -= 1
+        except Exception as exc:
+            if errors is None:
+                raise
+            errors.append(exc)
+
+    def _count_xfer(self) -> None:
+        self._live["xfer"] += 1
+
+    def _release_xfer(self, h) -> None:
+        try:
+            h.release()
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            return  # NIXL keeps it and frees it with the agent; our count stays honest
+        self._live["xfer"] -= 1
+
+    def _desc_count(self, h) -> int | None:
+        try:
+            return int(self._agent.get_xfer_telemetry(h).descCount)
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            return None
+
+    def _remove_agent(self, agent, name: str) -> None:
+        with nixl_call("remove_remote_agent", name):
+            agent.remove_remote_agent(name)
+        self._live["remote_agents"] -= 1
+
+    def _drop_peer(self, agent, peer: Peer) -> None:
+        errors: list[BaseException] = []
+        for t in list(self._transfers):
+            if t.remote == peer.engine and peer.rank in t.peers:
+                t.cancel(f"peer {peer.engine!r} rank {peer.rank} disconnected", [peer.rank])
+        for (engine, _), route in self._routes.items():
+            if engine == peer.engine and peer.rank in route.peer_dlists:
+                self._release_dlist(route.peer_dlists.pop(peer.rank), errors)
+        del self._peers[(peer.engine, peer.rank)]
+        try:
+            self._remove_agent(agent, peer.agent)
+        except Exception as exc:
+            errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _forget(self, t: Transfer) -> None:
+        self._transfers.discard(t)

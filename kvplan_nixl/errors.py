@@ -1,0 +1,127 @@
+"""The executor's typed errors, and the one boundary where NIXL's exceptions are translated.
+
+NIXL raises bare exception classes (``nixlNotFoundError``, ``nixlRemoteDisconnectError``, ...)
+with no common base and ``str(e)`` equal to a code such as ``'NIXL_ERR_NOT_FOUND'``. Nothing
+outside this module looks at them: :func:`nixl_call` turns a failing call into
+:class:`NixlError` naming the operation, and :func:`is_nixl_error` / :func:`nixl_code` let the
+transfer state machine record a failed peer. This module does not import nixl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from kvplan import KVPlanError
+
+__all__ = [
+    "BoundsError",
+    "BufferSizeError",
+    "ClosedError",
+    "ExecutorError",
+    "MetadataError",
+    "NixlError",
+    "NotConnectedError",
+    "PlanMismatchError",
+    "TransferFailed",
+    "TransferTimeout",
+]
+
+
+class ExecutorError(KVPlanError):
+    """Root of every error kvplan_nixl raises on purpose (itself a :class:`kvplan.KVPlanError`)."""
+
+
+class BufferSizeError(ExecutorError, ValueError):
+    """A buffer handed to an Endpoint does not match its region: wrong size, type or layout."""
+
+
+class MetadataError(ExecutorError, ValueError):
+    """Peer metadata is foreign, corrupt, of another format version, or inconsistent."""
+
+
+class NotConnectedError(ExecutorError, LookupError):
+    """A plan names a peer rank (or engine, or direction) this endpoint never connected."""
+
+
+class PlanMismatchError(ExecutorError, ValueError):
+    """A plan was made for another engine pair, rank or direction than the call implies."""
+
+
+class BoundsError(ExecutorError, ValueError):
+    """A run lies outside the registered bytes of a region (or off its granule); nothing posted."""
+
+
+class ClosedError(ExecutorError, RuntimeError):
+    """The endpoint was closed."""
+
+
+class NixlError(ExecutorError, RuntimeError):
+    """A NIXL call outside a transfer failed; ``op`` is the call, ``code`` NIXL's error code."""
+
+    def __init__(self, op: str, code: str, detail: str = "") -> None:
+        self.op = op
+        self.code = code
+        more = f" ({detail})" if detail else ""
+        super().__init__(f"NIXL {op} failed with {code}{more}")
+
+
+class TransferFailed(ExecutorError, RuntimeError):
+    """A transfer ended with some peer ranks failed.
+
+    ``peer_rank`` is the first failed peer, ``peer_ranks`` all of them, ``reasons`` maps each to
+    what happened, and ``blocks`` holds, per KV-cache group of the destination engine, the
+    destination block ids that may not have arrived (a superset: every block of each group the
+    failed peers' runs write to), so that a connector can recompute them.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        reasons: Mapping[int, str],
+        blocks: tuple[np.ndarray, ...],
+    ) -> None:
+        self.peer_ranks = tuple(sorted(reasons))
+        self.peer_rank = self.peer_ranks[0]
+        self.reasons = dict(reasons)
+        self.blocks = blocks
+        parts = "; ".join(f"rank {r}: {self.reasons[r]}" for r in self.peer_ranks)
+        lost = ", ".join(f"group {g} {_ids(b)}" for g, b in enumerate(blocks) if len(b))
+        super().__init__(
+            f"{what}: peer {parts}; destination blocks that may not have arrived: "
+            f"{lost or 'none'}"
+        )
+
+
+class TransferTimeout(TransferFailed, TimeoutError):
+    """A transfer's deadline passed first; the unfinished parts were cancelled and released."""
+
+
+def _ids(a: np.ndarray, limit: int = 16) -> str:
+    vals = a.tolist()
+    head = " ".join(str(v) for v in vals[:limit])
+    return f"[{head}{' ...' if len(vals) > limit else ''}] ({len(vals)} blocks)"
+
+
+def is_nixl_error(exc: BaseException) -> bool:
+    """True for an exception raised by NIXL's bindings (nixl*Error from nixl*._bindings)."""
+    t = type(exc)
+    return t.__module__.startswith("nixl") and t.__name__.startswith("nixl")
+
+
+def nixl_code(exc: BaseException) -> str:
+    """NIXL's error code for ``exc`` (its ``str``, e.g. 'NIXL_ERR_REMOTE_DISCONNECT')."""
+    return str(exc) or type(exc).__name__
+
+
+@contextlib.contextmanager
+def nixl_call(op: str, detail: str = "") -> Iterator[None]:
+    """Run a NIXL call; a NIXL exception leaves as :class:`NixlError` naming ``op``."""
+    try:
+        yield
+    except Exception as exc:
+        if is_nixl_error(exc):
+            raise NixlError(op, nixl_code(exc), detail) from exc
+        raise

@@ -1,0 +1,135 @@
+"""The endpoint metadata blob: what a peer needs to connect, versioned and checksummed.
+
+Wire format (all integers big-endian)::
+
+    magic  b"KVPLNIXL"            8 bytes, never changes
+    format u16                    FORMAT_VERSION; checked right after the magic, so a peer of
+                                  another version is refused by name even if the rest changed
+    header u32, agent u32         lengths of the two parts below
+    header                        UTF-8 JSON: engine, rank, agent name, spec, regions, mem type
+    agent                         NIXL's own agent metadata (opaque)
+    digest                        sha256 of everything above, 32 bytes
+
+Pure: no NIXL import; :func:`decode` raises :class:`~kvplan_nixl.errors.MetadataError` with a
+message saying which of foreign / other version / corrupt / inconsistent it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import attrs
+
+from kvplan import EngineSpec, KVPlanError
+from kvplan_nixl.errors import MetadataError
+
+MAGIC = b"KVPLNIXL"
+#: Bump when the header's meaning changes; peers of other versions are refused.
+FORMAT_VERSION = 1
+_FIXED = struct.Struct(">8sHII")
+_DIGEST = 32
+#: Refuse headers larger than this before parsing JSON (a spec of thousands of regions fits).
+MAX_HEADER_BYTES = 16 << 20
+
+
+@attrs.frozen(kw_only=True)
+class PeerInfo:
+    """A decoded peer: who it is, its layout, and where its regions are registered."""
+
+    engine: str
+    rank: int
+    agent: str
+    spec: EngineSpec
+    mem_type: str
+    bases: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    devices: tuple[int, ...]
+    agent_metadata: bytes = attrs.field(repr=False)
+
+
+def encode(info: PeerInfo) -> bytes:
+    """Serialize ``info``; :func:`decode` inverts it."""
+    header = json.dumps(
+        {
+            "engine": info.engine,
+            "rank": info.rank,
+            "agent": info.agent,
+            "spec": info.spec.to_dict(),
+            "mem_type": info.mem_type,
+            "regions": [list(t) for t in zip(info.bases, info.nbytes, info.devices, strict=True)],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    body = _FIXED.pack(MAGIC, FORMAT_VERSION, len(header), len(info.agent_metadata))
+    body += header + info.agent_metadata
+    return body + hashlib.sha256(body).digest()
+
+
+def decode(blob: bytes) -> PeerInfo:
+    """Parse and check a blob from :func:`encode` (another process, another version maybe)."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise MetadataError(f"metadata must be bytes, got {type(blob).__name__}")
+    blob = bytes(blob)
+    if len(blob) < len(MAGIC) or blob[: len(MAGIC)] != MAGIC:
+        raise MetadataError(
+            f"not kvplan_nixl endpoint metadata: it starts with {blob[:8]!r}, expected {MAGIC!r} "
+            "(pass what Endpoint.metadata() returned, not NIXL's own agent metadata)"
+        )
+    if len(blob) < _FIXED.size + _DIGEST:
+        raise MetadataError(f"kvplan_nixl metadata truncated: {len(blob)} bytes")
+    _, version, hlen, alen = _FIXED.unpack_from(blob)
+    if version != FORMAT_VERSION:
+        raise MetadataError(
+            f"kvplan_nixl metadata format version {version}, this endpoint reads version "
+            f"{FORMAT_VERSION}: upgrade or downgrade one side so both speak the same version"
+        )
+    if hlen > MAX_HEADER_BYTES or len(blob) != _FIXED.size + hlen + alen + _DIGEST:
+        raise MetadataError(
+            f"kvplan_nixl metadata corrupt: {len(blob)} bytes, but its lengths say "
+            f"{_FIXED.size} + {hlen} + {alen} + {_DIGEST}"
+        )
+    body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        raise MetadataError("kvplan_nixl metadata corrupt: checksum mismatch")
+    header = body[_FIXED.size : _FIXED.size + hlen]
+    agent_md = body[_FIXED.size + hlen :]
+    try:
+        h = json.loads(header)
+        engine, rank, agent, mem = h["engine"], h["rank"], h["agent"], h["mem_type"]
+        regions = [tuple(int(x) for x in t) for t in h["regions"]]
+        spec = EngineSpec.from_dict(h["spec"])
+    except KVPlanError as exc:
+        raise MetadataError(f"peer metadata carries an invalid spec: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MetadataError(f"kvplan_nixl metadata header unreadable: {exc!r}") from exc
+    if not isinstance(engine, str) or isinstance(rank, bool) or not isinstance(rank, int):
+        raise MetadataError(f"metadata header: bad engine {engine!r} or rank {rank!r}")
+    if not 0 <= rank < spec.tp_size:
+        raise MetadataError(f"metadata of {engine!r}: rank {rank} not in [0, {spec.tp_size})")
+    if len(regions) != len(spec.regions) or any(len(t) != 3 for t in regions):
+        raise MetadataError(
+            f"metadata of {engine!r} rank {rank}: {len(regions)} registered regions for "
+            f"{len(spec.regions)} in its spec"
+        )
+    for i, (_, n, _) in enumerate(regions):
+        want = spec.rank_region_nbytes(i)
+        if n != want:
+            raise MetadataError(
+                f"metadata of {engine!r} rank {rank}: region {spec.regions[i].name!r} registers "
+                f"{n} bytes, its spec implies {want}"
+            )
+    bases, sizes, devs = zip(*regions, strict=True)
+    return PeerInfo(
+        engine=engine,
+        rank=rank,
+        agent=str(agent),
+        spec=spec,
+        mem_type=str(mem),
+        bases=bases,
+        nbytes=sizes,
+        devices=devs,
+        agent_metadata=agent_md,
+    )

@@ -1,0 +1,264 @@
+"""Transfer: one request's NIXL transfers, one per peer rank, driven to done or failed.
+
+State machine per peer rank: PENDING -> DONE | FAILED. A peer leaves PENDING exactly once,
+and its NIXL handle is released at that moment, on every path (done, NIXL error, deadline,
+cancel, endpoint closed). ``poll`` never blocks and never raises for a transfer failure;
+``wait`` blocks and raises :class:`TransferFailed` or :class:`TransferTimeout` naming the
+failed peers and the destination blocks that may not have arrived. A released handle is never
+touched again (NIXL segfaults on ``transfer`` after ``release``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvplan_nixl.errors import TransferFailed, TransferTimeout, is_nixl_error, nixl_code
+
+if TYPE_CHECKING:
+    from kvplan import TransferPlan
+    from kvplan_nixl.endpoint import Endpoint
+
+#: Polling backoff of ``wait``: spin this long, then sleep with doubling up to the cap.
+SPIN_SECONDS = 200e-6
+MAX_SLEEP_SECONDS = 1e-3
+
+
+class State(enum.Enum):
+    """Where one peer rank's part of a transfer stands."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class _Part:
+    """One peer rank's NIXL transfer (internal, mutable)."""
+
+    __slots__ = ("desc_count", "handle", "kind", "nbytes", "peer", "reason", "runs", "state")
+
+    def __init__(self, peer: int, runs: int, nbytes: int) -> None:
+        self.peer = peer
+        self.runs = runs
+        self.nbytes = nbytes
+        self.handle = None
+        self.state = State.PENDING
+        self.reason = ""
+        self.kind = ""  # "error" | "timeout" | "cancelled"
+        self.desc_count: int | None = None
+
+
+class Transfer:
+    """The transfers of one plan to or from every peer rank it touches (from Endpoint.read/write).
+
+    ``poll()`` returns ``{peer_rank: State}`` without blocking; ``wait(timeout)`` returns it once
+    every part is DONE, or raises. A deadline given at post time (``timeout=`` of read/write) is
+    enforced by both. Not thread-safe: drive a Transfer from the thread that owns its Endpoint.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        plan: TransferPlan,
+        remote: str,
+        parts: list[_Part],
+        groups: Mapping[int, frozenset[int]],
+        deadline: float | None,
+    ) -> None:
+        self._ep = endpoint
+        self.plan = plan
+        self.remote = remote
+        self._parts = {p.peer: p for p in parts}
+        self._groups = groups  # peer -> destination groups its runs write to
+        self._deadline = deadline
+        self._pending = list(parts)
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Peer ranks of this transfer, ascending."""
+        return tuple(sorted(self._parts))
+
+    @property
+    def done(self) -> bool:
+        """True once no part is PENDING (each is DONE or FAILED)."""
+        return not self._pending
+
+    @property
+    def ok(self) -> bool:
+        """True once every part is DONE."""
+        return self.done and all(p.state is State.DONE for p in self._parts.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._parts.values())
+
+    def states(self) -> dict[int, State]:
+        """``{peer_rank: State}`` as of the last poll (no NIXL call)."""
+        return {r: self._parts[r].state for r in self.peers}
+
+    def runs(self) -> dict[int, int]:
+        """``{peer_rank: runs}``: the plan's runs, i.e. NIXL descriptors posted, per peer."""
+        return {r: self._parts[r].runs for r in self.peers}
+
+    def bytes_per_peer(self) -> dict[int, int]:
+        return {r: self._parts[r].nbytes for r in self.peers}
+
+    def desc_counts(self) -> dict[int, int | None]:
+        """NIXL's own descriptor count per peer after merging (Endpoint(telemetry=True) only)."""
+        return {r: self._parts[r].desc_count for r in self.peers}
+
+    @property
+    def seconds(self) -> float | None:
+        """From posting to the last part leaving PENDING, once done."""
+        return None if self.finished is None else self.finished - self.started
+
+    def error(self) -> TransferFailed | None:
+        """The exception ``wait`` raises, or None while pending or when every part is DONE."""
+        failed = {r: p for r, p in self._parts.items() if p.state is State.FAILED}
+        if not failed or self._pending:
+            return None
+        reasons = {r: p.reason for r, p in failed.items()}
+        groups = set().union(*(self._groups.get(r, frozenset()) for r in failed))
+        blocks = tuple(
+            np.asarray(b) if g in groups else np.zeros(0, dtype=np.int64)
+            for g, b in enumerate(self.plan.dst_blocks)
+        )
+        m = self.plan.map
+        way = "from" if m.mode.value == "pull" else "to"
+        what = (
+            f"{m.mode.value} by {self._ep.engine!r} rank {self._ep.rank} {way} {self.remote!r} "
+            "failed"
+        )
+        timeout = all(p.kind == "timeout" for p in failed.values())
+        cls = TransferTimeout if timeout else TransferFailed
+        return cls(what, reasons, blocks)
+
+    def __repr__(self) -> str:
+        st = ", ".join(f"{r}: {s.value}" for r, s in self.states().items())
+        return f"Transfer({self.plan.map.mode.value} {self.remote!r}, {{{st}}})"
+
+    # -- driving -----------------------------------------------------------------------------
+
+    def poll(self) -> dict[int, State]:
+        """Advance every pending part once, enforce the deadline, and report. Never blocks."""
+        if self._pending:
+            agent = self._ep._agent_or_none()
+            for p in self._pending:
+                if agent is None:
+                    self._finish(p, State.FAILED, "endpoint closed", "cancelled")
+                    continue
+                try:
+                    s = agent.check_xfer_state(p.handle)
+                except Exception as exc:
+                    if not is_nixl_error(exc):
+                        raise
+                    self._finish(p, State.FAILED, f"{nixl_code(exc)} while in flight", "error")
+                    continue
+                if s == "DONE":
+                    self._finish(p, State.DONE)
+                elif s != "PROC":
+                    self._finish(p, State.FAILED, f"NIXL state {s}", "error")
+            self._settle()
+            if self._pending and self._deadline is not None and time.monotonic() > self._deadline:
+                self._expire()
+        return self.states()
+
+    def wait(
+        self, timeout: float | None = None, *, progress: Iterable[Endpoint] = ()
+    ) -> dict[int, State]:
+        """Block until every part is DONE; return ``{peer_rank: State}``.
+
+        ``timeout`` (seconds) tightens the deadline: when it passes, the unfinished parts are
+        cancelled and released and :class:`TransferTimeout` is raised. Any failed part raises
+        :class:`TransferFailed`. ``progress`` lists other endpoints of this process to progress
+        while waiting (a peer in the same process has no progress thread of its own).
+        """
+        if timeout is not None:
+            limit = time.monotonic() + timeout
+            if self._deadline is None or limit < self._deadline:
+                self._deadline = limit
+        others = tuple(progress)
+        spin_until = time.monotonic() + SPIN_SECONDS
+        nap = 10e-6
+        while True:
+            for ep in others:
+                ep.progress()
+            self.poll()
+            if not self._pending:
+                break
+            self._ep.progress()
+            if time.monotonic() > spin_until:
+                time.sleep(nap)
+                nap = min(nap * 2, MAX_SLEEP_SECONDS)
+        err = self.error()
+        if err is not None:
+            raise err
+        return self.states()
+
+    def _start(self, agent, op: str, local_dlist, remote_dlists, lowered, msg: bytes) -> None:
+        """Make and post one NIXL transfer per part (Endpoint.read/write, once)."""
+        for part, dlist, lw in zip(self._parts.values(), remote_dlists, lowered, strict=True):
+            try:
+                h = agent.make_prepped_xfer(op, local_dlist, lw.local, dlist, lw.remote, msg)
+            except Exception as exc:
+                if not is_nixl_error(exc):
+                    self.cancel(f"not posted: {exc!r}")
+                    raise
+                self._finish(part, State.FAILED, f"{nixl_code(exc)} in make_prepped_xfer", "error")
+                continue
+            self._ep._count_xfer()
+            part.handle = h
+            try:
+                s = agent.transfer(h)
+            except Exception as exc:
+                if not is_nixl_error(exc):
+                    self.cancel(f"not posted: {exc!r}")
+                    raise
+                self._finish(part, State.FAILED, f"{nixl_code(exc)} in transfer", "error")
+                continue
+            if s == "DONE":
+                self._finish(part, State.DONE)
+            elif s != "PROC":
+                self._finish(part, State.FAILED, f"NIXL state {s} at post", "error")
+        self._settle()
+
+    def cancel(self, reason: str = "cancelled", peers: Iterable[int] | None = None) -> None:
+        """Fail the pending parts (of ``peers``, default all) now, releasing their handles.
+
+        Releasing an in-flight NIXL handle aborts it; the failed parts are reported by ``wait``
+        like any other failure, with the destination blocks that may not have arrived.
+        """
+        which = None if peers is None else set(peers)
+        for p in self._pending:
+            if which is None or p.peer in which:
+                self._finish(p, State.FAILED, reason, "cancelled")
+        self._settle()
+
+    def _settle(self) -> None:
+        self._pending = [p for p in self._parts.values() if p.state is State.PENDING]
+        if not self._pending and self.finished is None:
+            self.finished = time.perf_counter()
+
+    def _expire(self) -> None:
+        for p in self._pending:
+            self._finish(p, State.FAILED, "deadline passed before completion", "timeout")
+        self._settle()
+
+    def _finish(self, p: _Part, state: State, reason: str = "", kind: str = "") -> None:
+        """Leave PENDING exactly once; release the handle now, whatever happened."""
+        p.state, p.reason, p.kind = state, reason, kind
+        if p.handle is not None:
+            h, p.handle = p.handle, None
+            if self._ep.telemetry and state is State.DONE:
+                p.desc_count = self._ep._desc_count(h)
+            self._ep._release_xfer(h)
+        if all(q.state is not State.PENDING for q in self._parts.values()):
+            self._ep._forget(self)

@@ -1,0 +1,87 @@
+"""A peer engine in its own OS process, for the two-process tests (run as a script).
+
+    python tests/nixl_peer.py --engine prefill --rank 1 --spec '<EngineSpec JSON>' \
+        --seed 7 --metadata-out /tmp/x.md
+
+Creates one Endpoint over numpy buffers filled by :func:`buffers` (so the test can recompute every
+byte), writes ``Endpoint.metadata()`` to ``--metadata-out`` (atomically), prints ``ready``, then
+progresses its agent (it has no progress thread) until its stdin closes or says ``quit``. On
+exit it prints one JSON line: the notifications it received and a sha256 per region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import select
+import sys
+import time
+
+import numpy as np
+
+
+def buffers(spec, rank: int, seed: int, how: str) -> list[np.ndarray]:
+    """The regions of ``rank``: a function of (spec, rank, seed, how) only, so the test that
+    started this process can recompute every byte."""
+    from tests import oracle
+
+    n = len(spec.regions)
+    if how == "oracle":
+        every = oracle.source_buffers(spec.to_dict(), seed=seed)
+    elif how == "sentinel":
+        every = oracle.destination_buffers(spec.to_dict(), seed=seed)
+    else:
+        return [
+            np.random.default_rng([seed, rank, i]).integers(0, 256, spec.rank_region_nbytes(i),
+                                                             dtype=np.uint8)
+            for i in range(n)
+        ]
+    return [every[(rank, i)] for i in range(n)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--spec", required=True, help="EngineSpec as JSON")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--fill", choices=["oracle", "random", "sentinel"], default="oracle",
+        help="oracle: tests/oracle.py source bytes; sentinel: its destination pattern",
+    )
+    ap.add_argument("--metadata-out", required=True)
+    args = ap.parse_args()
+
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from kvplan import EngineSpec
+    from kvplan_nixl import Endpoint
+
+    spec = EngineSpec.from_dict(json.loads(args.spec))
+    bufs = buffers(spec, args.rank, args.seed, args.fill)
+    notes = []
+    with Endpoint(args.engine, spec, args.rank, bufs) as ep:
+        tmp = args.metadata_out + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(ep.metadata())
+        os.replace(tmp, args.metadata_out)
+        print("ready", flush=True)
+        while True:
+            notes += [[n.engine, n.rank, n.message.decode()] for n in ep.notifications()]
+            ready, _, _ = select.select([sys.stdin], [], [], 0.001)
+            if ready:
+                line = sys.stdin.readline()
+                if not line or line.strip() == "quit":
+                    break
+        grace = time.monotonic() + 0.2  # a notification may trail its transfer a moment
+        while time.monotonic() < grace:
+            notes += [[n.engine, n.rank, n.message.decode()] for n in ep.notifications()]
+            time.sleep(1e-3)
+    digests = [hashlib.sha256(b.tobytes()).hexdigest() for b in bufs]
+    print(json.dumps({"notifications": notes, "sha256": digests}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Shared helpers of the NIXL executor tests: engines of real endpoints and an exact check.
+
+Sources are filled by the independent oracle (``tests/oracle.py``: every byte a hash of its
+logical coordinates), destinations with a sentinel; after a transfer each destination rank must
+equal ``oracle.expected_destination`` byte for byte, untouched bytes included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from kvplan import EngineSpec, pull_map, push_map, simulate
+from kvplan_nixl import Endpoint
+from tests import oracle
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ZERO = {"xfer": 0, "dlist": 0, "remote_agents": 0, "registrations": 0, "transfers": 0}
+
+
+def spec(tp: int, *regions: dict) -> EngineSpec:
+    return EngineSpec.from_dict({"tp_size": tp, "regions": list(regions)})
+
+
+def attn(name="layers.0.attn", *, heads=4, dim=64, nb=32, bs=16, layout="HND", kv="split",
+         group=0, window=None, dtype="bfloat16") -> dict:
+    return {"name": name, "kind": "attention", "group": group, "num_blocks": nb,
+            "block_size": bs, "dtype": dtype, "num_kv_heads": heads, "head_dim": dim,
+            "layout": layout, "kv": kv, "window": window}
+
+
+def mla(name="draft.0.mla", *, dim=576, nb=32, bs=16, group=0, kind="mla",
+        dtype="bfloat16") -> dict:
+    return {"name": name, "kind": kind, "group": group, "num_blocks": nb, "block_size": bs,
+            "dtype": dtype, "dim": dim}
+
+
+class Pair:
+    """A source and a destination engine, one real Endpoint per rank, in this process."""
+
+    def __init__(self, src: EngineSpec, dst: EngineSpec, *, telemetry: bool = False) -> None:
+        self.src, self.dst = src, dst
+        self.src_bufs = oracle.source_buffers(src.to_dict(), seed=3)
+        self.dst_bufs = oracle.destination_buffers(dst.to_dict(), seed=4)
+        self.before = {k: v.copy() for k, v in self.dst_bufs.items()}
+        self.p: list[Endpoint] = []
+        self.d: list[Endpoint] = []
+        try:
+            for r in range(src.tp_size):
+                bufs = [self.src_bufs[(r, i)] for i in range(len(src.regions))]
+                self.p.append(Endpoint("prefill", src, r, bufs, telemetry=telemetry))
+            for r in range(dst.tp_size):
+                bufs = [self.dst_bufs[(r, i)] for i in range(len(dst.regions))]
+                self.d.append(Endpoint("decode", dst, r, bufs, telemetry=telemetry))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return self.p + self.d
+
+    def connect(self, mode: str) -> None:
+        initiators, targets = (self.d, self.p) if mode == "pull" else (self.p, self.d)
+        metas = [t.metadata() for t in targets]
+        for ep in initiators:
+            for m in metas:
+                ep.connect(m, mode=mode)
+
+    def plans(self, mode: str, src_blocks, dst_blocks):
+        if mode == "pull":
+            maps = [pull_map(self.src, self.dst, r) for r in range(self.dst.tp_size)]
+        else:
+            maps = [push_map(self.src, self.dst, r) for r in range(self.src.tp_size)]
+        return [m.plan(src_blocks, dst_blocks) for m in maps]
+
+    def run(self, mode: str, src_blocks, dst_blocks, *, notify=None, timeout=30.0):
+        """Plan on every initiator rank, post all, wait all; returns the transfers."""
+        initiators, targets = (self.d, self.p) if mode == "pull" else (self.p, self.d)
+        remote = "prefill" if mode == "pull" else "decode"
+        posted = []
+        for ep in initiators:
+            plan = ep.map(remote, mode).plan(src_blocks, dst_blocks)
+            post = ep.read if mode == "pull" else ep.write
+            posted.append(post(plan, remote, notify=notify))
+        for t in posted:
+            t.wait(timeout, progress=targets)
+        return posted
+
+    def check(self, src_blocks, dst_blocks, plans=()) -> int:
+        """Every destination byte equals the oracle's expectation; returns bytes checked.
+
+        With ``plans``, first checks that NIXL moved exactly what ``kvplan.simulate`` moves for
+        them (the executor's own contract), then the oracle (the whole stack's).
+        """
+        if plans:
+            ref = {k: v.copy() for k, v in self.before.items()}
+            for plan in plans:
+                simulate(plan, self.src_bufs, ref)
+            for k, want in ref.items():
+                if not np.array_equal(self.dst_bufs[k], want):
+                    bad = np.flatnonzero(self.dst_bufs[k] != want)
+                    raise AssertionError(
+                        f"executor differs from kvplan.simulate on decode rank {k[0]} region "
+                        f"{k[1]}: {bad.size} bytes, first at {int(bad[0])}"
+                    )
+        checked = 0
+        sd, dd = self.src.to_dict(), self.dst.to_dict()
+        for r in range(self.dst.tp_size):
+            expected, _ = oracle.expected_destination(
+                sd, dd, src_blocks, dst_blocks, r, self.src_bufs, self.before
+            )
+            for j, exp in expected.items():
+                got = self.dst_bufs[(r, j)]
+                if not np.array_equal(got, exp):
+                    bad = np.flatnonzero(got != exp)
+                    raise AssertionError(
+                        f"decode rank {r} region {self.dst.regions[j].name}: {bad.size} bytes "
+                        f"differ, first at {int(bad[0])}"
+                    )
+                checked += exp.size
+        return checked
+
+    def close(self) -> None:
+        for ep in self.p + self.d:
+            ep.close()
+
+
+@contextlib.contextmanager
+def pair(src: EngineSpec, dst: EngineSpec, **kw) -> Iterator[Pair]:
+    pr = Pair(src, dst, **kw)
+    try:
+        yield pr
+    finally:
+        pr.close()
+    for ep in pr.endpoints:
+        assert ep.handles() == ZERO, ep.handles()
+
+
+def notifications(endpoints, expected: int, timeout: float = 10.0) -> list[tuple]:
+    """``(receiver rank, Notification)`` pairs, progressing until ``expected`` have arrived.
+
+    A notification travels separately from the data, so it may land a moment after the
+    initiator saw its transfer done.
+    """
+    got: list[tuple] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        got += [(ep.rank, n) for ep in endpoints for n in ep.notifications()]
+        if len(got) >= expected or time.monotonic() > deadline:
+            return got
+        time.sleep(1e-3)
+
+
+def blocks(rng: np.random.Generator, spec: EngineSpec, n: int | Sequence[int]) -> list[list[int]]:
+    """Distinct random block ids, ``n`` (or ``n[g]``) per group."""
+    out = []
+    for g in range(spec.num_groups):
+        k = n if isinstance(n, int) else n[g]
+        limit = min(r.num_blocks for r in spec.regions if r.group == g)
+        out.append(rng.permutation(limit)[:k].tolist())
+    return out
+
+
+def peer_cmd(*args: str) -> list[str]:
+    return [sys.executable, os.path.join(REPO, "tests", "nixl_peer.py"), *args]
+
+
+def peer_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    return env
