@@ -215,8 +215,9 @@ def _lanes_for_dst_rank(
 ) -> list[Lane]:
     lanes = []
     t_rank = dst_rank % dst.tp_size
+    held = set(dst.regions_on(dst_rank))
     for i, j in pairs:
-        if j not in dst.regions_on(dst_rank):
+        if j not in held:
             continue
         sr, dr = src.regions[i], dst.regions[j]
         src_stage_base = src.stage_of(i) * src.tp_size
