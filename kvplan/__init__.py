@@ -8,8 +8,13 @@ The whole public API::
     plan = tmap.plan(src_blocks, dst_blocks)          # once per request: numpy only
     plan.copies()                                     # read-only structured array of byte runs
     simulate(plan, src_buffers, dst_buffers)          # reference executor over numpy buffers
+
+Seeing plans (notebooks, ``kvplan[view]``): ``EngineSpec.from_hf_config(config_json, tp_size=8)``,
+``presets.spec("llama-3.1-70b", tp_size=8)``, ``plan.to_pandas()``, ``plan.plot()``,
+``plot_rank_map(plans)``; specs, maps and plans render as HTML tables in Jupyter.
 """
 
+from kvplan import presets
 from kvplan.errors import IncompatibleLayoutError, KVPlanError, RequestError, SpecError
 from kvplan.layout import RankLayout, rank_layout
 from kvplan.placement import HeadSource, Placement, head_sources, held_heads, holders
@@ -17,6 +22,7 @@ from kvplan.plan import COPY_DTYPE, TransferPlan
 from kvplan.planner import Lane, Mode, TransferMap, pull_map, push_map
 from kvplan.simulate import simulate
 from kvplan.spec import DTYPE_SIZES, KV, EngineSpec, Kind, Layout, RegionSpec
+from kvplan.views import plot_rank_map, rank_map
 
 __all__ = [
     "COPY_DTYPE",
@@ -40,9 +46,12 @@ __all__ = [
     "head_sources",
     "held_heads",
     "holders",
+    "plot_rank_map",
+    "presets",
     "pull_map",
     "push_map",
     "rank_layout",
+    "rank_map",
     "simulate",
 ]
 __version__ = "0.1.0"

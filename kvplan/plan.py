@@ -274,3 +274,25 @@ class TransferPlan(ReadOnlyArrays):
 
     def __str__(self) -> str:
         return self.summary()
+
+    def _repr_html_(self) -> str:
+        """Per peer rank, an HTML table of this request's bytes and runs (notebooks)."""
+        from kvplan.views import plan_html
+
+        return plan_html(self)
+
+    def to_pandas(self):
+        """The copies as a pandas DataFrame with region names (needs pandas: ``kvplan[view]``)."""
+        from kvplan.views import plan_frame
+
+        return plan_frame(self)
+
+    def plot(self, ax=None):
+        """Draw this plan's rank map with matplotlib (``kvplan[view]``); returns the Figure.
+
+        For the whole picture of an engine pair, pass every rank's plan to
+        :func:`kvplan.plot_rank_map`.
+        """
+        from kvplan.views import plot_rank_map
+
+        return plot_rank_map(self, ax=ax)

@@ -318,6 +318,24 @@ class TransferMap:
             f"peers={list(self.peers)})"
         )
 
+    def _repr_html_(self) -> str:
+        """Per peer rank, an HTML table of what one destination block costs (notebooks)."""
+        from kvplan.views import map_html
+
+        return map_html(self)
+
+    def to_pandas(self):
+        """One row per lane as a pandas DataFrame (needs pandas: ``kvplan[view]``)."""
+        from kvplan.views import map_frame
+
+        return map_frame(self)
+
+    def plot(self, ax=None):
+        """Draw this map's rank map with matplotlib (``kvplan[view]``); returns the Figure."""
+        from kvplan.views import plot_rank_map
+
+        return plot_rank_map(self, ax=ax)
+
 
 def _streams(region) -> str:
     """Stream notation for summaries: K+V, K (key only), or the parts of a state slot."""

@@ -543,3 +543,31 @@ class EngineSpec:
         lines = [f"EngineSpec tp={self.tp_size}{pp}, {len(self.regions)} regions"]
         lines += [f"  {i}: {r}" for i, r in enumerate(self.regions)]
         return "\n".join(lines)
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Any, *, tp_size: int, block_size: int = 16, num_blocks: int = 1024,
+        dtype: str | None = None, pp_size: int = 1, draft: Any = None, **kwargs: Any,
+    ) -> EngineSpec:
+        """A spec from a Hugging Face ``config.json`` (a dict, or a path; nothing downloaded).
+
+        Families, fields read, ``draft`` and the other options (``layout``, ``kv``,
+        ``state_dtype``, ``family``): :func:`kvplan.hf.from_hf_config`.
+        """
+        from kvplan.hf import from_hf_config
+
+        return from_hf_config(config, tp_size=tp_size, block_size=block_size,
+                              num_blocks=num_blocks, dtype=dtype, pp_size=pp_size, draft=draft,
+                              **kwargs)
+
+    def _repr_html_(self) -> str:
+        """The regions as an HTML table for notebooks (layers alike on one row)."""
+        from kvplan.views import spec_html
+
+        return spec_html(self)
+
+    def to_pandas(self):
+        """One row per region as a pandas DataFrame (needs pandas: ``kvplan[view]``)."""
+        from kvplan.views import spec_frame
+
+        return spec_frame(self)

@@ -5,14 +5,19 @@ plain data (the JSON engine spec form); :func:`engine_pairs` wraps :func:`spec_p
 :class:`~kvplan.EngineSpec` values, and :func:`requests` takes either form. Importing this module
 needs hypothesis (the ``test`` extra); the rest of kvplan does not.
 
-An engine spec is ``{"tp_size": int, "regions": [region, ...]}``; a region is one of::
+An engine spec is ``{"tp_size": int, "pp_size": int (optional, default 1), "regions": [...]}``;
+a region is one of::
 
     {"name", "kind": "attention", "group", "num_blocks", "block_size", "dtype",
      "num_kv_heads", "head_dim", "layout": "HND"|"NHD", "kv": "split"|"joint", "window"}
     {"name", "kind": "mla"|"indexer", "group", "num_blocks", "block_size", "dtype", "dim"}
+    {"name", "kind": "state", "group", "num_blocks", "dtype",
+     "parts": [{"name", "units", "unit_bytes"}, ...]}
 
-Keys whose value equals the default (``group`` 0, ``window`` None, ``layout`` "HND",
-``kv`` "split") are sometimes left out, to exercise default handling.
+plus, on any kind, the optional ``"pool"`` / ``"page_bytes"`` (shared pools), ``"stage"``
+(pipeline stage) and, on token kinds, ``"kernel_block_size"``. Keys whose value equals the
+default (``group`` 0, ``window`` None, ``layout`` "HND", ``kv`` "split") are sometimes left out,
+to exercise default handling.
 
 A request is ``(src_blocks, dst_blocks)``: two lists indexed by group id, each a list of
 unique block ids of that group on that side.
@@ -38,7 +43,10 @@ __all__ = [
     "region_pairs",
     "requests",
     "spec_pairs",
+    "state_parts",
+    "state_region_pairs",
     "tp_pairs",
+    "unit_counts",
 ]
 
 #: The dtypes the generators use, with their element sizes.
@@ -49,9 +57,23 @@ DTYPES: tuple[str, ...] = tuple(ELEMENT_SIZE)
 
 _TP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _HEAD_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+_UNIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 _BLOCK_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 _DEFAULTS = {"group": 0, "window": None, "layout": "HND", "kv": "split"}
-_NAME = {"attention": "layers.{}.attn", "mla": "draft.{}.mla", "indexer": "layers.{}.indexer"}
+_NAME = {
+    "attention": "layers.{}.attn",
+    "mla": "draft.{}.mla",
+    "indexer": "layers.{}.indexer",
+    "state": "layers.{}.state",
+}
+#: Part names of the state regions generated, after the models that have them.
+_PART_NAMES = (
+    ("x", "B", "C", "ssm"),  # Mamba2 / Nemotron-H: conv parts, then the temporal state
+    ("q_conv", "k_conv", "v_conv", "recurrent"),  # KDA (KimiLinear): four states
+    ("conv", "ssm"),  # GDN (Qwen3-Next)
+)
+#: Extra bytes over the largest block that an explicit ``page_bytes`` may add.
+_PAGE_PADDING = (0, 8, 64, 100)
 
 
 def _divides_either(a: int, b: int) -> bool:
@@ -74,19 +96,33 @@ def head_counts(src_tp: int, dst_tp: int) -> st.SearchStrategy[int]:
     return st.sampled_from(ks)
 
 
+def unit_counts(src_tp: int, dst_tp: int) -> st.SearchStrategy[int]:
+    """State-part units U with ``U % tp == 0 or tp % U == 0`` for both TP sizes (fewer units
+    than ranks included: replicated, as conv B and C groups are)."""
+    us = [u for u in _UNIT_COUNTS if _divides_either(u, src_tp) and _divides_either(u, dst_tp)]
+    return st.sampled_from(us)
+
+
 def block_size_pairs(sizes: Sequence[int] = _BLOCK_SIZES) -> st.SearchStrategy[tuple[int, int]]:
     """(src_block_size, dst_block_size) with one dividing the other; equal sizes favoured."""
     pairs = [(a, b) for a in sizes for b in sizes if _divides_either(a, b)]
     return st.one_of(st.sampled_from(sizes).map(lambda a: (a, a)), st.sampled_from(pairs))
 
 
-def _block_bytes_all_ranks(region: dict, tp: int) -> int:
-    """Bytes of ONE block of ``region`` summed over all ``tp`` ranks."""
+def _rank_block_bytes(region: dict, tp: int) -> int:
+    """Bytes of ONE block (state: one slot) of ``region`` on one rank of a ``tp``-rank stage."""
     e = ELEMENT_SIZE[region["dtype"]]
+    if region["kind"] == "state":
+        return sum(max(1, p["units"] // tp) * p["unit_bytes"] for p in region["parts"])
     bs = region["block_size"]
     if region["kind"] == "attention":
-        return 2 * bs * max(region["num_kv_heads"], tp) * region["head_dim"] * e
-    return tp * bs * region["dim"] * e
+        return 2 * bs * max(1, region["num_kv_heads"] // tp) * region["head_dim"] * e
+    return bs * region["dim"] * e
+
+
+def _block_bytes_all_ranks(region: dict, tp: int) -> int:
+    """Bytes of ONE block of ``region`` summed over all ``tp`` ranks of its stage."""
+    return tp * _rank_block_bytes(region, tp)
 
 
 @st.composite
@@ -102,25 +138,19 @@ def _maybe_omit_defaults(draw, region: dict, omit: bool) -> dict:
 
 
 @st.composite
-def region_pairs(
+def _token_shapes(
     draw,
     index: int,
     src_tp: int,
     dst_tp: int,
-    kinds: Sequence[str] = ("attention", "mla", "indexer"),
-    group: int = 0,
-    max_blocks: int = 64,
-    max_region_bytes: int = 1 << 18,
-    windows: bool = True,
-    omit_defaults: bool = True,
-) -> tuple[dict, dict]:
-    """One region as seen by both engines: (src_region, dst_region).
-
-    Shared across the pair: name, kind, group, dtype, num_kv_heads/head_dim or dim, window.
-    Per side: layout, kv, block_size (one divides the other), num_blocks (sized so that the
-    region's bytes summed over all ranks of that side stay under ``max_region_bytes``, but at
-    least 1 and at most ``max_blocks``).
-    """
+    kinds: Sequence[str],
+    group,
+    windows: bool,
+    kernel_blocks: bool,
+    joint: tuple[bool, bool] = (False, False),
+) -> list[dict]:
+    """A token region (attention / mla / indexer) on both sides, without ``num_blocks``.
+    ``joint[side]`` forces kv "joint" there (an attention region in a pool)."""
     kind = draw(st.sampled_from(tuple(kinds)))
     common: dict = {
         "name": _NAME[kind].format(index),
@@ -136,17 +166,138 @@ def region_pairs(
         common["dim"] = draw(st.integers(3, 40))
     bs_pair = draw(block_size_pairs())
     sides = []
-    for tp, bs in zip((src_tp, dst_tp), bs_pair, strict=True):
+    for bs, force_joint in zip(bs_pair, joint, strict=True):
         region = dict(common)
         region["block_size"] = bs
         if kind == "attention":
             region["layout"] = draw(st.sampled_from(("HND", "NHD")))
-            region["kv"] = draw(st.sampled_from(("split", "joint")))
-        per_block = _block_bytes_all_ranks(region, tp)
-        cap = max(1, min(max_blocks, max_region_bytes // per_block))
+            region["kv"] = "joint" if force_joint else draw(st.sampled_from(("split", "joint")))
+        if kernel_blocks and draw(st.booleans()):
+            region["kernel_block_size"] = draw(
+                st.sampled_from([d for d in range(1, bs + 1) if bs % d == 0])
+            )
+        sides.append(region)
+    return sides
+
+
+@st.composite
+def state_parts(draw, src_tp: int, dst_tp: int, dtype: str = "bfloat16") -> list[dict]:
+    """1..4 parts of a state slot: names after Mamba2 / KDA / GDN, units from
+    :func:`unit_counts`, ``unit_bytes`` a small multiple of the element size."""
+    names = draw(st.sampled_from(_PART_NAMES))
+    n = draw(st.integers(1, len(names)))
+    e = ELEMENT_SIZE[dtype]
+    return [
+        {
+            "name": name,
+            "units": draw(unit_counts(src_tp, dst_tp)),
+            "unit_bytes": e * draw(st.integers(1, 4)),
+        }
+        for name in names[:n]
+    ]
+
+
+@st.composite
+def _state_shapes(draw, index: int, src_tp: int, dst_tp: int, group) -> list[dict]:
+    dtype = draw(st.sampled_from(DTYPES))
+    region = {
+        "name": _NAME["state"].format(index),
+        "kind": "state",
+        "group": group,
+        "dtype": dtype,
+        "parts": draw(state_parts(src_tp, dst_tp, dtype)),
+    }
+    return [dict(region), {**region, "parts": [dict(p) for p in region["parts"]]}]
+
+
+def _blocks_cap(max_blocks: int, budget: int, per_block: int) -> int:
+    return max(1, min(max_blocks, budget // max(1, per_block)))
+
+
+@st.composite
+def region_pairs(
+    draw,
+    index: int,
+    src_tp: int,
+    dst_tp: int,
+    kinds: Sequence[str] = ("attention", "mla", "indexer"),
+    group: int = 0,
+    max_blocks: int = 64,
+    max_region_bytes: int = 1 << 18,
+    windows: bool = True,
+    omit_defaults: bool = True,
+    kernel_blocks: bool = False,
+) -> tuple[dict, dict]:
+    """One token region as seen by both engines: (src_region, dst_region).
+
+    Shared across the pair: name, kind, group, dtype, num_kv_heads/head_dim or dim, window.
+    Per side: layout, kv, block_size (one divides the other), num_blocks (sized so that the
+    region's bytes summed over all ranks of that side stay under ``max_region_bytes``, but at
+    least 1 and at most ``max_blocks``) and, with ``kernel_blocks``, sometimes a
+    ``kernel_block_size`` dividing the block size.
+    """
+    shapes = draw(_token_shapes(index, src_tp, dst_tp, kinds, group, windows, kernel_blocks))
+    sides = []
+    for region, tp in zip(shapes, (src_tp, dst_tp), strict=True):
+        cap = _blocks_cap(max_blocks, max_region_bytes, _block_bytes_all_ranks(region, tp))
         region["num_blocks"] = draw(st.integers(1, cap))
         sides.append(draw(_maybe_omit_defaults(region, omit_defaults)))
     return sides[0], sides[1]
+
+
+@st.composite
+def state_region_pairs(
+    draw,
+    index: int,
+    src_tp: int,
+    dst_tp: int,
+    group: int = 0,
+    max_blocks: int = 64,
+    max_region_bytes: int = 1 << 18,
+) -> tuple[dict, dict]:
+    """One state region as seen by both engines: same name, group, dtype and parts; slots
+    (``num_blocks``) per side, sized like :func:`region_pairs`."""
+    shapes = draw(_state_shapes(index, src_tp, dst_tp, group))
+    for region, tp in zip(shapes, (src_tp, dst_tp), strict=True):
+        cap = _blocks_cap(max_blocks, max_region_bytes, _block_bytes_all_ranks(region, tp))
+        region["num_blocks"] = draw(st.integers(1, cap))
+    return shapes[0], shapes[1]
+
+
+def _default_stages(n: int, pp: int) -> list[int]:
+    base, extra = divmod(n, pp)
+    return [s for s in range(pp) for _ in range(base + (1 if s < extra else 0))]
+
+
+@st.composite
+def _assign_stages(draw, items: list[list[dict]], pp: int, max_pp: int) -> dict:
+    """Engine-level keys for one side and stage keys on its regions (``items`` in that side's
+    order; the regions of an item, a pool's, stay in one stage)."""
+    if max_pp == 1:
+        return {}
+    extra: dict = {}
+    if pp > 1 or draw(st.booleans()):
+        extra["pp_size"] = pp
+    if pp == 1 and draw(st.integers(0, 4)) > 0:
+        return extra
+    regions = [r for item in items for r in item]
+    default = _default_stages(len(regions), pp)
+    item_of = [k for k, item in enumerate(items) for _ in item]
+    pool_ok = all(
+        len({default[x] for x in range(len(regions)) if item_of[x] == k}) == 1
+        for k, item in enumerate(items)
+        if item[0].get("pool") is not None
+    )
+    if pool_ok and draw(st.booleans()):
+        return extra
+    # Explicit stages: cut the items into pp non-empty contiguous runs.
+    cuts = sorted(draw(st.lists(st.integers(1, len(items) - 1), min_size=pp - 1,
+                                max_size=pp - 1, unique=True))) if pp > 1 else []
+    stage_of_item = [sum(k >= c for c in cuts) for k in range(len(items))]
+    for k, item in enumerate(items):
+        for r in item:
+            r["stage"] = stage_of_item[k]
+    return extra
 
 
 @st.composite
@@ -160,45 +311,128 @@ def spec_pairs(
     max_bytes: int = 1 << 20,
     windows: bool = True,
     omit_defaults: bool = True,
+    state: bool = True,
+    pools: bool = True,
+    kernel_blocks: bool = True,
+    max_pp: int = 2,
 ) -> tuple[dict, dict]:
     """Two compatible engine specs (src_dict, dst_dict), e.g. prefill and decode.
 
-    - TP sizes come from :func:`tp_pairs` (one divides the other, up to ``max_tp``).
-    - 1..``max_regions`` regions of the given ``kinds``, paired by name; each attention
-      region's num_kv_heads divides or is a multiple of both TP sizes.
-    - layout / kv / block_size / num_blocks chosen independently per side (block sizes divide
-      one another); an optional sliding window on attention regions (``windows=True``).
-    - regions spread over up to ``max_groups`` groups, numbered 0..G-1 with none empty; the
-      same group on both sides.
-    - the destination's region order is a shuffle of the source's.
+    - TP sizes come from :func:`tp_pairs` (one divides the other, up to ``max_tp``); PP sizes
+      1..``max_pp``, independently per side.
+    - 1..``max_regions`` items (at least the larger PP size), each a token region of the given
+      ``kinds`` (attention heads divide or are a multiple of both TP sizes), with ``state`` a
+      state region (parts from :func:`state_parts`), or with ``pools`` a shared pool of two
+      regions in different groups (a token region with a state region, or two token regions),
+      pooled on both sides or on one. A pooled attention region is kv "joint"; sometimes the
+      pool gives an explicit ``page_bytes``.
+    - layout / kv / block_size / kernel_block_size (with ``kernel_blocks``) / num_blocks chosen
+      independently per side (block sizes divide one another); an optional sliding window on
+      attention regions (``windows=True``).
+    - token regions spread over up to ``max_groups`` groups, state regions over up to 2 other
+      groups (a group holds state regions only or none), numbered 0..G-1 in source order with
+      none empty; the same group on both sides.
+    - the destination's region order is a shuffle of the source's (a pool's regions stay
+      adjacent); each side's regions are cut into its PP stages by position or, sometimes (and
+      always where the positional cut would split a pool), by explicit ``stage`` keys.
     - total bytes of each engine (all ranks, all regions) stay under about ``max_bytes``
       (one block per region is always allowed, so tiny budgets may be exceeded).
+
+    ``spec_pairs(state=False, pools=False, kernel_blocks=False, max_pp=1)`` gives TP-only,
+    non-hybrid pairs with no ``pp_size``, ``stage``, ``pool`` or ``kernel_block_size`` keys.
     """
     src_tp, dst_tp = draw(tp_pairs(max_tp))
-    n = draw(st.integers(1, max_regions))
-    raw_groups = [draw(st.integers(0, max_groups - 1)) for _ in range(n)]
-    relabel = {g: i for i, g in enumerate(dict.fromkeys(raw_groups))}
-    per_region = max(1, max_bytes // n)
-    src_regions, dst_regions = [], []
-    for i in range(n):
-        s, d = draw(
-            region_pairs(
-                i,
-                src_tp,
-                dst_tp,
-                kinds=kinds,
-                group=relabel[raw_groups[i]],
-                max_blocks=max_blocks,
-                max_region_bytes=per_region,
-                windows=windows,
-                omit_defaults=omit_defaults,
-            )
-        )
-        src_regions.append(s)
-        dst_regions.append(d)
-    order = draw(st.permutations(range(n)))
-    dst_regions = [dst_regions[k] for k in order]
-    return {"tp_size": src_tp, "regions": src_regions}, {"tp_size": dst_tp, "regions": dst_regions}
+    src_pp = draw(st.integers(1, max_pp))
+    dst_pp = draw(st.integers(1, max_pp))
+    n_items = draw(st.integers(max(src_pp, dst_pp), max(max_regions, src_pp, dst_pp)))
+    poolable = [k for k in kinds if k in ("attention", "mla", "indexer")]
+    item_kinds = ["token"]
+    if state:
+        item_kinds += ["state"]
+    if pools and poolable and (state or max_groups >= 2):
+        item_kinds += ["pool"]
+    plans = [draw(st.sampled_from(item_kinds)) for _ in range(n_items)]
+    n_regions = sum(2 if p == "pool" else 1 for p in plans)
+    budget = max(1, max_bytes // n_regions)
+
+    def token_label():
+        return ("t", draw(st.integers(0, max_groups - 1)))
+
+    def state_label():
+        return ("s", draw(st.integers(0, 1)))
+
+    items: list[list[list[dict]]] = []  # item -> member -> [src, dst]
+    index = 0
+    for plan in plans:
+        if plan == "token":
+            items.append([draw(_token_shapes(index, src_tp, dst_tp, kinds, token_label(),
+                                             windows, kernel_blocks))])
+            index += 1
+            continue
+        if plan == "state":
+            items.append([draw(_state_shapes(index, src_tp, dst_tp, state_label()))])
+            index += 1
+            continue
+        pooled = draw(st.sampled_from(((True, True), (True, True), (True, False), (False, True))))
+        first_label = token_label()
+        first = draw(_token_shapes(index, src_tp, dst_tp, poolable, first_label, windows,
+                                   kernel_blocks, joint=pooled))
+        if state and (not (max_groups >= 2) or draw(st.booleans())):
+            second = draw(_state_shapes(index + 1, src_tp, dst_tp, state_label()))
+        else:
+            others = [g for g in range(max_groups) if g != first_label[1]]
+            label = ("t", draw(st.sampled_from(others)))
+            second = draw(_token_shapes(index + 1, src_tp, dst_tp, poolable, label, windows,
+                                        kernel_blocks, joint=pooled))
+        members = [first, second]
+        for side in (0, 1):
+            if pooled[side]:
+                for m in members:
+                    m[side]["pool"] = f"pool.{index}"
+        items.append(members)
+        index += 2
+
+    # num_blocks per side: a pool's allocation is max(num_blocks) * page over its members.
+    for item in items:
+        for side, tp in ((0, src_tp), (1, dst_tp)):
+            regions = [m[side] for m in item]
+            if regions[0].get("pool") is None:
+                for r in regions:
+                    cap = _blocks_cap(max_blocks, budget, _block_bytes_all_ranks(r, tp))
+                    r["num_blocks"] = draw(st.integers(1, cap))
+                continue
+            page = max(_rank_block_bytes(r, tp) for r in regions)
+            if draw(st.booleans()):
+                page += draw(st.sampled_from(_PAGE_PADDING))
+                for r in regions:
+                    r["page_bytes"] = page
+            cap = _blocks_cap(max_blocks, budget * len(regions), page * tp)
+            for r in regions:
+                r["num_blocks"] = draw(st.integers(1, cap))
+
+    # Groups: relabel to 0..G-1 by first appearance in source order.
+    labels = [m[0]["group"] for item in items for m in item]
+    relabel = {g: i for i, g in enumerate(dict.fromkeys(labels))}
+    for item in items:
+        for m in item:
+            for r in m:
+                r["group"] = relabel[r["group"]]
+
+    src_items = [[m[0] for m in item] for item in items]
+    order = draw(st.permutations(range(len(items))))
+    dst_items = []
+    for k in order:
+        members = [m[1] for m in items[k]]
+        dst_items.append(list(draw(st.permutations(members))) if len(members) > 1 else members)
+
+    out = []
+    for side_items, tp, pp in ((src_items, src_tp, src_pp), (dst_items, dst_tp, dst_pp)):
+        extra = draw(_assign_stages(side_items, pp, max_pp))
+        regions = [
+            draw(_maybe_omit_defaults(r, omit_defaults)) for item in side_items for r in item
+        ]
+        out.append({"tp_size": tp, **extra, "regions": regions})
+    return out[0], out[1]
 
 
 def _num_groups(*specs: dict) -> int:
@@ -241,8 +475,17 @@ def block_lists(draw, num_blocks: int, length: int | None = None) -> list[int]:
 def _first_block_size(spec: dict, group: int) -> int | None:
     for r in spec["regions"]:
         if r.get("group", 0) == group:
-            return r["block_size"]
+            return r.get("block_size")
     return None
+
+
+def _is_state_group(spec: dict, group: int) -> bool:
+    return any(r["kind"] == "state" for r in spec["regions"] if r.get("group", 0) == group)
+
+
+def _group_pools(spec: dict, group: int) -> set[str]:
+    return {r["pool"] for r in spec["regions"]
+            if r.get("group", 0) == group and r.get("pool") is not None}
 
 
 def engine_pairs(**kwargs) -> st.SearchStrategy[tuple[EngineSpec, EngineSpec]]:
@@ -260,24 +503,42 @@ def requests(
     The specs may be dicts or :class:`~kvplan.EngineSpec` values.
 
     Block ids are unique within each list and lie below the smallest ``num_blocks`` of the
-    group's regions on that side. Lengths on the two sides are either independent (any,
-    including empty) or matched: enough destination blocks for the source tokens, measured
-    with the block sizes of the group's first region on each side.
+    group's regions on that side; on each side, groups whose regions share a pool get
+    disjoint ids. A group of state regions gets equally long lists on both sides (slot j goes
+    to slot j). Other groups' lengths are either independent (any, including empty) or
+    matched: enough destination blocks for the source tokens, measured with the block sizes of
+    the group's first region on each side.
     """
     if isinstance(src_dict, EngineSpec):
         src_dict = src_dict.to_dict()
     if isinstance(dst_dict, EngineSpec):
         dst_dict = dst_dict.to_dict()
+    sides = (src_dict, dst_dict)
+    used: tuple[dict[str, set[int]], dict[str, set[int]]] = ({}, {})
     g_count = _num_groups(src_dict, dst_dict)
     src_blocks, dst_blocks = [], []
     for g in range(g_count):
-        n_src, n_dst = _block_range(src_dict, g), _block_range(dst_dict, g)
-        slist = draw(block_lists(n_src))
-        dst_len = None
-        bs_s, bs_d = _first_block_size(src_dict, g), _first_block_size(dst_dict, g)
-        if bs_s and bs_d and draw(st.booleans()):
-            dst_len = int(np.ceil(len(slist) * bs_s / bs_d))
-        dlist = draw(block_lists(n_dst, dst_len))
+        avail = []
+        for spec, taken in zip(sides, used, strict=True):
+            banned = set().union(*(taken.get(p, set()) for p in _group_pools(spec, g)))
+            avail.append([b for b in range(_block_range(spec, g)) if b not in banned])
+
+        def pick(ids: list[int], length: int | None) -> list[int]:
+            return [ids[k] for k in draw(block_lists(len(ids), length))]
+
+        if _is_state_group(src_dict, g) or _is_state_group(dst_dict, g):
+            length = draw(st.integers(0, min(len(avail[0]), len(avail[1]))))
+            slist, dlist = pick(avail[0], length), pick(avail[1], length)
+        else:
+            slist = pick(avail[0], None)
+            dst_len = None
+            bs_s, bs_d = _first_block_size(src_dict, g), _first_block_size(dst_dict, g)
+            if bs_s and bs_d and draw(st.booleans()):
+                dst_len = int(np.ceil(len(slist) * bs_s / bs_d))
+            dlist = pick(avail[1], dst_len)
+        for spec, taken, ids in zip(sides, used, (slist, dlist), strict=True):
+            for p in _group_pools(spec, g):
+                taken.setdefault(p, set()).update(ids)
         src_blocks.append(slist)
         dst_blocks.append(dlist)
     return src_blocks, dst_blocks

@@ -1,29 +1,58 @@
 """Reference oracle for kvplan tests.
 
-This module is an *independent* re-derivation of sections 2-4 of ``docs/domain.md`` (TP
-placement of heads, request semantics, and the physical byte layouts), written without looking
-at the planner. It works on plain JSON-like spec dicts and numpy ``uint8`` buffers and answers
-one question: after a correct transfer, what must every byte of a destination rank hold, and
-which bytes must have been written?
+This module is an *independent* re-derivation of ``docs/domain.md`` sections 2-4 and 7 (TP
+placement of heads and state units, request semantics, physical byte layouts, shared pools,
+kernel blocks, pipeline stages), written without looking at the planner. It works on plain
+JSON-like spec dicts and numpy ``uint8`` buffers and answers one question: after a correct
+transfer, what must every byte of a destination rank hold, and which bytes must have been
+written?
 
 It is deliberately simple rather than fast or clever: every copied element is located by its
-logical coordinates (token position, stream, global head, feature, byte) on both sides, and the
-byte offsets come straight from the table in domain.md section 4.
+logical coordinates (token position, stream, global head, feature, byte; or slot, part, global
+unit, byte) on both sides, and the byte offsets come straight from the formulas below. The
+source buffers are filled through numpy views built with reshape/transpose only (no offset
+arithmetic), so the two paths check each other.
 
 Spec dict (one engine)::
 
-    {"tp_size": 4,
+    {"tp_size": 4, "pp_size": 1,
      "regions": [
        {"name": "layers.0.attn", "kind": "attention", "group": 0, "num_blocks": 1024,
         "block_size": 16, "dtype": "bfloat16", "num_kv_heads": 8, "head_dim": 128,
-        "layout": "HND", "kv": "split", "window": None},
+        "layout": "HND", "kv": "split", "window": None, "kernel_block_size": 16},
        {"name": "draft.0.mla", "kind": "mla", "num_blocks": 1024, "block_size": 16,
-        "dtype": "bfloat16", "dim": 576}]}
+        "dtype": "bfloat16", "dim": 576, "pool": "p0"},
+       {"name": "layers.1.kda", "kind": "state", "group": 1, "num_blocks": 64,
+        "dtype": "bfloat16", "pool": "p0",
+        "parts": [{"name": "x", "units": 8, "unit_bytes": 6}, ...]}]}
 
-Defaults: ``group`` 0, ``window`` None, ``layout`` "HND", ``kv`` "split".
+Defaults: ``pp_size`` 1; ``group`` 0, ``pool`` None, ``page_bytes`` None, ``stage`` None (by
+position); token kinds also ``window`` None, ``layout`` "HND", ``kv`` "split",
+``kernel_block_size`` = ``block_size``.
 
-Buffers are dicts keyed ``(rank, region_index)`` holding one flat ``uint8`` array per region
-per rank, of ``rank_region_nbytes`` bytes.
+Semantics (the contract the planner follows too):
+
+- TP placement: a rank holds ``max(1, K // tp)`` of ``K`` heads (of ``U`` units for each state
+  part); with ``K >= tp`` rank ``r`` holds ``[r*K/tp, (r+1)*K/tp)``, else head ``r*K//tp``.
+- Token regions (attention / mla / indexer): logical block ``L`` with ``n = block_size //
+  kernel_block_size`` is laid out as kernel blocks ``L*n .. L*n+n-1`` of a region with
+  ``block_size = kernel_block_size`` and ``num_blocks * n`` blocks (domain.md section 4 table).
+- State regions: a block is a slot; on a rank slot ``b`` starts at ``b * slot_bytes``, part
+  ``p`` at the sum of the earlier parts' local sizes, local unit ``u`` at ``+ u * unit_bytes``.
+- Pools: regions naming the same ``pool`` share one buffer per rank; block ``b`` of each starts
+  at ``b * page_bytes`` (the largest per-rank block size of the pool's regions, or the explicit
+  ``page_bytes``); inside a page the region's block has its normal (joint / kernel) layout.
+  The pool's buffer holds ``max(num_blocks) * page_bytes`` bytes.
+- Pipeline stages: regions are cut in spec order into ``pp_size`` contiguous ranges (earlier
+  stages take one more) unless every region names its ``stage``; flat rank = ``pp_rank * tp +
+  tp_rank`` and a rank holds only its stage's regions.
+- Requests: ``blocks[g]`` lists group ``g``'s block ids. Token regions copy token positions
+  ``copied_positions(...)``; state regions copy slot ``src[g][j]`` to slot ``dst[g][j]`` for
+  every ``j`` (equal lengths), all parts.
+
+Buffers are dicts keyed ``(flat rank, region_index)`` holding one flat ``uint8`` array per
+region per rank (of ``rank_region_nbytes`` bytes), only for the regions of the rank's stage;
+every region of a pool maps to the same array object.
 """
 
 from __future__ import annotations
@@ -43,8 +72,13 @@ ELEMENT_SIZE: dict[str, int] = {
 
 SPLIT_KINDS = ("attention",)
 REPLICATE_KINDS = ("mla", "indexer")
+TOKEN_KINDS = SPLIT_KINDS + REPLICATE_KINDS
+STATE_KINDS = ("state",)
 
-_DEFAULTS = {"group": 0, "window": None, "layout": "HND", "kv": "split"}
+_COMMON_DEFAULTS = {"group": 0, "pool": None, "page_bytes": None, "stage": None}
+_DEFAULTS = {"window": None, "layout": "HND", "kv": "split", "kernel_block_size": None}
+_TOKEN_ONLY = ("block_size", "layout", "kv", "window", "num_kv_heads", "head_dim", "dim",
+               "kernel_block_size")
 
 # ---------------------------------------------------------------------------------------------
 # Region helpers
@@ -53,16 +87,38 @@ _DEFAULTS = {"group": 0, "window": None, "layout": "HND", "kv": "split"}
 
 def normalize_region(region: Mapping) -> dict:
     """Return a copy of ``region`` with the defaults applied and basic sanity checks done."""
-    r = dict(_DEFAULTS)
-    r.update(region)
-    kind = r["kind"]
-    if kind not in SPLIT_KINDS + REPLICATE_KINDS:
+    kind = region["kind"]
+    r = dict(_COMMON_DEFAULTS)
+    if kind in STATE_KINDS:
+        extra = [k for k in _TOKEN_ONLY if k in region]
+        if extra:
+            raise ValueError(f"state region {region['name']!r} has token keys {extra}")
+        r.update(region)
+        parts = [dict(p) for p in r["parts"]]
+        if not parts or len({p["name"] for p in parts}) != len(parts):
+            raise ValueError(f"state region {r['name']!r}: parts empty or names repeated")
+        for p in parts:
+            for key in ("units", "unit_bytes"):
+                if not isinstance(p[key], int) or p[key] <= 0:
+                    raise ValueError(f"state region {r['name']!r}: bad {key} in {p}")
+        r["parts"] = parts
+    elif kind in TOKEN_KINDS:
+        r.update(_DEFAULTS)
+        r.update(region)
+        if r["kernel_block_size"] is None:
+            r["kernel_block_size"] = r["block_size"]
+        if r["block_size"] % r["kernel_block_size"]:
+            raise ValueError(f"region {r['name']!r}: kernel_block_size does not divide block_size")
+        if kind in SPLIT_KINDS and (
+            r["layout"] not in ("NHD", "HND") or r["kv"] not in ("split", "joint")
+        ):
+            raise ValueError(f"bad layout/kv {r['layout']!r}/{r['kv']!r}")
+        if r["pool"] is not None and kind in SPLIT_KINDS and r["kv"] != "joint":
+            raise ValueError(f"region {r['name']!r}: a pooled attention region must be joint")
+    else:
         raise ValueError(f"unknown kind {kind!r}")
     if r["dtype"] not in ELEMENT_SIZE:
         raise ValueError(f"unknown dtype {r['dtype']!r}")
-    if kind in SPLIT_KINDS:
-        if r["layout"] not in ("NHD", "HND") or r["kv"] not in ("split", "joint"):
-            raise ValueError(f"bad layout/kv {r['layout']!r}/{r['kv']!r}")
     return r
 
 
@@ -70,8 +126,12 @@ def is_split(region: Mapping) -> bool:
     return region["kind"] in SPLIT_KINDS
 
 
+def is_state(region: Mapping) -> bool:
+    return region["kind"] in STATE_KINDS
+
+
 def heads_on_rank(num_kv_heads: int, tp_size: int, rank: int) -> list[int]:
-    """Global KV-head indices held by ``rank``, in local order (domain.md section 2)."""
+    """Global KV-head (or state-unit) indices held by TP ``rank``, in local order (section 2)."""
     k, tp = num_kv_heads, tp_size
     if not (k % tp == 0 or tp % k == 0):
         raise ValueError(f"num_kv_heads {k} and tp_size {tp} do not divide")
@@ -81,9 +141,13 @@ def heads_on_rank(num_kv_heads: int, tp_size: int, rank: int) -> list[int]:
     return [rank * k // tp]
 
 
+units_on_rank = heads_on_rank
+
+
 def _local_heads(region: Mapping, tp_size: int) -> int:
     """H: number of heads held by one rank (1 for replicated kinds: one pseudo-head)."""
     if is_split(region):
+        heads_on_rank(region["num_kv_heads"], tp_size, 0)  # divisibility check
         return max(1, region["num_kv_heads"] // tp_size)
     return 1
 
@@ -96,63 +160,263 @@ def _features(region: Mapping) -> int:
     return region["head_dim"] if is_split(region) else region["dim"]
 
 
-def rank_region_nbytes(region: Mapping, tp_size: int) -> int:
-    """Bytes of ``region`` held by one rank of an engine with ``tp_size`` ranks."""
+def part_layout(region: Mapping, tp_size: int) -> list[tuple[int, int, int]]:
+    """``(start, local_units, unit_bytes)`` of each part of a state slot on one rank."""
     r = normalize_region(region)
+    out, start = [], 0
+    for p in r["parts"]:
+        heads_on_rank(p["units"], tp_size, 0)  # divisibility check
+        lu = max(1, p["units"] // tp_size)
+        out.append((start, lu, p["unit_bytes"]))
+        start += lu * p["unit_bytes"]
+    return out
+
+
+def rank_block_nbytes(region: Mapping, tp_size: int) -> int:
+    """Bytes of ONE logical block (state: one slot) of ``region`` on one rank."""
+    r = normalize_region(region)
+    if is_state(r):
+        return sum(lu * ub for _, lu, ub in part_layout(r, tp_size))
     e = ELEMENT_SIZE[r["dtype"]]
-    nb, bs = r["num_blocks"], r["block_size"]
-    if is_split(r):
-        h = max(1, r["num_kv_heads"] // tp_size)
-        return 2 * nb * bs * h * r["head_dim"] * e
-    return nb * bs * r["dim"] * e
+    return _num_streams(r) * r["block_size"] * _local_heads(r, tp_size) * _features(r) * e
 
 
-def element_offset(region: Mapping, tp_size: int, s, b, h, t, f):
-    """Byte offset of element (stream s, block b, LOCAL head h, token t, feature f).
+def _spec_regions(spec: Mapping) -> list[dict]:
+    return [normalize_region(r) for r in spec["regions"]]
 
-    Literal transcription of the table in domain.md section 4. Arguments may be numpy arrays
-    (broadcast together); ``h`` and ``s`` are ignored for MLA / indexer regions.
+
+def pool_members(spec: Mapping, index: int) -> list[int]:
+    """Indices (spec order) of the regions sharing region ``index``'s pool (itself if none)."""
+    regions = _spec_regions(spec)
+    pool = regions[index]["pool"]
+    if pool is None:
+        return [index]
+    return [i for i, r in enumerate(regions) if r["pool"] == pool]
+
+
+def page_nbytes(spec: Mapping, index: int) -> int:
+    """Bytes from one block of region ``index`` to the next on a rank: the pool's page size
+    for a pooled region, the region's own block size otherwise."""
+    regions = _spec_regions(spec)
+    tp = spec["tp_size"]
+    members = [regions[i] for i in pool_members(spec, index)]
+    sizes = [rank_block_nbytes(m, tp) for m in members]
+    if regions[index]["pool"] is None:
+        return sizes[0]
+    given = [m["page_bytes"] for m in members]
+    if all(g is None for g in given):
+        return max(sizes)
+    if any(g is None for g in given) or len(set(given)) != 1:
+        raise ValueError(f"pool {regions[index]['pool']!r}: page_bytes given on some regions "
+                         f"or with different values: {given}")
+    if given[0] < max(sizes):
+        raise ValueError(f"pool {regions[index]['pool']!r}: page_bytes {given[0]} is smaller "
+                         f"than a block of {max(sizes)} bytes")
+    return given[0]
+
+
+def rank_region_nbytes(region: Mapping, tp_size: int, spec: Mapping | None = None) -> int:
+    """Bytes of ``region``'s buffer on one rank of an engine with ``tp_size`` ranks per stage.
+
+    For a pooled region this is the pool's allocation, ``max(num_blocks) * page_bytes`` over
+    the pool's regions, and ``spec`` (the engine holding it) is required.
+    """
+    r = normalize_region(region)
+    if r["pool"] is None:
+        return r["num_blocks"] * rank_block_nbytes(r, tp_size)
+    if spec is None:
+        raise ValueError(f"region {r['name']!r} is pooled: pass the spec")
+    if spec["tp_size"] != tp_size:
+        raise ValueError("tp_size differs from the spec's")
+    index = [x["name"] for x in _spec_regions(spec)].index(r["name"])
+    members = pool_members(spec, index)
+    return max(normalize_region(spec["regions"][i])["num_blocks"] for i in members) * (
+        page_nbytes(spec, index)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine helpers: groups, pools, stages
+# ---------------------------------------------------------------------------------------------
+
+
+def world_size(spec: Mapping) -> int:
+    """Number of flat ranks: ``pp_size * tp_size``."""
+    return spec.get("pp_size", 1) * spec["tp_size"]
+
+
+def region_stages(spec: Mapping) -> list[int]:
+    """Pipeline stage of each region (spec order)."""
+    pp = spec.get("pp_size", 1)
+    regions = _spec_regions(spec)
+    given = [r["stage"] for r in regions]
+    if all(s is None for s in given):
+        n = len(regions)
+        base, extra = divmod(n, pp)
+        stages = []
+        for s in range(pp):
+            stages += [s] * (base + (1 if s < extra else 0))
+    elif any(s is None for s in given):
+        raise ValueError("stage given on some regions but not all")
+    else:
+        if any(not (0 <= s < pp) for s in given):
+            raise ValueError(f"stage out of range 0..{pp - 1}: {given}")
+        stages = list(given)
+    for i, r in enumerate(regions):
+        if r["pool"] is not None:
+            if len({stages[m] for m in pool_members(spec, i)}) != 1:
+                raise ValueError(f"pool {r['pool']!r} spans several stages")
+    return stages
+
+
+def rank_regions(spec: Mapping, rank: int) -> list[int]:
+    """Region indices held by flat ``rank``."""
+    if not 0 <= rank < world_size(spec):
+        raise ValueError(f"rank {rank} out of range")
+    stage = rank // spec["tp_size"]
+    return [i for i, s in enumerate(region_stages(spec)) if s == stage]
+
+
+def check_spec(spec: Mapping) -> list[dict]:
+    """Validate the engine-level rules; return the normalised regions."""
+    regions = _spec_regions(spec)
+    if len({r["name"] for r in regions}) != len(regions):
+        raise ValueError("region names repeat")
+    kinds_by_group: dict[int, set[bool]] = {}
+    for r in regions:
+        kinds_by_group.setdefault(r["group"], set()).add(is_state(r))
+    for g, ks in kinds_by_group.items():
+        if len(ks) > 1:
+            raise ValueError(f"group {g} mixes state and token regions")
+    for i, r in enumerate(regions):
+        if r["pool"] is not None:
+            groups = [regions[m]["group"] for m in pool_members(spec, i)]
+            if len(set(groups)) != len(groups):
+                raise ValueError(f"pool {r['pool']!r}: two regions in one group")
+            page_nbytes(spec, i)
+    region_stages(spec)
+    return regions
+
+
+# ---------------------------------------------------------------------------------------------
+# Offsets (the formulas) and views (reshape / transpose only)
+# ---------------------------------------------------------------------------------------------
+
+
+def element_offset(region: Mapping, tp_size: int, s, b, h, t, f, page_bytes: int | None = None):
+    """Byte offset of element (stream s, LOGICAL block b, LOCAL head h, token t of the logical
+    block, feature f) of a token region, from the region's (or its pool's) base.
+
+    The table of domain.md section 4 applied to the kernel-block region (``block_size =
+    kernel_block_size``, ``num_blocks * n`` blocks, token ``t`` in kernel block ``b*n + t //
+    kbs``). With ``page_bytes`` (pooled) the block starts at ``b * page_bytes`` and the
+    formula is applied with kernel block ``t // kbs`` relative to the page start. Arguments
+    may be numpy arrays (broadcast together); ``h`` and ``s`` are ignored for MLA / indexer.
     """
     r = normalize_region(region)
     e = ELEMENT_SIZE[r["dtype"]]
-    nb, bs = r["num_blocks"], r["block_size"]
+    kbs = r["kernel_block_size"]
+    n = r["block_size"] // kbs
+    if page_bytes is None:
+        base, kb, nb = 0, b * n + t // kbs, r["num_blocks"] * n
+    else:
+        base, kb, nb = b * page_bytes, t // kbs, None
+    tk = t % kbs
     if not is_split(r):
         ff = r["dim"]
-        return ((b * bs + t) * ff + f) * e
+        return base + ((kb * kbs + tk) * ff + f) * e
     hh = _local_heads(r, tp_size)
     d = r["head_dim"]
-    if r["kv"] == "split" and r["layout"] == "NHD":
-        return ((((s * nb + b) * bs + t) * hh + h) * d + f) * e
-    if r["kv"] == "split" and r["layout"] == "HND":
-        return ((((s * nb + b) * hh + h) * bs + t) * d + f) * e
+    if r["kv"] == "split" and page_bytes is None:
+        if r["layout"] == "NHD":
+            return ((((s * nb + kb) * kbs + tk) * hh + h) * d + f) * e
+        return ((((s * nb + kb) * hh + h) * kbs + tk) * d + f) * e
     if r["kv"] == "joint" and r["layout"] == "NHD":
-        return ((((b * 2 + s) * bs + t) * hh + h) * d + f) * e
+        return base + ((((kb * 2 + s) * kbs + tk) * hh + h) * d + f) * e
     if r["kv"] == "joint" and r["layout"] == "HND":
-        return ((((b * 2 + s) * hh + h) * bs + t) * d + f) * e
-    raise AssertionError("unreachable")
+        return base + ((((kb * 2 + s) * hh + h) * kbs + tk) * d + f) * e
+    raise ValueError("a pooled attention region must be joint")
 
 
-def logical_view(region: Mapping, tp_size: int, buf: np.ndarray) -> np.ndarray:
-    """View of one rank's flat buffer as ``[stream, block, local head, token, feature, byte]``.
+def state_offset(region: Mapping, tp_size: int, b, p: int, u, k, page_bytes: int | None = None):
+    """Byte offset of byte ``k`` of LOCAL unit ``u`` of part ``p`` (index) in slot ``b``."""
+    layout = part_layout(region, tp_size)
+    slot = page_bytes if page_bytes is not None else sum(lu * ub for _, lu, ub in layout)
+    start, _, ub = layout[p]
+    return b * slot + start + u * ub + k
 
-    Built from the tensor shapes of domain.md section 4 with reshape/transpose only (no
-    offset arithmetic), so it is an independent check of ``element_offset``. MLA / indexer
+
+def _paged(buf: np.ndarray, page: int, num_blocks: int, block: int) -> np.ndarray:
+    """``[num_blocks, block]`` view of the first ``block`` bytes of each page of ``buf``."""
+    if buf.size % page:
+        raise ValueError(f"buffer of {buf.size} bytes is not a whole number of {page}-byte pages")
+    return buf.reshape(-1, page)[:num_blocks, :block]
+
+
+def _check_view(v: np.ndarray, buf: np.ndarray) -> np.ndarray:
+    assert np.may_share_memory(v, buf), "oracle bug: reshape copied"
+    return v
+
+
+def token_view(
+    region: Mapping, tp_size: int, buf: np.ndarray, page_bytes: int | None = None
+) -> np.ndarray:
+    """View of one rank's buffer as ``[stream, block, local head, kernel block j, token in
+    kernel block, feature, byte]`` (logical token = ``j * kbs + token``).
+
+    Built from the tensor shapes of domain.md section 4 with reshape/transpose only (no offset
+    arithmetic), so it is an independent check of :func:`element_offset`. MLA / indexer
     regions get a stream axis and a head axis of length 1. The result is a view of ``buf``.
     """
     r = normalize_region(region)
     e = ELEMENT_SIZE[r["dtype"]]
-    nb, bs, ff = r["num_blocks"], r["block_size"], _features(r)
-    if not is_split(r):
-        return buf.reshape(nb, bs, ff, e)[None, :, None]
+    nb, kbs, ff = r["num_blocks"], r["kernel_block_size"], _features(r)
+    n = r["block_size"] // kbs
     hh = _local_heads(r, tp_size)
-    kv, layout = r["kv"], r["layout"]
-    if (kv, layout) == ("split", "NHD"):
-        return buf.reshape(2, nb, bs, hh, ff, e).transpose(0, 1, 3, 2, 4, 5)
-    if (kv, layout) == ("split", "HND"):
-        return buf.reshape(2, nb, hh, bs, ff, e)
-    if (kv, layout) == ("joint", "NHD"):
-        return buf.reshape(nb, 2, bs, hh, ff, e).transpose(1, 0, 3, 2, 4, 5)
-    return buf.reshape(nb, 2, hh, bs, ff, e).transpose(1, 0, 2, 3, 4, 5)
+    if is_split(r) and r["kv"] == "split":
+        if page_bytes is not None:
+            raise ValueError("a pooled attention region must be joint")
+        if r["layout"] == "NHD":
+            v = buf.reshape(2, nb, n, kbs, hh, ff, e).transpose(0, 1, 4, 2, 3, 5, 6)
+        else:
+            v = buf.reshape(2, nb, n, hh, kbs, ff, e).transpose(0, 1, 3, 2, 4, 5, 6)
+        return _check_view(v, buf)
+    block = rank_block_nbytes(r, tp_size)
+    m = _paged(buf, page_bytes if page_bytes is not None else block, nb, block)
+    if not is_split(r):
+        v = m.reshape(nb, n, kbs, ff, e)[None, :, None]
+    elif r["layout"] == "NHD":
+        v = m.reshape(nb, n, 2, kbs, hh, ff, e).transpose(2, 0, 4, 1, 3, 5, 6)
+    else:
+        v = m.reshape(nb, n, 2, hh, kbs, ff, e).transpose(2, 0, 3, 1, 4, 5, 6)
+    return _check_view(v, buf)
+
+
+def logical_view(
+    region: Mapping, tp_size: int, buf: np.ndarray, page_bytes: int | None = None
+) -> np.ndarray:
+    """``[stream, block, local head, token, feature, byte]`` view of a token region whose
+    kernel block is its logical block (n = 1)."""
+    v = token_view(region, tp_size, buf, page_bytes)
+    if v.shape[3] != 1:
+        raise ValueError("region has kernel blocks: use token_view")
+    return v[:, :, :, 0]
+
+
+def state_views(
+    region: Mapping, tp_size: int, buf: np.ndarray, page_bytes: int | None = None
+) -> list[np.ndarray]:
+    """One ``[slot, local unit, byte]`` view of ``buf`` per part of a state region."""
+    r = normalize_region(region)
+    slot = rank_block_nbytes(r, tp_size)
+    m = _paged(buf, page_bytes if page_bytes is not None else slot, r["num_blocks"], slot)
+    out, start = [], 0
+    for p in r["parts"]:
+        lu = max(1, p["units"] // tp_size)
+        size = lu * p["unit_bytes"]
+        out.append(_check_view(m[:, start : start + size].reshape(-1, lu, p["unit_bytes"]), buf))
+        start += size
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,76 +452,161 @@ def content_hash(name: str, seed: int, s, b, t, gh, f, k) -> np.ndarray:
     return ((h >> _U64(40)) & _U64(0xFF)).astype(np.uint8)
 
 
+def state_hash(name: str, seed: int, p, b, gu, k) -> np.ndarray:
+    """Source byte value for (region name, part index, slot id, GLOBAL unit, byte within the
+    unit, seed)."""
+    return content_hash(f"state/{name}", seed, p, b, 0, gu, 0, k)
+
+
+def _pool_fill(pool: str, seed: int, nbytes: int) -> np.ndarray:
+    """Background of a source pool (bytes no view writes): a hash of the byte's offset only,
+    the same on every rank."""
+    return content_hash(f"pool/{pool}", seed, 0, 0, 0, 0, 0, np.arange(nbytes))
+
+
 # ---------------------------------------------------------------------------------------------
 # Buffers
 # ---------------------------------------------------------------------------------------------
 
-# Axis order of each layout's tensor shape (domain.md section 4), plus the byte axis "k".
-_AXES = {
-    ("split", "NHD"): ("s", "b", "t", "h", "f"),
-    ("split", "HND"): ("s", "b", "h", "t", "f"),
-    ("joint", "NHD"): ("b", "s", "t", "h", "f"),
-    ("joint", "HND"): ("b", "s", "h", "t", "f"),
-}
 
-
-def _region_buffer(region: Mapping, tp_size: int, rank: int, seed: int) -> np.ndarray:
-    r = normalize_region(region)
-    e = ELEMENT_SIZE[r["dtype"]]
-    sizes = {
-        "s": _num_streams(r),
-        "b": r["num_blocks"],
-        "t": r["block_size"],
-        "h": _local_heads(r, tp_size),
-        "f": _features(r),
-        "k": e,
-    }
-    if is_split(r):
-        axes = (*_AXES[(r["kv"], r["layout"])], "k")
-        global_heads = np.array(heads_on_rank(r["num_kv_heads"], tp_size, rank), dtype=np.int64)
-    else:
-        axes = ("b", "t", "f", "k")
-        global_heads = np.zeros(1, dtype=np.int64)
-    shape = tuple(sizes[a] for a in axes)
-    grids = {}
-    for i, a in enumerate(axes):
-        view = [1] * len(axes)
-        view[i] = sizes[a]
-        grids[a] = np.arange(sizes[a], dtype=np.int64).reshape(view)
-    zero = np.zeros([1] * len(axes), dtype=np.int64)
-    s = grids.get("s", zero)
-    gh = global_heads[grids["h"]] if "h" in grids else zero
-    vals = content_hash(r["name"], seed, s, grids["b"], grids["t"], gh, grids["f"], grids["k"])
-    out = np.broadcast_to(vals, shape).reshape(-1).copy()
-    assert out.size == rank_region_nbytes(r, tp_size)
+def _grid(*sizes: int) -> list[np.ndarray]:
+    """Broadcastable aranges, one per axis."""
+    out = []
+    for i, size in enumerate(sizes):
+        shape = [1] * len(sizes)
+        shape[i] = size
+        out.append(np.arange(size, dtype=np.int64).reshape(shape))
     return out
 
 
-def source_buffers(spec: Mapping, seed: int = 0) -> dict[tuple[int, int], np.ndarray]:
-    """Buffers of every (rank, region index) of an engine, filled with content hashes.
+def _fill_view(region: dict, tp: int, tp_rank: int, seed: int, buf, page, blocks) -> None:
+    """Write region's content hashes for logical ``blocks`` into ``buf`` through its view."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    if is_state(region):
+        for p, (part, view) in enumerate(
+            zip(region["parts"], state_views(region, tp, buf, page), strict=True)
+        ):
+            gu = np.array(units_on_rank(part["units"], tp, tp_rank), dtype=np.int64)
+            _, u, k = _grid(1, gu.size, part["unit_bytes"])
+            view[blocks] = state_hash(region["name"], seed, p, blocks[:, None, None], gu[u], k)
+        return
+    view = token_view(region, tp, buf, page)
+    ns, _, hh, n, kbs, ff, e = view.shape
+    s, _, h, j, tk, f, k = _grid(ns, 1, hh, n, kbs, ff, e)
+    if is_split(region):
+        gh = np.array(heads_on_rank(region["num_kv_heads"], tp, tp_rank), dtype=np.int64)[h]
+    else:
+        gh = np.zeros_like(h)
+    b = blocks.reshape(1, -1, 1, 1, 1, 1, 1)
+    view[:, blocks] = content_hash(region["name"], seed, s, b, j * kbs + tk, gh, f, k)
 
-    Each byte is a hash of (region name, stream, block id, token-in-block, global head,
-    feature, byte-within-element, seed), so replicas of a head on different ranks are
-    byte-identical and any misplaced byte is almost surely detected.
+
+def _group_list(blocks, group: int) -> list[int]:
+    if blocks is None:
+        return []
+    if isinstance(blocks, Mapping):
+        return list(blocks.get(group, blocks.get(str(group), [])))
+    if group < len(blocks):
+        return list(blocks[group])
+    return []
+
+
+def source_buffers(
+    spec: Mapping,
+    seed: int = 0,
+    request_blocks: Sequence[Sequence[int]] | Mapping | None = None,
+) -> dict[tuple[int, int], np.ndarray]:
+    """Buffers of every (flat rank, region index) of an engine, filled with content hashes.
+
+    Each byte of a token region is a hash of (region name, stream, block id, token-in-block,
+    global head, feature, byte-within-element, seed); each byte of a state region a hash of
+    (region name, part, slot, global unit, byte-within-unit, seed). So replicas of a head or
+    unit on different ranks are byte-identical and any misplaced byte is almost surely
+    detected.
+
+    A page of a shared pool holds ONE view's content: with ``request_blocks`` (this side's
+    per-group block lists), page ``b`` is filled by the pool region whose group lists ``b``;
+    every other page by the first pool region (spec order) that has the page. Bytes of a page
+    beyond that view's block (padding) hold a hash of their offset. Pass the request's blocks
+    when a replicated view (MLA) may read pages that another view (state) would fill with
+    rank-dependent bytes: :func:`expected_destination` refuses such ambiguous sources.
     """
+    regions = check_spec(spec)
     tp = spec["tp_size"]
-    return {
-        (rank, i): _region_buffer(region, tp, rank, seed)
-        for rank in range(tp)
-        for i, region in enumerate(spec["regions"])
-    }
+    out: dict[tuple[int, int], np.ndarray] = {}
+    for rank in range(world_size(spec)):
+        tp_rank = rank % tp
+        pools: dict[str, np.ndarray] = {}
+        for i in rank_regions(spec, rank):
+            r = regions[i]
+            if r["pool"] is None:
+                buf = np.zeros(rank_region_nbytes(r, tp), dtype=np.uint8)
+                _fill_view(r, tp, tp_rank, seed, buf, None, np.arange(r["num_blocks"]))
+                out[(rank, i)] = buf
+                continue
+            if r["pool"] not in pools:
+                pools[r["pool"]] = _source_pool(spec, regions, i, tp_rank, seed, request_blocks)
+            out[(rank, i)] = pools[r["pool"]]
+    return out
+
+
+def _source_pool(spec, regions, index, tp_rank, seed, request_blocks) -> np.ndarray:
+    tp = spec["tp_size"]
+    members = pool_members(spec, index)
+    page = page_nbytes(spec, index)
+    nbytes = rank_region_nbytes(regions[index], tp, spec)
+    buf = _pool_fill(regions[index]["pool"], seed, nbytes)
+    owner = np.full(nbytes // page, -1, dtype=np.int64)
+    for m in members:
+        for b in _group_list(request_blocks, regions[m]["group"]):
+            if not 0 <= b < regions[m]["num_blocks"]:
+                raise ValueError(f"block {b} out of range for region {regions[m]['name']!r}")
+            if owner[b] not in (-1, m):
+                raise ValueError(f"pool {regions[index]['pool']!r}: page {b} is listed by two "
+                                 "groups")
+            owner[b] = m
+    for b in np.flatnonzero(owner == -1):
+        owner[b] = next(m for m in members if regions[m]["num_blocks"] > b)
+    for m in members:
+        _fill_view(regions[m], tp, tp_rank, seed, buf, page, np.flatnonzero(owner == m))
+    return buf
 
 
 def destination_buffers(spec: Mapping, seed: int = 1) -> dict[tuple[int, int], np.ndarray]:
-    """Buffers of every (rank, region index), filled with a pseudo-random sentinel pattern."""
+    """Buffers of every (flat rank, region index), filled with a pseudo-random sentinel
+    pattern; the regions of one pool share one array per rank."""
+    regions = check_spec(spec)
     tp = spec["tp_size"]
     out = {}
-    for rank in range(tp):
-        for i, region in enumerate(spec["regions"]):
-            n = rank_region_nbytes(region, tp)
-            key = int(_name_key(f"dst/{rank}/{i}/{region['name']}", seed))
+    for rank in range(world_size(spec)):
+        pools: dict[str, np.ndarray] = {}
+        for i in rank_regions(spec, rank):
+            region = regions[i]
+            if region["pool"] is not None and region["pool"] in pools:
+                out[(rank, i)] = pools[region["pool"]]
+                continue
+            n = rank_region_nbytes(region, tp, spec)
+            tag = region["name"] if region["pool"] is None else f"pool/{region['pool']}"
+            key = int(_name_key(f"dst/{rank}/{i}/{tag}", seed))
             rng = np.random.default_rng(key)
             out[(rank, i)] = rng.integers(0, 256, size=n, dtype=np.uint8)
+            if region["pool"] is not None:
+                pools[region["pool"]] = out[(rank, i)]
+    return out
+
+
+def clone_buffers(
+    buffers: Mapping[tuple[int, int], np.ndarray], rank: int | None = None
+) -> dict[tuple[int, int], np.ndarray]:
+    """Copies of ``buffers`` (only flat ``rank``'s when given) in which keys that shared one
+    array (a pool's regions) still share one copy."""
+    copies: dict[int, np.ndarray] = {}
+    out = {}
+    for key, arr in buffers.items():
+        if rank is None or key[0] == rank:
+            if id(arr) not in copies:
+                copies[id(arr)] = arr.copy()
+            out[key] = copies[id(arr)]
     return out
 
 
@@ -269,7 +618,7 @@ def destination_buffers(spec: Mapping, seed: int = 1) -> dict[tuple[int, int], n
 def copied_positions(
     n_src_blocks: int, bs_src: int, n_dst_blocks: int, bs_dst: int, window: int | None
 ) -> range:
-    """Token positions of one region copied for a request (see module-level semantics)."""
+    """Token positions of one token region copied for a request (see module docstring)."""
     n = min(n_src_blocks * bs_src, n_dst_blocks * bs_dst)
     start = 0
     if window is not None:
@@ -277,21 +626,99 @@ def copied_positions(
     return range(start, n)
 
 
-def _group_list(blocks, group: int) -> list[int]:
-    if isinstance(blocks, Mapping):
-        return list(blocks.get(group, blocks.get(str(group), [])))
-    if group < len(blocks):
-        return list(blocks[group])
-    return []
-
-
-def _holder(num_kv_heads: int, tp_size: int, global_head: int) -> tuple[int, int]:
-    """(source rank, local head index) of the first source rank holding ``global_head``."""
+def _holders(count: int, tp_size: int) -> dict[int, list[tuple[int, int]]]:
+    """For each global head / unit: every (TP rank, local index) holding it, in rank order."""
+    out: dict[int, list[tuple[int, int]]] = {}
     for rank in range(tp_size):
-        heads = heads_on_rank(num_kv_heads, tp_size, rank)
-        if global_head in heads:
-            return rank, heads.index(global_head)
-    raise AssertionError(f"no rank holds head {global_head}")
+        for local, g in enumerate(heads_on_rank(count, tp_size, rank)):
+            out.setdefault(g, []).append((rank, local))
+    assert sorted(out) == list(range(count)), "oracle bug: a head no rank holds"
+    return out
+
+
+def _candidates(count: int, src_tp: int, wanted: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """For each wanted global index: all source (TP rank, local index) holders, as two
+    ``[len(wanted), m]`` arrays (every index has the same number m of holders)."""
+    holders = _holders(count, src_tp)
+    rows = [holders[g] for g in wanted]
+    assert len({len(x) for x in rows}) == 1
+    arr = np.array(rows, dtype=np.int64)
+    return arr[..., 0], arr[..., 1]
+
+
+def _part_shapes(region: Mapping) -> list[tuple]:
+    return [(p["name"], p["units"], p["unit_bytes"]) for p in region["parts"]]
+
+
+def _check_blocks(ids: list[int], num_blocks: int, name: str) -> None:
+    if ids and not (0 <= min(ids) and max(ids) < num_blocks):
+        raise ValueError(f"region {name!r}: block id out of range 0..{num_blocks - 1}")
+
+
+def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank):
+    """Yield ``(d_off, candidates)`` for one region pair: ``d_off`` a grid of destination
+    offsets whose first axis is the destination's local head / unit, and ``candidates`` a list
+    (one per replica choice c) of lists of ``(src tp rank, rows, s_off)``: source offsets for
+    the ``rows`` of ``d_off``'s first axis read from that rank."""
+    src_tp, dst_tp = src_spec["tp_size"], dst_spec["tp_size"]
+    s_page = page_nbytes(src_spec, i) if sreg["pool"] is not None else None
+    d_page = page_nbytes(dst_spec, j) if dreg["pool"] is not None else None
+
+    def split_candidates(count, wanted, s_off_fn):
+        ranks, local = _candidates(count, src_tp, wanted)
+        out = []
+        for c in range(ranks.shape[1]):
+            lst = []
+            for r in np.unique(ranks[:, c]).tolist():
+                rows = np.flatnonzero(ranks[:, c] == r)
+                lst.append((r, rows, s_off_fn(local[rows, c])))
+            out.append(lst)
+        return out
+
+    if is_state(dreg):
+        if len(slist) != len(dlist):
+            raise ValueError(f"state region {dreg['name']!r}: block lists differ in length")
+        sl = np.array(slist, dtype=np.int64).reshape(1, -1, 1)
+        dl = np.array(dlist, dtype=np.int64).reshape(1, -1, 1)
+        for p, part in enumerate(dreg["parts"]):
+            wanted = units_on_rank(part["units"], dst_tp, d_tp_rank)
+            k = np.arange(part["unit_bytes"], dtype=np.int64).reshape(1, 1, -1)
+            u = np.arange(len(wanted), dtype=np.int64).reshape(-1, 1, 1)
+            d_off = state_offset(dreg, dst_tp, dl, p, u, k, d_page)
+
+            def s_fn(lu, p=p, k=k):
+                return state_offset(sreg, src_tp, sl, p, lu.reshape(-1, 1, 1), k, s_page)
+
+            yield d_off, split_candidates(part["units"], wanted, s_fn)
+        return
+
+    bs_s, bs_d = sreg["block_size"], dreg["block_size"]
+    span = copied_positions(len(slist), bs_s, len(dlist), bs_d, dreg["window"])
+    pos = np.arange(span.start, span.stop, dtype=np.int64)
+    if not pos.size:
+        return
+    e = ELEMENT_SIZE[dreg["dtype"]]
+    # Broadcast grids: head x position x stream x feature x byte.
+    p = pos.reshape(1, -1, 1, 1, 1)
+    s = np.arange(_num_streams(dreg), dtype=np.int64).reshape(1, 1, -1, 1, 1)
+    f = np.arange(_features(dreg), dtype=np.int64).reshape(1, 1, 1, -1, 1)
+    k = np.arange(e, dtype=np.int64).reshape(1, 1, 1, 1, -1)
+    d_b, d_t = np.array(dlist, dtype=np.int64)[p // bs_d], p % bs_d
+    s_b, s_t = np.array(slist, dtype=np.int64)[p // bs_s], p % bs_s
+
+    def s_fn(hs):
+        return element_offset(sreg, src_tp, s, s_b, hs.reshape(-1, 1, 1, 1, 1), s_t, f, s_page) + k
+
+    if is_split(dreg):
+        wanted = heads_on_rank(dreg["num_kv_heads"], dst_tp, d_tp_rank)
+        h = np.arange(len(wanted), dtype=np.int64).reshape(-1, 1, 1, 1, 1)
+        d_off = element_offset(dreg, dst_tp, s, d_b, h, d_t, f, d_page) + k
+        yield d_off, split_candidates(dreg["num_kv_heads"], wanted, s_fn)
+    else:
+        # Replicated: every source rank of the stage holds it all; each is a candidate.
+        d_off = element_offset(dreg, dst_tp, s, d_b, 0, d_t, f, d_page) + k
+        zero = np.zeros(1, dtype=np.int64)
+        yield d_off, [[(r, zero, s_fn(zero))] for r in range(src_tp)]
 
 
 def expected_destination(
@@ -303,81 +730,87 @@ def expected_destination(
     src_buffers: Mapping[tuple[int, int], np.ndarray],
     dst_before: Mapping,
 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """Ground truth for destination rank ``dst_rank`` after transferring one request.
+    """Ground truth for flat destination rank ``dst_rank`` after transferring one request.
 
-    Returns ``(expected, must_write)``, both keyed by destination region index: ``expected``
-    is a copy of the rank's buffer in ``dst_before`` (keyed ``(dst_rank, j)``, or ``j``) with
-    every required byte replaced by the source's byte for the same (position, stream, global
-    head, feature, byte); ``must_write`` is a bool array of the bytes that a plan must write
-    (and no others). ``src_blocks[g]`` / ``dst_blocks[g]`` are the block ids of group ``g``;
-    each side uses its own region's group id.
+    Returns ``(expected, must_write)``, both keyed by the indices of the destination regions
+    that ``dst_rank`` holds (its stage's): ``expected[j]`` is a copy of the rank's buffer in
+    ``dst_before`` (keyed ``(dst_rank, j)``, or ``j``) with every required byte replaced by
+    the source's byte for the same logical element; ``must_write[j]`` is a bool array of the
+    bytes that region ``j``'s copies must write (and no others). For a pooled region,
+    ``expected[j]`` is the whole pool buffer after ALL the pool's regions were copied (the
+    same array object for each of them) while ``must_write[j]`` marks only region ``j``'s
+    bytes. ``src_blocks[g]`` / ``dst_blocks[g]`` are the block ids of group ``g``; each side
+    uses its own region's group id. Each source region is read from the stage that holds it.
+
+    Raises ValueError for requests or specs outside the contract, and when source replicas of
+    a needed byte differ (e.g. a pooled source filled without ``request_blocks``).
     """
+    src_regions, dst_regions = check_spec(src_spec), check_spec(dst_spec)
     src_tp, dst_tp = src_spec["tp_size"], dst_spec["tp_size"]
-    src_regions = [normalize_region(r) for r in src_spec["regions"]]
-    dst_regions = [normalize_region(r) for r in dst_spec["regions"]]
     src_index = {r["name"]: i for i, r in enumerate(src_regions)}
-    if len(src_index) != len(src_regions) or sorted(src_index) != sorted(
-        r["name"] for r in dst_regions
-    ):
+    if sorted(src_index) != sorted(r["name"] for r in dst_regions):
         raise ValueError("region names differ between source and destination")
+    src_stages = region_stages(src_spec)
+    d_tp_rank = dst_rank % dst_tp
 
     expected: dict[int, np.ndarray] = {}
     must_write: dict[int, np.ndarray] = {}
-    for j, dreg in enumerate(dst_regions):
-        before = dst_before[(dst_rank, j)] if (dst_rank, j) in dst_before else dst_before[j]
-        exp = np.array(before, dtype=np.uint8, copy=True)
+    arrays: dict[tuple[str, object], np.ndarray] = {}
+    written: dict[tuple[str, object], np.ndarray] = {}
+    for j in rank_regions(dst_spec, dst_rank):
+        dreg = dst_regions[j]
+        key = ("region", j) if dreg["pool"] is None else ("pool", dreg["pool"])
+        if key not in arrays:
+            before = dst_before[(dst_rank, j)] if (dst_rank, j) in dst_before else dst_before[j]
+            arrays[key] = np.array(before, dtype=np.uint8, copy=True)
+            written[key] = np.zeros(arrays[key].shape, dtype=bool)
+            assert arrays[key].size == rank_region_nbytes(dreg, dst_tp, dst_spec)
+        exp = arrays[key]
         mask = np.zeros(exp.shape, dtype=bool)
-        assert exp.size == rank_region_nbytes(dreg, dst_tp)
         i = src_index[dreg["name"]]
         sreg = src_regions[i]
-        for key in ("kind", "dtype", "window", "num_kv_heads", "head_dim", "dim"):
-            if sreg.get(key) != dreg.get(key):
-                raise ValueError(f"region {dreg['name']}: {key} differs")
-
+        for field in ("kind", "dtype", "window", "num_kv_heads", "head_dim", "dim"):
+            if sreg.get(field) != dreg.get(field):
+                raise ValueError(f"region {dreg['name']}: {field} differs")
+        if is_state(dreg) and _part_shapes(sreg) != _part_shapes(dreg):
+            raise ValueError(f"region {dreg['name']}: parts differ")
         slist = _group_list(src_blocks, sreg["group"])
         dlist = _group_list(dst_blocks, dreg["group"])
-        bs_s, bs_d = sreg["block_size"], dreg["block_size"]
-        span = copied_positions(len(slist), bs_s, len(dlist), bs_d, dreg["window"])
-        pos = np.arange(span.start, span.stop, dtype=np.int64)
-        if pos.size:
-            used_d = np.array(dlist, dtype=np.int64)[np.unique(pos // bs_d)]
-            assert len(set(used_d.tolist())) == used_d.size, "duplicate destination block ids"
-            assert 0 <= min(dlist) and max(dlist) < dreg["num_blocks"]
-            assert 0 <= min(slist) and max(slist) < sreg["num_blocks"]
-        e = ELEMENT_SIZE[dreg["dtype"]]
-        n_streams = _num_streams(dreg)
-        nfeat = _features(dreg)
+        _check_blocks(slist, sreg["num_blocks"], sreg["name"])
+        _check_blocks(dlist, dreg["num_blocks"], dreg["name"])
+        base = src_stages[i] * src_tp  # flat rank of the source stage's TP rank 0
 
-        # Broadcast grids: position x stream x feature x byte.
-        p = pos.reshape(-1, 1, 1, 1)
-        s = np.arange(n_streams, dtype=np.int64).reshape(1, -1, 1, 1)
-        f = np.arange(nfeat, dtype=np.int64).reshape(1, 1, -1, 1)
-        k = np.arange(e, dtype=np.int64).reshape(1, 1, 1, -1)
-        d_b = np.array(dlist, dtype=np.int64)[p // bs_d] if pos.size else p
-        d_t = p % bs_d
-        s_b = np.array(slist, dtype=np.int64)[p // bs_s] if pos.size else p
-        s_t = p % bs_s
-
-        if is_split(dreg):
-            dst_heads = heads_on_rank(dreg["num_kv_heads"], dst_tp, dst_rank)
-            pairs = []
-            for hd, gh in enumerate(dst_heads):
-                src_rank, hs = _holder(sreg["num_kv_heads"], src_tp, gh)
-                pairs.append((hd, src_rank, hs))
-        else:
-            # Replicated: every source rank holds it all; read from any (here the same rank
-            # the anchors would pick, clamped into range).
-            pairs = [(0, dst_rank * src_tp // dst_tp, 0)]
-
-        for hd, src_rank, hs in pairs:
-            d_off = element_offset(dreg, dst_tp, s, d_b, hd, d_t, f) + k
-            s_off = element_offset(sreg, src_tp, s, s_b, hs, s_t, f) + k
-            d_off, s_off = np.broadcast_arrays(d_off, s_off)
-            d_off, s_off = d_off.reshape(-1), s_off.reshape(-1)
-            assert not mask[d_off].any(), "oracle bug: a destination byte written twice"
-            assert np.unique(d_off).size == d_off.size, "oracle bug: overlapping writes"
-            exp[d_off] = src_buffers[(src_rank, i)][s_off]
-            mask[d_off] = True
+        for d_off, choices in _pieces(
+            sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank
+        ):
+            if d_off.size == 0:
+                continue
+            values = []
+            for lst in choices:
+                vals = np.empty(d_off.shape, dtype=np.uint8)
+                for r, rows, s_off in lst:
+                    src = src_buffers[(base + r, i)]
+                    s_off = np.broadcast_to(s_off, (len(rows), *d_off.shape[1:]))
+                    assert s_off.min() >= 0 and s_off.max() < src.size, "oracle bug: source"
+                    vals[rows] = src[s_off]
+                values.append(vals)
+            for other in values[1:]:
+                if not np.array_equal(other, values[0]):
+                    raise ValueError(
+                        f"region {dreg['name']!r}: source replicas differ; fill pooled "
+                        "sources with source_buffers(..., request_blocks=src_blocks)"
+                    )
+            d_flat = d_off.reshape(-1)
+            assert d_flat.min() >= 0 and d_flat.max() < exp.size, "oracle bug: destination"
+            if np.unique(d_flat).size != d_flat.size:
+                raise ValueError(f"region {dreg['name']!r}: a destination byte is written twice "
+                                 "(duplicate block ids?)")
+            if written[key][d_flat].any():
+                raise ValueError(f"region {dreg['name']!r}: writes overlap another region of "
+                                 f"pool {dreg['pool']!r} (groups list the same page)")
+            exp[d_flat] = values[0].reshape(-1)
+            mask[d_flat] = True
+            written[key][d_flat] = True
         expected[j] = exp
         must_write[j] = mask
     return expected, must_write

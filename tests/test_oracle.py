@@ -54,20 +54,31 @@ def repl(name="draft.0.mla", kind="mla", dim=576, bs=16, NB=4, dtype="bfloat16",
     }
 
 
-def spec(tp, *regions):
-    return {"tp_size": tp, "regions": list(regions)}
+def spec(tp, *regions, pp=None):
+    out = {"tp_size": tp, "regions": list(regions)}
+    if pp is not None:
+        out["pp_size"] = pp
+    return out
 
 
-def run(src, dst, src_blocks, dst_blocks, rank):
-    sbuf = oracle.source_buffers(src)
+def run(src, dst, src_blocks, dst_blocks, rank, fill_by_request=True):
+    sbuf = oracle.source_buffers(src, request_blocks=src_blocks if fill_by_request else None)
     before = oracle.destination_buffers(dst)
     exp, mw = oracle.expected_destination(src, dst, src_blocks, dst_blocks, rank, sbuf, before)
     return sbuf, before, exp, mw
 
 
 def assert_untouched_outside(exp, mw, before, rank):
+    """Bytes outside must_write keep their old value; the regions of a pool share one array,
+    so a pool's bytes outside ALL its regions' masks (and only those) must be untouched."""
+    covered: dict[int, np.ndarray] = {}
     for j in exp:
-        assert np.array_equal(exp[j][~mw[j]], before[(rank, j)][~mw[j]])
+        c = covered.setdefault(id(exp[j]), np.zeros(exp[j].shape, dtype=bool))
+        assert not (c & mw[j]).any()
+        c |= mw[j]
+    for j in exp:
+        c = covered[id(exp[j])]
+        assert np.array_equal(exp[j][~c], before[(rank, j)][~c])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,3 +517,526 @@ def test_replicated_heads_on_source_only(t):
 def test_mismatched_names_rejected():
     with pytest.raises(ValueError):
         run(spec(1, attn(name="a", NB=1, D=2)), spec(1, attn(name="b", NB=1, D=2)), [[0]], [[0]], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# State regions (domain.md section 7): parts sharded on their own units
+# ---------------------------------------------------------------------------------------------
+
+
+def part(name, units, unit_bytes):
+    return {"name": name, "units": units, "unit_bytes": unit_bytes}
+
+
+def state(name="layers.1.mamba", parts=(), NB=3, group=0, dtype="bfloat16", **extra):
+    return {"name": name, "kind": "state", "group": group, "num_blocks": NB, "dtype": dtype,
+            "parts": [dict(p) for p in parts], **extra}
+
+
+# Nemotron-H-8B conv state: conv_dim 10240 = x 8192 + B 8 groups x 128 + C 8 groups x 128
+# channels; conv kernel 4 keeps 3 columns of bf16 per channel = 6 bytes per channel. The
+# temporal ssm state is scaled down here (32 heads of 64 bytes).
+NEMOTRON = (part("x", 8192, 6), part("B", 8, 128 * 6), part("C", 8, 128 * 6),
+            part("ssm", 32, 64))
+
+
+def test_nemotron_conv_state_sizes_tp1_and_tp4():
+    conv = state(parts=NEMOTRON[:3], NB=5)
+    assert oracle.rank_block_nbytes(conv, 1) == 10240 * 6
+    assert oracle.rank_block_nbytes(conv, 4) == 2560 * 6
+    assert oracle.part_layout(conv, 1) == [(0, 8192, 6), (8192 * 6, 8, 768), (9216 * 6, 8, 768)]
+    assert oracle.part_layout(conv, 4) == [(0, 2048, 6), (2048 * 6, 2, 768), (2304 * 6, 2, 768)]
+    assert oracle.rank_region_nbytes(conv, 4) == 5 * 2560 * 6
+    full = state(parts=NEMOTRON, NB=5)
+    assert oracle.rank_block_nbytes(full, 4) == 2560 * 6 + 8 * 64
+    assert [oracle.units_on_rank(8, 4, r) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_state_source_bytes_by_hand():
+    # TP2: x 4 units of 2 B (2 local), B 2 units of 4 B (1 local), C 1 unit of 6 B (replicated).
+    # Slot = 4 + 4 + 6 = 14 bytes; rank 1 holds x units 2,3, B unit 1, C unit 0.
+    reg = state(name="s", parts=[part("x", 4, 2), part("B", 2, 4), part("C", 1, 6)], NB=4)
+    bufs = oracle.source_buffers(spec(2, reg), seed=9)
+    assert bufs[(0, 0)].size == bufs[(1, 0)].size == 4 * 14
+    b1 = bufs[(1, 0)]
+    for b in range(4):
+        for u, gu in enumerate((2, 3)):
+            for k in range(2):
+                assert b1[b * 14 + u * 2 + k] == oracle.state_hash("s", 9, 0, b, gu, k)
+        for k in range(4):
+            assert b1[b * 14 + 4 + k] == oracle.state_hash("s", 9, 1, b, 1, k)
+            assert bufs[(0, 0)][b * 14 + 4 + k] == oracle.state_hash("s", 9, 1, b, 0, k)
+        for k in range(6):
+            assert b1[b * 14 + 8 + k] == oracle.state_hash("s", 9, 2, b, 0, k)
+    for b in range(4):  # the replicated C part is identical on both ranks
+        assert np.array_equal(bufs[(0, 0)][b * 14 + 8 : b * 14 + 14], b1[b * 14 + 8 : b * 14 + 14])
+    # views agree with the offsets
+    views = oracle.state_views(reg, 2, b1)
+    assert [v.shape for v in views] == [(4, 2, 2), (4, 1, 4), (4, 1, 6)]
+    assert views[1][3, 0, 2] == b1[oracle.state_offset(reg, 2, 3, 1, 0, 2)] == b1[3 * 14 + 6]
+
+
+@pytest.mark.parametrize("r", range(4))
+def test_nemotron_state_tp1_to_tp4(r):
+    # D rank r reads each part's unit slice from P rank 0 and packs it at its own part starts.
+    src = spec(1, state(parts=NEMOTRON, NB=3))
+    dst = spec(4, state(parts=NEMOTRON, NB=3))
+    sbuf, before, exp, mw = run(src, dst, [[2, 0]], [[1, 2]], r)
+    ps, pd = 61440 + 32 * 64, 15360 + 8 * 64  # slot bytes on P and on D
+    # (src part start, dst part start, bytes one D rank holds of the part)
+    pieces = [(0, 0, 2048 * 6), (49152, 12288, 1536), (55296, 13824, 1536), (61440, 15360, 512)]
+    src0 = sbuf[(0, 0)]
+    for sb, db in [(2, 1), (0, 2)]:
+        for s0, d0, n in pieces:
+            got = exp[0][db * pd + d0 : db * pd + d0 + n]
+            assert np.array_equal(got, src0[sb * ps + s0 + r * n : sb * ps + s0 + (r + 1) * n])
+    assert mw[0].sum() == 2 * pd
+    assert not mw[0][0:pd].any()
+    assert_untouched_outside(exp, mw, before, r)
+
+
+def test_nemotron_state_tp4_to_tp1():
+    src = spec(4, state(parts=NEMOTRON, NB=3))
+    dst = spec(1, state(parts=NEMOTRON, NB=2))
+    sbuf, before, exp, mw = run(src, dst, [[1, 2]], [[1, 0]], 0)
+    ps, pd = 15360 + 8 * 64, 61440 + 32 * 64
+    pieces = [(0, 0, 2048 * 6), (12288, 49152, 1536), (13824, 55296, 1536), (15360, 61440, 512)]
+    for sb, db in [(1, 1), (2, 0)]:
+        for q in range(4):  # P rank q's slice goes to slot q of each part
+            for s0, d0, n in pieces:
+                got = exp[0][db * pd + d0 + q * n : db * pd + d0 + (q + 1) * n]
+                assert np.array_equal(got, sbuf[(q, 0)][sb * ps + s0 : sb * ps + s0 + n])
+    assert mw[0].all()
+    assert_untouched_outside(exp, mw, before, 0)
+
+
+# KimiLinear-like KDA layer, scaled: 8 heads; q/k/v short-conv states of 24 bytes per head and
+# a recurrent state of 32 bytes per head (four states per layer).
+KDA = (part("q_conv", 8, 24), part("k_conv", 8, 24), part("v_conv", 8, 24),
+       part("recurrent", 8, 32))
+
+
+@pytest.mark.parametrize("r", range(4))
+def test_kda_four_states_tp2_to_tp4(r):
+    src = spec(2, state(name="layers.0.kda", parts=KDA, NB=4))
+    dst = spec(4, state(name="layers.0.kda", parts=KDA, NB=4))
+    sbuf, before, exp, mw = run(src, dst, [[3, 0, 1]], [[0, 2, 3]], r)
+    ps, pd = 4 * (24 * 3 + 32), 2 * (24 * 3 + 32)  # 416, 208
+    starts_s, starts_d = [0, 96, 192, 288], [0, 48, 96, 144]
+    for sb, db in [(3, 0), (0, 2), (1, 3)]:
+        for ss, ds, ub in zip(starts_s, starts_d, (24, 24, 24, 32), strict=True):
+            n = 2 * ub  # two heads
+            s0 = sb * ps + ss + (r % 2) * n
+            assert np.array_equal(exp[0][db * pd + ds : db * pd + ds + n],
+                                  sbuf[(r // 2, 0)][s0 : s0 + n])
+    assert mw[0].sum() == 3 * pd and not mw[0][pd : 2 * pd].any()
+    assert_untouched_outside(exp, mw, before, r)
+
+
+@pytest.mark.parametrize("t", range(2))
+def test_kda_four_states_tp4_to_tp2(t):
+    src = spec(4, state(name="layers.0.kda", parts=KDA, NB=2))
+    dst = spec(2, state(name="layers.0.kda", parts=KDA, NB=3))
+    sbuf, before, exp, mw = run(src, dst, [[1]], [[2]], t)
+    ps, pd = 208, 416
+    starts_s, starts_d = [0, 48, 96, 144], [0, 96, 192, 288]
+    for ss, ds, ub in zip(starts_s, starts_d, (24, 24, 24, 32), strict=True):
+        n = 2 * ub
+        for i in range(2):  # P rank 2t+i fills slot i of each part
+            d0 = 2 * pd + ds + i * n
+            assert np.array_equal(exp[0][d0 : d0 + n], sbuf[(2 * t + i, 0)][ps + ss : ps + ss + n])
+    assert mw[0].sum() == pd
+    assert_untouched_outside(exp, mw, before, t)
+
+
+BC_REPL = (part("x", 16, 2), part("B", 2, 4), part("C", 2, 4))
+
+
+@pytest.mark.parametrize("r", range(8))
+def test_state_units_fewer_than_destination_ranks(r):
+    # B and C have 2 groups: at TP8 ranks 0-3 hold group 0 and ranks 4-7 group 1.
+    # P TP2 slot = 8*2 + 4 + 4 = 24 bytes; D TP8 slot = 2*2 + 4 + 4 = 12 bytes.
+    src, dst = spec(2, state(parts=BC_REPL, NB=2)), spec(8, state(parts=BC_REPL, NB=2))
+    sbuf, before, exp, mw = run(src, dst, [[1]], [[0]], r)
+    p = sbuf[(r // 4, 0)]
+    assert np.array_equal(exp[0][0:4], p[24 + (r % 4) * 4 : 24 + (r % 4) * 4 + 4])  # x
+    assert np.array_equal(exp[0][4:8], p[24 + 16 : 24 + 20])  # B group r//4 = P local 0
+    assert np.array_equal(exp[0][8:12], p[24 + 20 : 24 + 24])  # C
+    other = sbuf[(1 - r // 4, 0)]
+    assert not np.array_equal(exp[0][4:8], other[40:44])
+    assert mw[0].sum() == 12 and mw[0][:12].all()
+    assert_untouched_outside(exp, mw, before, r)
+
+
+@pytest.mark.parametrize("t", range(2))
+def test_state_units_fewer_than_source_ranks(t):
+    # P TP8 (B group q//4 on rank q) -> D TP2 (B group t): any of P ranks 4t..4t+3 will do.
+    src, dst = spec(8, state(parts=BC_REPL, NB=2)), spec(2, state(parts=BC_REPL, NB=2))
+    sbuf, before, exp, mw = run(src, dst, [[0]], [[1]], t)
+    for i in range(4):
+        q = 4 * t + i
+        assert np.array_equal(exp[0][24 + i * 4 : 24 + i * 4 + 4], sbuf[(q, 0)][0:4])  # x
+        assert np.array_equal(exp[0][24 + 16 : 24 + 20], sbuf[(q, 0)][4:8])  # B
+        assert np.array_equal(exp[0][24 + 20 : 24 + 24], sbuf[(q, 0)][8:12])  # C
+    assert mw[0].sum() == 24 and mw[0][24:].all()
+    assert_untouched_outside(exp, mw, before, t)
+
+
+def test_state_requests_and_specs_refused():
+    reg = state(parts=BC_REPL, NB=4)
+    with pytest.raises(ValueError, match="length"):
+        run(spec(2, reg), spec(2, reg), [[0, 1]], [[2]], 0)
+    with pytest.raises(ValueError, match="parts"):
+        run(spec(2, reg), spec(2, state(parts=BC_REPL[:2], NB=4)), [[0]], [[1]], 0)
+    with pytest.raises(ValueError, match="mixes"):
+        oracle.source_buffers(spec(1, reg, attn(NB=2, D=2, group=0)))
+    with pytest.raises(ValueError):
+        oracle.rank_block_nbytes(state(parts=[part("x", 3, 2)]), 2)  # 3 units over 2 ranks
+    with pytest.raises(ValueError):
+        oracle.normalize_region({**reg, "block_size": 1})
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pools: one allocation, one view per group (KimiLinear: MLA + KDA)
+# ---------------------------------------------------------------------------------------------
+
+# MLA view: bs 4, dim 8, bf16 -> 64-byte block on every rank. KDA view: q_conv 4 heads x 8 B,
+# recurrent 4 heads x 4 B -> 48 B at TP1, 24 B at TP2, 12 B at TP4. Page = 64 everywhere.
+POOL_KDA = (part("q_conv", 4, 8), part("recurrent", 4, 4))
+
+
+def pool_mla(NB=6, **extra):
+    return {**repl(name="layers.0.mla", dim=8, bs=4, NB=NB, group=0), "pool": "kv", **extra}
+
+
+def pool_kda(NB=5, **extra):
+    return state(name="layers.1.kda", parts=POOL_KDA, NB=NB, group=1, pool="kv", **extra)
+
+
+def test_pool_sizes_and_shared_arrays():
+    sp = spec(2, pool_mla(), pool_kda())
+    assert oracle.page_nbytes(sp, 0) == oracle.page_nbytes(sp, 1) == 64
+    assert oracle.rank_region_nbytes(sp["regions"][1], 2, sp) == 6 * 64
+    assert oracle.rank_region_nbytes(pool_mla(NB=2), 2, spec(2, pool_mla(NB=2), pool_kda())) == (
+        5 * 64
+    )
+    with pytest.raises(ValueError):
+        oracle.rank_region_nbytes(pool_kda(), 2)  # pooled: needs the spec
+    big = spec(1, pool_mla(page_bytes=100), pool_kda(page_bytes=100))
+    assert oracle.page_nbytes(big, 1) == 100
+    assert oracle.rank_region_nbytes(pool_kda(), 1, big) == 600
+    for bufs in (oracle.source_buffers(sp), oracle.destination_buffers(sp)):
+        assert set(bufs) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+        assert bufs[(0, 0)] is bufs[(0, 1)] and bufs[(1, 0)] is bufs[(1, 1)]
+        assert bufs[(0, 0)] is not bufs[(1, 0)] and bufs[(0, 0)].size == 384
+
+
+def test_clone_buffers_keeps_pools_shared():
+    sp = spec(2, pool_mla(), pool_kda(), attn(name="a", K=2, D=2, bs=4, NB=2, group=2))
+    bufs = oracle.destination_buffers(sp)
+    one = oracle.clone_buffers(bufs, rank=1)
+    assert set(one) == {(1, 0), (1, 1), (1, 2)}
+    assert one[(1, 0)] is one[(1, 1)] and one[(1, 0)] is not bufs[(1, 0)]
+    assert np.array_equal(one[(1, 0)], bufs[(1, 0)]) and np.array_equal(one[(1, 2)], bufs[(1, 2)])
+    assert len(oracle.clone_buffers(bufs)) == 6
+
+
+def test_pool_source_pages_follow_the_owning_view():
+    sp = spec(2, pool_mla(), pool_kda())
+    bufs = oracle.source_buffers(sp, seed=4, request_blocks=[[0, 3], [1, 4]])
+    fill = oracle._pool_fill("kv", 4, 384)
+    for q in range(2):
+        b = bufs[(q, 0)]
+        for page in (0, 2, 3, 5):  # MLA's pages (0, 3) and pages nobody lists (first region)
+            for t in range(4):
+                for f in range(8):
+                    for k in range(2):
+                        want = oracle.content_hash("layers.0.mla", 4, 0, page, t, 0, f, k)
+                        assert b[page * 64 + (t * 8 + f) * 2 + k] == want
+        for page in (1, 4):  # the KDA view: rank q holds heads 2q, 2q+1 of each part
+            for u in range(2):
+                for k in range(8):
+                    want = oracle.state_hash("layers.1.kda", 4, 0, page, 2 * q + u, k)
+                    assert b[page * 64 + u * 8 + k] == want
+                for k in range(4):
+                    want = oracle.state_hash("layers.1.kda", 4, 1, page, 2 * q + u, k)
+                    assert b[page * 64 + 16 + u * 4 + k] == want
+            assert np.array_equal(b[page * 64 + 24 : page * 64 + 64],
+                                  fill[page * 64 + 24 : page * 64 + 64])  # padding
+    with pytest.raises(ValueError, match="two"):
+        oracle.source_buffers(sp, request_blocks=[[0, 3], [3]])
+
+
+@pytest.mark.parametrize("r", range(4))
+@pytest.mark.parametrize("dst_page", [None, 100])
+def test_pool_mla_and_kda_tp2_to_tp4(r, dst_page):
+    extra = {} if dst_page is None else {"page_bytes": dst_page}
+    page = dst_page or 64
+    src = spec(2, pool_mla(), pool_kda())
+    dst = spec(4, pool_kda(**extra), pool_mla(**extra))  # destination order differs
+    sbuf, before, exp, mw = run(src, dst, [[0, 3], [1, 4]], [[2, 5], [0, 3]], r)
+    assert set(exp) == {0, 1} and exp[0] is exp[1] and exp[0].size == 6 * page
+    e = exp[0]
+    for q in range(2):  # MLA pages: the whole 64-byte block, any source rank
+        assert np.array_equal(e[2 * page : 2 * page + 64], sbuf[(q, 0)][0:64])
+        assert np.array_equal(e[5 * page : 5 * page + 64], sbuf[(q, 0)][192:256])
+    src_q = sbuf[(r // 2, 1)]  # KDA: rank r's head r from P rank r//2, local head r%2
+    for sb, db in [(1, 0), (4, 3)]:
+        d0, s0 = db * page, sb * 64
+        assert np.array_equal(e[d0 : d0 + 8], src_q[s0 + (r % 2) * 8 : s0 + (r % 2) * 8 + 8])
+        assert np.array_equal(e[d0 + 8 : d0 + 12],
+                              src_q[s0 + 16 + (r % 2) * 4 : s0 + 16 + (r % 2) * 4 + 4])
+    assert mw[1].sum() == 128 and mw[1][2 * page : 2 * page + 64].all()
+    assert mw[0].sum() == 24 and mw[0][0:12].all() and mw[0][3 * page : 3 * page + 12].all()
+    assert not (mw[0] & mw[1]).any()
+    both = mw[0] | mw[1]
+    assert np.array_equal(e[~both], before[(r, 0)][~both])  # padding of KDA pages untouched
+
+
+def test_pool_tp4_to_tp1_assembles_heads_in_the_page():
+    src = spec(4, pool_mla(), pool_kda())
+    dst = spec(1, pool_mla(NB=3), pool_kda(NB=3))
+    sbuf, before, exp, mw = run(src, dst, [[0], [2, 1]], [[2], [0, 1]], 0)
+    e = exp[0]
+    for sb, db in [(2, 0), (1, 1)]:
+        for q in range(4):
+            assert np.array_equal(e[db * 64 + q * 8 : db * 64 + q * 8 + 8],
+                                  sbuf[(q, 1)][sb * 64 : sb * 64 + 8])
+            assert np.array_equal(e[db * 64 + 32 + q * 4 : db * 64 + 32 + q * 4 + 4],
+                                  sbuf[(q, 1)][sb * 64 + 8 : sb * 64 + 12])
+    assert np.array_equal(e[128:192], sbuf[(3, 0)][0:64])
+    assert mw[0].sum() == 64 and mw[1].sum() == 96
+    assert_untouched_outside(exp, mw, before, 0)
+
+
+def test_pool_source_filled_without_the_request_is_ambiguous():
+    # Spec order puts KDA first, so without request_blocks MLA's pages hold the KDA view, which
+    # differs between P ranks: the oracle must refuse rather than pick one.
+    src = spec(2, pool_kda(), pool_mla())
+    dst = spec(2, pool_kda(), pool_mla())
+    with pytest.raises(ValueError, match="replicas differ"):
+        run(src, dst, [[0], [1]], [[0], [1]], 0, fill_by_request=False)
+    run(src, dst, [[0], [1]], [[0], [1]], 0)  # fine with the request's pages
+
+
+def test_pool_rules_refused():
+    with pytest.raises(ValueError, match="joint"):
+        oracle.normalize_region({**attn(), "pool": "kv"})
+    with pytest.raises(ValueError, match="one group"):
+        oracle.check_spec(spec(1, pool_mla(), {**repl(name="b", group=0), "pool": "kv"}))
+    with pytest.raises(ValueError, match="smaller"):
+        oracle.check_spec(spec(1, pool_mla(page_bytes=32), pool_kda(page_bytes=32)))
+    with pytest.raises(ValueError, match="some regions"):
+        oracle.check_spec(spec(1, pool_mla(page_bytes=64), pool_kda()))
+    with pytest.raises(ValueError, match="stages"):
+        oracle.check_spec(spec(1, pool_mla(), pool_kda(), pp=2))
+    sp = spec(2, pool_mla(), pool_kda())
+    with pytest.raises(ValueError, match="overlap"):
+        run(sp, sp, [[0], [1]], [[3], [3]], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel blocks: logical block L = kernel blocks L*n .. L*n+n-1
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout,kv", [("NHD", "split"), ("HND", "split"), ("NHD", "joint"), ("HND", "joint")]
+)
+def test_kernel_block_offsets_by_hand_and_source_view(layout, kv):
+    # K=2, D=3, bs 6, kernel 2 (n=3), NB 3 -> a region of 9 kernel blocks; float16, TP1.
+    r = {**attn(name="k", K=2, D=3, bs=6, NB=3, dtype="float16", layout=layout, kv=kv),
+         "kernel_block_size": 2}
+
+    def hand(s, b, h, t, f):
+        kb, tk = b * 3 + t // 2, t % 2
+        if (kv, layout) == ("split", "NHD"):
+            return ((((s * 9 + kb) * 2 + tk) * 2 + h) * 3 + f) * 2
+        if (kv, layout) == ("split", "HND"):
+            return ((((s * 9 + kb) * 2 + h) * 2 + tk) * 3 + f) * 2
+        if (kv, layout) == ("joint", "NHD"):
+            return ((((kb * 2 + s) * 2 + tk) * 2 + h) * 3 + f) * 2
+        return ((((kb * 2 + s) * 2 + h) * 2 + tk) * 3 + f) * 2
+
+    buf = oracle.source_buffers(spec(1, r), seed=2)[(0, 0)]
+    assert buf.size == 2 * 3 * 6 * 2 * 3 * 2
+    seen = set()
+    for s in range(2):
+        for b in range(3):
+            for h in range(2):
+                for t in range(6):
+                    for f in range(3):
+                        off = hand(s, b, h, t, f)
+                        assert oracle.element_offset(r, 1, s, b, h, t, f) == off
+                        for k in range(2):
+                            want = oracle.content_hash("k", 2, s, b, t, h, f, k)
+                            assert buf[off + k] == want
+                        seen.add(off)
+    assert len(seen) == buf.size // 2
+
+
+def test_kernel_blocks_in_pool_offsets_by_hand():
+    # joint NHD attention, bs 4, kernel 2, K=2, D=2, bf16 at TP1: block 64 B; a page of 80 B.
+    a = {**attn(name="a", K=2, D=2, bs=4, NB=3, layout="NHD", kv="joint"),
+         "kernel_block_size": 2, "pool": "p", "page_bytes": 80}
+    m = {**repl(name="m", dim=5, bs=4, NB=3, group=1), "kernel_block_size": 1, "pool": "p",
+         "page_bytes": 80}
+    for s in range(2):
+        for b in range(3):
+            for t in range(4):
+                for h in range(2):
+                    for f in range(2):
+                        want = b * 80 + (((((t // 2) * 2 + s) * 2 + t % 2) * 2 + h) * 2 + f) * 2
+                        assert oracle.element_offset(a, 1, s, b, h, t, f, page_bytes=80) == want
+    assert oracle.element_offset(m, 1, 0, 2, 0, 3, 4, page_bytes=80) == 160 + (3 * 5 + 4) * 2
+    bufs = oracle.source_buffers(spec(1, a, m), seed=1, request_blocks=[[0, 2], [1]])
+    b = bufs[(0, 0)]
+    assert b.size == 240
+    assert b[2 * 80 + ((((1 * 2 + 1) * 2 + 0) * 2 + 1) * 2 + 0) * 2] == oracle.content_hash(
+        "a", 1, 1, 2, 2, 1, 0, 0)  # stream 1, block 2, token 2 = kernel 1 token 0, head 1
+    assert b[80 + (3 * 5 + 4) * 2 + 1] == oracle.content_hash("m", 1, 0, 1, 3, 0, 4, 1)
+
+
+@pytest.mark.parametrize("r", range(2))
+@pytest.mark.parametrize("src_kbs,dst_bs,dst_kbs", [(2, 8, 4), (8, 8, 1), (4, 4, 2), (1, 16, 8)])
+def test_kernel_blocks_differ_between_sides(r, src_kbs, dst_bs, dst_kbs):
+    # HND split, K=2, D=4, float16; P bs 8 TP1 -> D TP2 (one head each).
+    NB, D, e = 4, 4, 2
+    src = spec(1, {**attn(K=2, D=D, bs=8, NB=NB, dtype="float16"), "kernel_block_size": src_kbs})
+    dst = spec(2, {**attn(K=2, D=D, bs=dst_bs, NB=NB, dtype="float16"),
+                   "kernel_block_size": dst_kbs})
+    slist, dlist = [2, 0], [3, 1, 0, 2][: 16 // dst_bs]
+    sbuf, before, exp, mw = run(src, dst, [slist], [dlist], r)
+    n_s, n_d = 8 // src_kbs, dst_bs // dst_kbs
+    written = set()
+    for s in range(2):
+        for p in range(16):
+            sb, st = slist[p // 8], p % 8
+            db, dt = dlist[p // dst_bs], p % dst_bs
+            skb, dkb = sb * n_s + st // src_kbs, db * n_d + dt // dst_kbs
+            so = ((((s * NB * n_s + skb) * 2 + r) * src_kbs + st % src_kbs) * D) * e
+            do = ((((s * NB * n_d + dkb) * 1 + 0) * dst_kbs + dt % dst_kbs) * D) * e
+            assert np.array_equal(exp[0][do : do + D * e], sbuf[(0, 0)][so : so + D * e])
+            written.update(range(do, do + D * e))
+    assert set(np.flatnonzero(mw[0]).tolist()) == written
+    assert_untouched_outside(exp, mw, before, r)
+
+
+@pytest.mark.parametrize("r", range(2))
+def test_kernel_blocks_in_pool_across_sides(r):
+    # P TP1: joint NHD attention bs 4 kernel 2 (64 B block) + a state view, page 64.
+    # D TP2: the same attention without kernel blocks (32 B), state 8 B, explicit page 40.
+    a = attn(name="a", K=2, D=2, bs=4, NB=3, layout="NHD", kv="joint")
+    st_ = state(name="s", parts=[part("h", 2, 8)], NB=3, group=1, pool="p")
+    src = spec(1, {**a, "kernel_block_size": 2, "pool": "p"}, st_)
+    dst = spec(2, {**a, "pool": "p", "page_bytes": 40}, {**st_, "page_bytes": 40})
+    sbuf, before, exp, mw = run(src, dst, [[1], [0]], [[2], [0]], r)
+    p0 = sbuf[(0, 0)]
+    for s in range(2):
+        for t in range(4):
+            for f in range(2):
+                so = 64 + (((((t // 2) * 2 + s) * 2 + t % 2) * 2 + r) * 2 + f) * 2
+                do = 80 + (((s * 4 + t) * 1 + 0) * 2 + f) * 2
+                assert np.array_equal(exp[0][do : do + 2], p0[so : so + 2])
+    assert np.array_equal(exp[1][0:8], p0[r * 8 : r * 8 + 8])
+    assert mw[0].sum() == 32 and mw[1].sum() == 8 and exp[0] is exp[1]
+    assert_untouched_outside(exp, mw, before, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline stages: flat ranks, each stage holds a contiguous range of regions
+# ---------------------------------------------------------------------------------------------
+
+
+def test_region_stages_by_hand():
+    regs = [repl(name=f"m{i}", NB=1, dim=3) for i in range(7)]
+    assert oracle.region_stages(spec(1, *regs[:5], pp=2)) == [0, 0, 0, 1, 1]
+    assert oracle.region_stages(spec(1, *regs[:4], pp=3)) == [0, 0, 1, 2]
+    assert oracle.region_stages(spec(1, *regs, pp=3)) == [0, 0, 0, 1, 1, 2, 2]
+    assert oracle.region_stages(spec(1, *regs[:3])) == [0, 0, 0]
+    explicit = [{**r, "stage": s} for r, s in zip(regs[:3], (0, 1, 1), strict=True)]
+    assert oracle.region_stages(spec(1, *explicit, pp=2)) == [0, 1, 1]
+    with pytest.raises(ValueError):
+        oracle.region_stages(spec(1, explicit[0], regs[1], pp=2))
+    with pytest.raises(ValueError):
+        oracle.region_stages(spec(1, {**regs[0], "stage": 2}, pp=2))
+    assert oracle.world_size(spec(3, *regs, pp=2)) == 6
+    assert oracle.rank_regions(spec(2, *regs[:5], pp=2), 3) == [3, 4]
+
+
+def five_layers(NB=3):
+    return [attn(name=f"l{i}", K=4, D=2, bs=2, NB=NB) for i in range(5)]
+
+
+@pytest.mark.parametrize("r", range(4))
+def test_pp2_tp2_to_pp1_tp4(r):
+    # P: stage 0 = l0..l2 on ranks 0,1; stage 1 = l3,l4 on ranks 2,3. D: one stage, TP4,
+    # regions in reverse order. D rank r holds head r: P TP rank r//2, local head r%2.
+    layers = five_layers()
+    src, dst = spec(2, *layers, pp=2), spec(4, *layers[::-1])
+    sbuf, before, exp, mw = run(src, dst, [[2, 0]], [[1, 2]], r)
+    assert set(sbuf) == {(q, i) for q in (0, 1) for i in (0, 1, 2)} | {
+        (q, i) for q in (2, 3) for i in (3, 4)}
+    assert set(exp) == set(range(5))
+    for j in range(5):
+        i = 4 - j
+        src_rank = (0 if i < 3 else 2) + r // 2
+        for s in range(2):
+            for sb, db in [(2, 1), (0, 2)]:
+                d0, s0 = (s * 3 + db) * 8, (s * 3 + sb) * 16 + (r % 2) * 8
+                assert np.array_equal(exp[j][d0 : d0 + 8], sbuf[(src_rank, i)][s0 : s0 + 8])
+        assert mw[j].sum() == 2 * 2 * 8
+    assert_untouched_outside(exp, mw, before, r)
+
+
+@pytest.mark.parametrize("q", range(4))
+def test_pp1_tp4_to_pp2_tp2(q):
+    # D: stage q//2, TP rank t = q%2 holds heads 2t, 2t+1 of its stage's layers, reading
+    # whole head slices from P ranks 2t+i into slot i.
+    layers = five_layers()
+    src, dst = spec(4, *layers), spec(2, *layers, pp=2)
+    sbuf, before, exp, mw = run(src, dst, [[0, 1]], [[2, 0]], q)
+    held = [0, 1, 2] if q < 2 else [3, 4]
+    assert set(exp) == set(mw) == set(held)
+    assert {j for (rank, j) in before if rank == q} == set(held)
+    t = q % 2
+    for j in held:
+        for s in range(2):
+            for sb, db in [(0, 2), (1, 0)]:
+                for i in range(2):
+                    d0, s0 = (s * 3 + db) * 16 + i * 8, (s * 3 + sb) * 8
+                    assert np.array_equal(exp[j][d0 : d0 + 8], sbuf[(2 * t + i, j)][s0 : s0 + 8])
+        assert mw[j].sum() == 2 * 2 * 16
+    assert_untouched_outside(exp, mw, before, q)
+
+
+@pytest.mark.parametrize("q", range(4))
+def test_pp_explicit_stages_with_a_pool_and_hetero_tp(q):
+    # P: PP2 x TP1, explicit stages: stage 0 = attention l0 (group 2); stage 1 = the MLA/KDA
+    # pool. D: PP2 x TP2 positional: 3 regions -> stage 0 = [kda, mla] (the pool), stage 1 =
+    # [l0]. Flat P ranks: 0 = stage 0, 1 = stage 1.
+    l0 = attn(name="l0", K=2, D=2, bs=4, NB=3, group=2)
+    src = spec(1, {**l0, "stage": 0}, {**pool_mla(), "stage": 1}, {**pool_kda(), "stage": 1},
+               pp=2)
+    dst = spec(2, pool_kda(), pool_mla(), l0, pp=2)
+    sbuf, before, exp, mw = run(src, dst, [[0, 3], [1], [2]], [[4, 5], [2], [1]], q)
+    assert set(sbuf) == {(0, 0), (1, 1), (1, 2)}
+    t = q % 2
+    if q < 2:
+        assert set(exp) == {0, 1} and exp[0] is exp[1]
+        pk = sbuf[(1, 2)]
+        assert pk is sbuf[(1, 1)]
+        # KDA at D TP2: q_conv 2 x 8 B then recurrent 2 x 4 B (24 B in a 64 B page);
+        # at P TP1: q_conv 4 x 8 B then recurrent 4 x 4 B. P slot 1 -> D slot 2.
+        assert np.array_equal(exp[0][128 : 128 + 16], pk[64 + t * 16 : 64 + t * 16 + 16])
+        assert np.array_equal(exp[0][144 : 144 + 8], pk[64 + 32 + t * 8 : 64 + 32 + t * 8 + 8])
+        assert np.array_equal(exp[1][256:320], pk[0:64])
+        assert np.array_equal(exp[1][320:384], pk[192:256])
+        assert mw[0].sum() == 24 and mw[1].sum() == 128
+    else:
+        assert set(exp) == {2}
+        for s in range(2):  # head t of P block 2 (HND, 2 heads x 16 B) -> D block 1
+            d0, s0 = (s * 3 + 1) * 16, (s * 3 + 2) * 32 + t * 16
+            assert np.array_equal(exp[2][d0 : d0 + 16], sbuf[(0, 0)][s0 : s0 + 16])
+        assert mw[2].sum() == 32
+    assert_untouched_outside(exp, mw, before, q)

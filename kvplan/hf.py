@@ -1,0 +1,504 @@
+"""Engine specs from Hugging Face ``config.json`` files: the families people serve, read exactly.
+
+Theory of operation. A config is read in three steps. (1) *Family*: the architecture name (or
+the model type when it names none) picks one of a few families, each a rule for which layers hold
+what: ``gqa`` (Llama 3, Qwen3), ``mla`` (DeepSeek-V3, Kimi-K2), ``mla_indexer`` (DeepSeek-V3.2),
+``sliding`` (Gemma 3, gpt-oss), ``gdn`` (Qwen3-Next, Qwen3.5), ``mamba2`` (Nemotron-H) and
+``kda`` (KimiLinear). An unknown architecture is refused by name: a config that looks like a
+plain GQA model may hide state layers we would silently drop; pass ``family=`` to insist.
+(2) *Layers*: the family turns the config's fields into one entry per layer -- full attention,
+sliding window, MLA (+ indexer), or a recurrent state -- refusing a config that lacks a field
+and naming every missing one. (3) *Regions*: one region per layer (two for an MLA layer with an
+indexer), named ``layers.{i}.{attn,mla,indexer,gdn,mamba,kda}``, with a draft model's layers
+appended as ``draft.{i}.{attn,mla}``.
+
+KV-cache groups, as the serving engines lay them out: full attention, MLA, indexer and draft
+layers share group 0; sliding-window layers have their own group; state layers theirs. KimiLinear
+shares one pool between an MLA layer and KDA layers, as vLLM's hybrid allocator does: the KDA
+layers are cut into groups as large as the MLA group, and pool ``p`` holds the ``p``-th layer
+of every group (each view of a pool in its own group).
+
+Bytes per token or slot follow the engines' cache shapes (domain.md sections 2 and 7):
+
+- attention: ``num_key_value_heads`` heads of ``head_dim`` (or ``hidden_size //
+  num_attention_heads``), K and V;
+- MLA: ``kv_lora_rank + qk_rope_head_dim`` values; the DeepSeek-V3.2 indexer key is
+  ``index_head_dim`` fp8 bytes plus one float32 scale per 128 of them (``uint8``, 132 for 128);
+- state parts (one slot per request): a conv state is ``conv_kernel - 1`` values per channel
+  (``x`` of Mamba2, ``q_conv``/``k_conv``/``v_conv`` of GDN and KDA); Mamba2's ``B`` and ``C``
+  are ``n_groups`` units of ``ssm_state_size`` channels; the temporal state is per head:
+  ``mamba_head_dim x ssm_state_size`` (Mamba2), ``linear_key_head_dim x linear_value_head_dim``
+  (GDN), ``head_dim x head_dim`` float32 (KDA). The temporal state's dtype is ``state_dtype``,
+  else the config's ``mamba_ssm_dtype``, else float32 for KDA and the model dtype otherwise.
+
+Not modelled: multi-token-prediction layers (DeepSeek ``num_nextn_predict_layers``, Qwen3.5
+``mtp_num_hidden_layers``) unless passed as a draft; quantized KV-cache formats other than a
+dtype (e.g. vLLM's ``fp8_ds_mla``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvplan.errors import SpecError
+from kvplan.spec import DTYPE_SIZES, EngineSpec
+
+# Architecture names (``architectures[0]``) and model types -> family. Drafts: Eagle-3 heads.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "gqa",
+    "MistralForCausalLM": "gqa",
+    "Qwen2ForCausalLM": "gqa",
+    "Qwen3ForCausalLM": "gqa",
+    "Qwen3MoeForCausalLM": "gqa",
+    "LlamaForCausalLMEagle3": "gqa",
+    "Eagle3LlamaForCausalLM": "gqa",
+    "DeepseekV2ForCausalLM": "mla",
+    "DeepseekV3ForCausalLM": "mla",
+    "KimiK25ForConditionalGeneration": "mla",
+    "Eagle3DeepseekV3ForCausalLM": "mla",
+    "DeepseekV32ForCausalLM": "mla_indexer",
+    "Gemma3ForCausalLM": "sliding",
+    "Gemma3ForConditionalGeneration": "sliding",
+    "GptOssForCausalLM": "sliding",
+    "Qwen3NextForCausalLM": "gdn",
+    "Qwen3_5ForCausalLM": "gdn",
+    "Qwen3_5MoeForCausalLM": "gdn",
+    "Qwen3_5ForConditionalGeneration": "gdn",
+    "Qwen3_5MoeForConditionalGeneration": "gdn",
+    "NemotronHForCausalLM": "mamba2",
+    "KimiLinearForCausalLM": "kda",
+}
+_MODEL_TYPES = {
+    "llama": "gqa",
+    "mistral": "gqa",
+    "qwen2": "gqa",
+    "qwen3": "gqa",
+    "qwen3_moe": "gqa",
+    "deepseek_v2": "mla",
+    "deepseek_v3": "mla",
+    "kimi_k2": "mla",
+    "kimi_k25": "mla",
+    "deepseek_v32": "mla_indexer",
+    "gemma3": "sliding",
+    "gemma3_text": "sliding",
+    "gpt_oss": "sliding",
+    "qwen3_next": "gdn",
+    "qwen3_5": "gdn",
+    "qwen3_5_moe": "gdn",
+    "qwen3_5_text": "gdn",
+    "qwen3_5_moe_text": "gdn",
+    "nemotron_h": "mamba2",
+    "kimi_linear": "kda",
+}
+#: The families :func:`from_hf_config` reads, with the fields each needs.
+FAMILIES = {
+    "gqa": "num_hidden_layers, num_key_value_heads, head_dim (or hidden_size and "
+           "num_attention_heads)",
+    "mla": "num_hidden_layers, kv_lora_rank, qk_rope_head_dim",
+    "mla_indexer": "num_hidden_layers, kv_lora_rank, qk_rope_head_dim, index_head_dim",
+    "sliding": "num_hidden_layers, num_key_value_heads, head_dim, sliding_window, layer_types "
+               "(or sliding_window_pattern)",
+    "gdn": "num_hidden_layers, num_key_value_heads, head_dim, layer_types (or "
+           "full_attention_interval), linear_num_key_heads, linear_num_value_heads, "
+           "linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim",
+    "mamba2": "hybrid_override_pattern, num_key_value_heads, head_dim (or attention_head_dim), "
+              "mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size, conv_kernel",
+    "kda": "num_hidden_layers, kv_lora_rank, qk_rope_head_dim, linear_attn_config "
+           "(full_attn_layers, kda_layers, num_heads, head_dim, short_conv_kernel_size)",
+}
+_DRAFT_FAMILIES = ("gqa", "mla")
+_INDEXER_QUANT_BLOCK = 128  # fp8 index keys carry one float32 scale per 128 values
+_GEMMA3_PATTERN = 6  # Gemma3TextConfig's default sliding_window_pattern
+_KDA_STATE_DTYPE = "float32"  # vLLM keeps KDA's recurrent state in float32
+
+
+@attrs.frozen
+class _Layer:
+    """One layer's cache: its kind, group key (sorted, then numbered 0..G-1), and fields."""
+
+    index: int
+    kind: str  # attn | mla | indexer | gdn | mamba | kda
+    group: int
+    fields: tuple[tuple[str, Any], ...]
+    pool: int | None = None
+
+
+class _Reader:
+    """A config's fields (``text_config`` overlaid on the top level) and their checks."""
+
+    def __init__(self, config: Mapping[str, Any], what: str):
+        self.what = what
+        fields = dict(config)
+        text = config.get("text_config")
+        if isinstance(text, Mapping):
+            fields.update(text)
+        self.fields = fields
+        archs = config.get("architectures") or []
+        self.arch = archs[0] if isinstance(archs, list) and archs else None
+        self.model_type = config.get("model_type") or fields.get("model_type")
+
+    @property
+    def name(self) -> str:
+        return f"{self.what} {self.arch or self.model_type or 'config'!s}"
+
+    def need(self, *alternatives: tuple[str, ...] | str) -> None:
+        """Refuse, naming every missing field, unless each alternative is present."""
+        missing = []
+        for alt in alternatives:
+            options = (alt,) if isinstance(alt, str) else alt
+            if not any(self.fields.get(f) is not None for f in options):
+                missing.append(" or ".join(options))
+        if missing:
+            raise SpecError(f"{self.name}: config.json lacks {', '.join(missing)}")
+
+    def positive(self, field: str, default: int | None = None) -> int:
+        v = self.fields.get(field, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise SpecError(f"{self.name}: {field} must be a positive integer, got {v!r}")
+        return v
+
+    def head_dim(self, *fields: str) -> int:
+        for f in (*fields, "head_dim"):
+            if self.fields.get(f) is not None:
+                return self.positive(f)
+        heads, hidden = self.positive("num_attention_heads"), self.positive("hidden_size")
+        if hidden % heads:
+            raise SpecError(f"{self.name}: hidden_size {hidden} is not a multiple of "
+                            f"num_attention_heads {heads}; give head_dim")
+        return hidden // heads
+
+    def kv_heads(self) -> int:
+        if self.fields.get("num_key_value_heads") is None:
+            return self.positive("num_attention_heads")  # multi-head attention
+        return self.positive("num_key_value_heads")
+
+    def layer_types(self, count: int) -> list[str] | None:
+        types = self.fields.get("layer_types")
+        if types is None:
+            return None
+        if not isinstance(types, list) or len(types) != count:
+            n = len(types) if isinstance(types, list) else types
+            raise SpecError(f"{self.name}: layer_types has {n} entries for "
+                            f"num_hidden_layers {count}")
+        return types
+
+
+def _load(config: Any, what: str) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise SpecError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"{what}: {str(path)!r} is not JSON: {exc}") from None
+        if not isinstance(data, Mapping):
+            raise SpecError(f"{what}: {str(path)!r} holds a {type(data).__name__}, not an object")
+        return data
+    raise SpecError(
+        f"{what}: expected a dict or a path to config.json, got {type(config).__name__}"
+    )
+
+
+def _family(r: _Reader, family: str | None, allowed=tuple(FAMILIES)) -> str:
+    if family is not None:
+        if family not in allowed:
+            raise SpecError(f"{r.name}: family {family!r} is not one of {', '.join(allowed)}")
+        return family
+    found = _ARCHITECTURES.get(r.arch) if r.arch else None
+    found = found or _MODEL_TYPES.get(r.model_type)
+    if found is None:
+        raise SpecError(
+            f"{r.what}: unknown architecture {r.arch!r} (model_type {r.model_type!r}); kvplan "
+            f"reads {', '.join(sorted(_ARCHITECTURES))}. To read it as one of the families "
+            f"({'; '.join(f'{k}: {v}' for k, v in FAMILIES.items() if k in allowed)}), "
+            "pass family=NAME"
+        )
+    if found not in allowed:
+        raise SpecError(f"{r.name}: a {found} model cannot be a draft; drafts are "
+                        f"{' or '.join(allowed)} models")
+    return found
+
+
+def _attn(r: _Reader, head_fields: tuple[str, ...] = ()) -> tuple[tuple[str, Any], ...]:
+    return (("num_kv_heads", r.kv_heads()), ("head_dim", r.head_dim(*head_fields)))
+
+
+def _mla(r: _Reader) -> tuple[tuple[str, Any], ...]:
+    return (("dim", r.positive("kv_lora_rank") + r.positive("qk_rope_head_dim")),)
+
+
+def _layers_gqa(r: _Reader) -> list[_Layer]:
+    r.need("num_hidden_layers", ("head_dim", "hidden_size"))
+    f = _attn(r)
+    return [_Layer(i, "attn", 0, f) for i in range(r.positive("num_hidden_layers"))]
+
+
+def _layers_mla(r: _Reader, indexer: bool = False) -> list[_Layer]:
+    r.need("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
+           *(["index_head_dim"] if indexer else []))
+    out = []
+    for i in range(r.positive("num_hidden_layers")):
+        out.append(_Layer(i, "mla", 0, _mla(r)))
+        if indexer:
+            d = r.positive("index_head_dim")
+            scales = -(-d // _INDEXER_QUANT_BLOCK) * 4
+            out.append(_Layer(i, "indexer", 0, (("dim", d + scales), ("dtype", "uint8"))))
+    return out
+
+
+def _layers_sliding(r: _Reader) -> list[_Layer]:
+    r.need("num_hidden_layers", ("head_dim", "hidden_size"))
+    n = r.positive("num_hidden_layers")
+    f = _attn(r)
+    window = r.fields.get("sliding_window")
+    types = r.layer_types(n)
+    if window is None:
+        sliding = [False] * n
+    elif types is not None:
+        sliding = [t == "sliding_attention" for t in types]
+    elif r.model_type == "gpt_oss" or r.arch == "GptOssForCausalLM":
+        sliding = [i % 2 == 0 for i in range(n)]  # gpt-oss alternates, sliding first
+    else:
+        pattern = r.positive("sliding_window_pattern", _GEMMA3_PATTERN)
+        sliding = [(i + 1) % pattern != 0 for i in range(n)]
+    if window is not None:
+        window = r.positive("sliding_window")
+    return [
+        _Layer(i, "attn", 1, (*f, ("window", window))) if s else _Layer(i, "attn", 0, f)
+        for i, s in enumerate(sliding)
+    ]
+
+
+def _state_dtype(r: _Reader, state_dtype: str | None, default: str) -> str:
+    return state_dtype or r.fields.get("mamba_ssm_dtype") or default
+
+
+def _layers_gdn(r: _Reader, dtype: str, state_dtype: str | None) -> list[_Layer]:
+    r.need("num_hidden_layers", ("head_dim", "hidden_size"), "linear_num_key_heads",
+           "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+           "linear_conv_kernel_dim")
+    n = r.positive("num_hidden_layers")
+    types = r.layer_types(n)
+    if types is not None:
+        full = [t == "full_attention" for t in types]
+    else:
+        interval = r.positive("full_attention_interval", 4)
+        full = [(i + 1) % interval == 0 for i in range(n)]
+    e = DTYPE_SIZES[dtype]
+    es = _dtype_size(r, _state_dtype(r, state_dtype, dtype))
+    hk, hv = r.positive("linear_num_key_heads"), r.positive("linear_num_value_heads")
+    dk, dv = r.positive("linear_key_head_dim"), r.positive("linear_value_head_dim")
+    conv = (r.positive("linear_conv_kernel_dim") - 1) * e
+    parts = (
+        {"name": "q_conv", "units": hk * dk, "unit_bytes": conv},
+        {"name": "k_conv", "units": hk * dk, "unit_bytes": conv},
+        {"name": "v_conv", "units": hv * dv, "unit_bytes": conv},
+        {"name": "ssm", "units": hv, "unit_bytes": dk * dv * es},
+    )
+    attn = _attn(r)
+    return [
+        _Layer(i, "attn", 0, attn) if f else _Layer(i, "gdn", 1, (("parts", parts),))
+        for i, f in enumerate(full)
+    ]
+
+
+def _layers_mamba2(r: _Reader, dtype: str, state_dtype: str | None) -> list[_Layer]:
+    r.need("hybrid_override_pattern", ("head_dim", "attention_head_dim", "hidden_size"),
+           "mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")
+    pattern = r.fields["hybrid_override_pattern"]
+    n = r.fields.get("num_hidden_layers", len(pattern))
+    if not isinstance(pattern, str) or len(pattern) != n or set(pattern) - set("M*-E"):
+        raise SpecError(f"{r.name}: hybrid_override_pattern must be {n} characters of M, *, -, "
+                        f"E (Mamba2, attention, MLP, MoE), got {pattern!r}")
+    e = DTYPE_SIZES[dtype]
+    es = _dtype_size(r, _state_dtype(r, state_dtype or r.fields.get("mamba_ssm_cache_dtype"),
+                                     dtype))
+    heads, hd = r.positive("mamba_num_heads"), r.positive("mamba_head_dim")
+    groups, state = r.positive("n_groups"), r.positive("ssm_state_size")
+    conv = (r.positive("conv_kernel") - 1) * e
+    parts = (
+        {"name": "x", "units": heads * hd, "unit_bytes": conv},
+        {"name": "B", "units": groups, "unit_bytes": state * conv},
+        {"name": "C", "units": groups, "unit_bytes": state * conv},
+        {"name": "ssm", "units": heads, "unit_bytes": hd * state * es},
+    )
+    out = []
+    for i, c in enumerate(pattern):
+        if c == "M":
+            out.append(_Layer(i, "mamba", 1, (("parts", parts),)))
+        elif c == "*":
+            out.append(_Layer(i, "attn", 0, _attn(r, ("attention_head_dim",))))
+    return out
+
+
+def _layers_kda(r: _Reader, dtype: str, state_dtype: str | None, pp_size: int) -> list[_Layer]:
+    r.need("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim", "linear_attn_config")
+    lin = r.fields["linear_attn_config"]
+    n = r.positive("num_hidden_layers")
+    sub = _Reader(lin, f"{r.name} linear_attn_config") if isinstance(lin, Mapping) else None
+    if sub is None:
+        raise SpecError(f"{r.name}: linear_attn_config must be an object")
+    sub.need("full_attn_layers", "kda_layers", "num_heads", "head_dim", "short_conv_kernel_size")
+    full, kda = lin["full_attn_layers"], lin["kda_layers"]  # 1-based, as published
+    if sorted([*full, *kda]) != list(range(1, n + 1)):
+        raise SpecError(f"{r.name}: linear_attn_config's full_attn_layers and kda_layers must "
+                        f"split layers 1..{n} (1-based), got {full} and {kda}")
+    e = DTYPE_SIZES[dtype]
+    es = _dtype_size(r, _state_dtype(r, state_dtype, _KDA_STATE_DTYPE))
+    heads, hd = sub.positive("num_heads"), sub.positive("head_dim")
+    conv = (sub.positive("short_conv_kernel_size") - 1) * e
+    parts = (
+        {"name": "q_conv", "units": heads * hd, "unit_bytes": conv},
+        {"name": "k_conv", "units": heads * hd, "unit_bytes": conv},
+        {"name": "v_conv", "units": heads * hd, "unit_bytes": conv},
+        {"name": "recurrent", "units": heads, "unit_bytes": hd * hd * es},
+    )
+    mla_set = {i - 1 for i in full}
+    out = []
+    for stage in range(pp_size):  # pools never cross a pipeline stage
+        layers = [i for i in range(n) if _stage(i, n, pp_size) == stage]
+        mla = [i for i in layers if i in mla_set]
+        kda_l = [i for i in layers if i not in mla_set]
+        size = len(mla) or len(kda_l)
+        pool_base = stage * n  # pool ids unique across stages
+        for p, i in enumerate(mla):
+            out.append(_Layer(i, "mla", 0, _mla(r), pool_base + p if kda_l else None))
+        for k, i in enumerate(kda_l):
+            g, p = divmod(k, size)
+            out.append(_Layer(i, "kda", 1 + g, (("parts", parts),),
+                              pool_base + p if mla else None))
+    return sorted(out, key=lambda x: x.index)
+
+
+def _dtype_size(r: _Reader, name: str) -> int:
+    if name not in DTYPE_SIZES:
+        raise SpecError(f"{r.name}: state dtype {name!r} is not one of {', '.join(DTYPE_SIZES)}")
+    return DTYPE_SIZES[name]
+
+
+def _count(r: _Reader, layers: list[_Layer]) -> int:
+    """Layers of the model (those without a cache included)."""
+    given = r.fields.get("num_hidden_layers")
+    return given if isinstance(given, int) and given > 0 else 1 + max(x.index for x in layers)
+
+
+def _stage(layer: int, layers: int, pp_size: int) -> int:
+    return layer * pp_size // layers
+
+
+def _layers(r: _Reader, family: str, dtype: str, state_dtype: str | None,
+            pp_size: int) -> list[_Layer]:
+    if family == "gqa":
+        return _layers_gqa(r)
+    if family in ("mla", "mla_indexer"):
+        return _layers_mla(r, indexer=family == "mla_indexer")
+    if family == "sliding":
+        return _layers_sliding(r)
+    if family == "gdn":
+        return _layers_gdn(r, dtype, state_dtype)
+    if family == "mamba2":
+        return _layers_mamba2(r, dtype, state_dtype)
+    return _layers_kda(r, dtype, state_dtype, pp_size)
+
+
+_KINDS = {"attn": "attention", "mla": "mla", "indexer": "indexer", "gdn": "state",
+          "mamba": "state", "kda": "state"}
+
+
+def _dtype(r: _Reader, dtype: str | None) -> str:
+    if dtype is None:
+        found = r.fields.get("torch_dtype") or r.fields.get("dtype")
+        dtype = found if found in DTYPE_SIZES else "bfloat16"
+    if dtype not in DTYPE_SIZES:
+        raise SpecError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
+    return dtype
+
+
+def from_hf_config(
+    config: Any,
+    *,
+    tp_size: int,
+    block_size: int = 16,
+    num_blocks: int = 1024,
+    dtype: str | None = None,
+    pp_size: int = 1,
+    draft: Any = None,
+    layout: str = "HND",
+    kv: str = "split",
+    state_dtype: str | None = None,
+    family: str | None = None,
+) -> EngineSpec:
+    """An :class:`~kvplan.EngineSpec` for one engine serving the model of a HF ``config.json``.
+
+    ``config`` is a dict, a path to ``config.json`` or a directory holding one (nothing is
+    downloaded). ``dtype`` defaults to the config's ``torch_dtype`` (else bfloat16);
+    ``layout`` and ``kv`` apply to attention regions; ``num_blocks`` is the blocks (or state
+    slots) of every region. ``draft`` (an Eagle-3 config, same forms) adds its layers as
+    regions ``draft.{i}.attn`` / ``draft.{i}.mla`` of group 0. With ``pp_size`` > 1 layer ``i``
+    of ``L`` lies on stage ``i * pp_size // L`` and the draft on the last.
+
+    Post-conditions: one region per layer that keeps a cache (two for a DeepSeek-V3.2 layer),
+    in layer order; bytes per token or slot as the module docstring states. Raises
+    :class:`~kvplan.SpecError` naming the architecture for an unknown one, and every missing
+    field for a known one that lacks some.
+    """
+    r = _Reader(_load(config, "model config"), "model")
+    fam = _family(r, family)
+    dtype = _dtype(r, dtype)
+    if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size <= 0:
+        raise SpecError(f"pp_size must be a positive integer, got {pp_size!r}")
+    layers = _layers(r, fam, dtype, state_dtype, pp_size)
+    n = _count(r, layers)
+    drafts: list[_Layer] = []
+    if draft is not None:
+        d = _Reader(_load(draft, "draft config"), "draft")
+        dfam = _family(d, None, _DRAFT_FAMILIES)
+        drafts = _layers(d, dfam, dtype, None, 1)
+    groups = {g: k for k, g in enumerate(sorted({x.group for x in [*layers, *drafts]}))}
+    regions = []
+    for prefix, items in (("layers", layers), ("draft", drafts)):
+        for x in items:
+            reg: dict[str, Any] = {
+                "name": f"{prefix}.{x.index}.{x.kind}",
+                "kind": _KINDS[x.kind],
+                "group": groups[x.group],
+                "num_blocks": num_blocks,
+                "dtype": dtype,
+            }
+            if x.kind != "attn" and _KINDS[x.kind] != "state":
+                reg["block_size"] = block_size
+            if x.kind == "attn":
+                reg.update(block_size=block_size, layout=layout, kv=kv)
+            reg.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in x.fields
+                        if v is not None})
+            if x.pool is not None:
+                reg["pool"] = f"pool.{x.pool}"
+            if pp_size > 1:
+                reg["stage"] = _stage(x.index, n, pp_size) if prefix == "layers" else pp_size - 1
+            regions.append(reg)
+    return EngineSpec.from_dict({"tp_size": tp_size, "pp_size": pp_size, "regions": regions})
+
+
+def describe(config: Any) -> dict[str, Any]:
+    """What :func:`from_hf_config` reads from a config: architecture, family, layer count and
+    the count of each kind of cache layer (attn, swa, mla, indexer, gdn, mamba, kda)."""
+    r = _Reader(_load(config, "model config"), "model")
+    fam = _family(r, None)
+    layers = _layers(r, fam, "bfloat16", None, 1)
+    counts: dict[str, int] = {}
+    for x in layers:
+        kind = "swa" if dict(x.fields).get("window") else x.kind
+        counts[kind] = counts.get(kind, 0) + 1
+    return {"architecture": r.arch, "model_type": r.model_type, "family": fam,
+            "layers": _count(r, layers), "regions": counts}

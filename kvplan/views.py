@@ -1,0 +1,525 @@
+"""Views for people: HTML tables for notebooks, pandas frames, and the rank map as a picture.
+
+Nothing here is imported by the planning core at import time: ``EngineSpec``, ``TransferMap`` and
+``TransferPlan`` delegate ``_repr_html_``, ``to_pandas`` and ``plot`` to this module from inside
+the method, and pandas and matplotlib are imported only by the functions that need them (the
+``view`` extra: ``pip install 'kvplan[view]'``).
+
+Layers of identical geometry are shown as one row (``layers.[0-79].attn x80``), so an 80-layer
+model is a few rows per peer rank, not a wall of numbers. The *rank map* (:func:`rank_map`) is
+the set of edges ``source rank -> destination rank`` of one or more plans (or maps), each with
+its bytes, runs and *flows*: what crosses the edge per kind of region (K+V head ranges of SPLIT
+attention, REPLICATE latents, state parts).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from collections.abc import Iterable, Sequence
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvplan.plan import TransferPlan
+    from kvplan.planner import Lane, TransferMap
+    from kvplan.spec import EngineSpec, RegionSpec
+
+#: Colours of the three kinds of flow in :func:`plot_rank_map` (matplotlib's tab10).
+KIND_COLORS = {"kv": "#1f77b4", "latent": "#ff7f0e", "state": "#2ca02c"}
+KIND_LABELS = {
+    "kv": "K+V heads (SPLIT)",
+    "latent": "MLA / indexer latent (REPLICATE)",
+    "state": "state parts (SPLIT per part)",
+}
+
+
+def _require(module: str, what: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise ImportError(
+            f"{what} needs {module}, which is not installed: pip install 'kvplan[view]' "
+            f"(or pip install {module})"
+        ) from None
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``; bytes below 1 KiB stay exact (``'576 B'``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def kind_class(region: RegionSpec) -> str:
+    """``'kv'`` (attention heads), ``'latent'`` (MLA, indexer) or ``'state'``."""
+    if region.is_state:
+        return "state"
+    return "latent" if region.is_replicated else "kv"
+
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)(\D.*|)$")
+
+
+def _ranges(values: Sequence[int], limit: int = 4) -> str:
+    spans: list[list[int]] = []
+    for v in sorted(values):
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
+    if len(text) > limit:
+        text = [*text[: limit - 1], "…", text[-1]]
+    return ",".join(text)
+
+
+def name_set(names: Sequence[str]) -> str:
+    """A compact label for region names: ``layers.[0-3,5-9].attn x9``, or the one name."""
+    names = list(dict.fromkeys(names))
+    if len(names) == 1:
+        return names[0]
+    parts = [_NUMBERED.match(n) for n in names]
+    if all(parts) and len({(m.group(1), m.group(3)) for m in parts}) == 1:  # type: ignore[union-attr]
+        head, tail = parts[0].group(1), parts[0].group(3)  # type: ignore[union-attr]
+        nums = [int(m.group(2)) for m in parts]  # type: ignore[union-attr]
+        return f"{head}[{_ranges(nums)}]{tail} x{len(names)}"
+    return f"{names[0]} … {names[-1]} x{len(names)}"
+
+
+def _shape(region: RegionSpec, tp_size: int) -> tuple[str, str]:
+    """(global shape, what one rank holds) in words."""
+    if region.is_state:
+        glob = ", ".join(f"{c.name} {c.units}x{c.unit_bytes} B" for c in region.components)
+        local = ", ".join(f"{c.name} {c.local_units(tp_size)}" for c in region.components)
+        return glob, local
+    if region.is_replicated:
+        return f"dim {region.dim}", f"all {region.dim}"
+    k = region.num_kv_heads
+    local = max(1, k // tp_size)  # type: ignore[operator]
+    rep = f" (replicated x{tp_size // k})" if k < tp_size else ""  # type: ignore[operator]
+    return f"{k} heads x {region.head_dim}", f"{local} head{'s' * (local > 1)}{rep}"
+
+
+def _layout(region: RegionSpec) -> str:
+    if region.kind.value == "attention":
+        win = f", window {region.window}" if region.window else ""
+        return f"{region.layout.value} {region.kv.value}{win}"
+    return "slot" if region.is_state else "(NB, bs, F)"
+
+
+def _spec_rows(spec: EngineSpec) -> list[dict[str, Any]]:
+    """One row per set of regions of identical geometry (names aside), in spec order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(spec.regions):
+        key = tuple(sorted((k, str(v)) for k, v in r.to_dict().items()
+                           if k not in ("name", "pool", "stage")))
+        key += (spec.stage_of(i), spec.rank_page_nbytes(i))
+        groups.setdefault(key, []).append(i)
+    rows = []
+    for members in groups.values():
+        i = members[0]
+        r = spec.regions[i]
+        glob, local = _shape(r, spec.tp_size)
+        rows.append({
+            "regions": name_set([spec.regions[k].name for k in members]),
+            "kind": r.kind.value,
+            "group": r.group,
+            "placement": "R" if r.is_replicated else "S",
+            "shape": glob,
+            "per rank": local,
+            "dtype": r.dtype,
+            "layout": _layout(r),
+            "block": "1 slot" if r.is_state else f"{r.block_size} tokens",
+            "bytes/block/rank": spec.rank_block_nbytes(i),
+            "blocks": r.num_blocks,
+            "pool": ", ".join(sorted({spec.regions[k].pool or "" for k in members})) or "",
+            "stage": spec.stage_of(i),
+        })
+    return rows
+
+
+_CSS = (
+    "<style>table.kvplan{border-collapse:collapse;margin:2px 0 8px 0;font-size:12px}"
+    "table.kvplan th,table.kvplan td{border:1px solid #ccc;padding:2px 6px;text-align:left}"
+    "table.kvplan caption{text-align:left;font-weight:bold;padding:2px 0}"
+    "table.kvplan td.num{text-align:right;font-family:monospace}</style>"
+)
+
+
+def _table(rows: list[dict[str, Any]], caption: str = "", drop: Iterable[str] = ()) -> str:
+    if not rows:
+        return f"<p>{html.escape(caption)}: nothing</p>"
+    cols = [c for c in rows[0] if c not in set(drop)]
+    out = ["<table class='kvplan'>"]
+    if caption:
+        out.append(f"<caption>{html.escape(caption)}</caption>")
+    out.append("<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cols) + "</tr>")
+    for row in rows:
+        cells = []
+        for c in cols:
+            v = row[c]
+            if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+                text = human_bytes(int(v)) if "bytes" in c else str(v)
+                cells.append(f"<td class='num'>{html.escape(text)}</td>")
+            else:
+                cells.append(f"<td>{html.escape(str(v))}</td>")
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def spec_html(spec: EngineSpec) -> str:
+    """The spec as one HTML table, layers of identical geometry on one row."""
+    rows = _spec_rows(spec)
+    drop = [c for c in ("pool", "stage") if all(not r[c] for r in rows)]
+    pp = f", PP {spec.pp_size}" if spec.pp_size > 1 else ""
+    title = (f"EngineSpec: TP {spec.tp_size}{pp}, {len(spec.regions)} regions in "
+             f"{spec.num_groups} KV-cache group(s)")
+    return _CSS + _table(rows, title, drop)
+
+
+def spec_frame(spec: EngineSpec):
+    """One row per region: its JSON fields, stage and bytes per block on one rank."""
+    pd = _require("pandas", "EngineSpec.to_pandas()")
+    rows = []
+    for i, r in enumerate(spec.regions):
+        d = r.to_dict()
+        if "parts" in d:
+            d["parts"] = " ".join(f"{p['name']}:{p['units']}x{p['unit_bytes']}B"
+                                  for p in d["parts"])
+        d.update(stage=spec.stage_of(i), rank_block_nbytes=spec.rank_block_nbytes(i),
+                 rank_page_nbytes=spec.rank_page_nbytes(i))
+        rows.append(d)
+    return pd.DataFrame(rows)
+
+
+# -- maps and plans ----------------------------------------------------------------------------
+
+
+def _streams(region: RegionSpec) -> str:
+    if region.is_state:
+        return "+".join(c.name for c in region.components)
+    return "K+V" if region.streams == 2 else "K"
+
+
+@attrs.frozen
+class Flow:
+    """What crosses one rank-map edge for one kind of region and one placement."""
+
+    kind: str  # kv | latent | state
+    placement: str  # the lane notation: S(heads 0:4), R, S(x 0:2048, ...)
+    regions: tuple[str, ...]
+    region_kinds: tuple[str, ...]  # Kind values: attention, mla, indexer, state
+    nbytes: int
+    runs: int
+    share: str = ""  # for state flows: the slice of every part, e.g. "0-1/4"
+
+    @property
+    def label(self) -> str:
+        """Short text for a picture: ``KV h0:4``, ``MLA R``, ``state x0:2048 B0:4``."""
+        if self.kind == "latent":
+            names = {"mla": "MLA", "indexer": "indexer"}
+            return "+".join(names[k] for k in names if k in self.region_kinds) + " R"
+        inner = self.placement[2:-1] if self.placement.startswith("S(") else self.placement
+        if self.kind == "kv":
+            return "KV h" + inner.replace("heads ", "").replace(", ", " h")
+        if self.share:
+            return f"state {self.share}"
+        parts = inner.split(", ")
+        return f"state {parts[0].replace(' ', '')}" + (f" +{len(parts) - 1}" if parts[1:] else "")
+
+
+@attrs.frozen
+class Edge:
+    """One ``source rank -> destination rank`` edge of a rank map (flat ranks)."""
+
+    src_rank: int
+    dst_rank: int
+    nbytes: int
+    runs: int
+    flows: tuple[Flow, ...]
+
+
+def _lane_stats(item) -> list[tuple[Lane, int, int]]:
+    """(lane, bytes, runs) per lane: of the request for a plan, per block for a map."""
+    from kvplan.plan import TransferPlan
+
+    if isinstance(item, TransferPlan):
+        b = item.lane_bounds
+        lengths = item.rows["length"]
+        return [
+            (lane, int(lengths[b[k]:b[k + 1]].sum()), int(b[k + 1] - b[k]))
+            for k, lane in enumerate(item.map.lanes)
+        ]
+    return [(lane, int(lane.templates[0].length.sum()), len(lane.templates[0].length))
+            for lane in item.lanes]
+
+
+def _map_of(item) -> TransferMap:
+    return getattr(item, "map", item)
+
+
+def _share(region: RegionSpec, lane: Lane) -> str:
+    """For a state lane, the slice ``a-b`` (fractions) every part's units have in common."""
+    if not region.is_state:
+        return ""
+    comps = region.components
+    spans = {
+        (Fraction(u.start, comps[u.component].units), Fraction(u.stop, comps[u.component].units))
+        for u in lane.units
+    }
+    if len(spans) != 1 or len(lane.units) != len(comps):
+        return ""
+    a, b = spans.pop()
+    return f"{a}-{b}"
+
+
+def rank_map(items: Any) -> tuple[Edge, ...]:
+    """The edges of one or more plans or maps, sorted by (source, destination) rank.
+
+    Post-conditions: for plans, an edge's ``nbytes`` and ``runs`` are the sums of the plans'
+    copies between its two ranks, and there is an edge exactly where some copy is; for maps,
+    they are per destination block of each region (edges where a lane is).
+    """
+    items = [items] if not isinstance(items, (list, tuple)) else list(items)
+    acc: dict[tuple[int, int], dict[tuple[str, str], list]] = {}
+    for item in items:
+        m = _map_of(item)
+        for lane, nbytes, runs in _lane_stats(item):
+            if runs == 0:
+                continue
+            region = m.dst.regions[lane.dst_region]
+            key = (kind_class(region), lane.describe(m.dst), _share(region, lane))
+            flows = acc.setdefault((lane.src_rank, lane.dst_rank), {})
+            f = flows.setdefault(key, [[], set(), 0, 0])
+            f[0].append(region.name)
+            f[1].add(region.kind.value)
+            f[2] += nbytes
+            f[3] += runs
+    edges = []
+    for (s, d), flows in sorted(acc.items()):
+        fl = tuple(Flow(k, p, tuple(v[0]), tuple(sorted(v[1])), v[2], v[3], sh)
+                   for (k, p, sh), v in sorted(flows.items()))
+        edges.append(Edge(s, d, sum(f.nbytes for f in fl), sum(f.runs for f in fl), fl))
+    return tuple(edges)
+
+
+def peer_rows(item) -> dict[int, list[dict[str, Any]]]:
+    """Per peer rank of a plan (or map), one row per set of lanes alike but for their region.
+
+    A row holds ``regions`` (a compact label), ``region_names``, ``placement``, ``streams``,
+    the first run's offsets inside the two blocks (as text, and as ``first_run``: a pair of ints
+    or None), and ``bytes``/``runs`` (of the request for a plan, per destination block for a
+    map). Peers ascending, rows in lane order.
+    """
+    m = _map_of(item)
+    pull = m.mode.value == "pull"
+    per_peer: dict[int, dict[tuple, dict[str, Any]]] = {}
+    for lane, nbytes, runs in _lane_stats(item):
+        region = m.dst.regions[lane.dst_region]
+        peer = lane.src_rank if pull else lane.dst_rank
+        tpl = lane.templates[0]
+        first = f"+{int(tpl.src[0])} -> +{int(tpl.dst[0])}" if len(tpl.src) else ""
+        key = (lane.dst_rank, lane.describe(m.dst), _streams(region), region.block_size,
+               nbytes, runs, first)
+        row = per_peer.setdefault(peer, {}).setdefault(key, {
+            "regions": [], "placement": lane.describe(m.dst), "streams": _streams(region),
+            "first run (src -> dst in block)": first, "bytes": 0, "runs": 0,
+            "first_run": (int(tpl.src[0]), int(tpl.dst[0])) if len(tpl.src) else None,
+        })
+        row["regions"].append(region.name)
+        row["bytes"] += nbytes
+        row["runs"] += runs
+    return {
+        peer: [{**r, "regions": name_set(r["regions"]), "region_names": r["regions"]}
+               for r in rows.values()]
+        for peer, rows in sorted(per_peer.items())
+    }
+
+
+_MACHINE = ("region_names", "first_run")  # peer_rows keys for programs, not tables
+
+
+def _map_header(m: TransferMap) -> str:
+    me = "d" if m.mode.value == "pull" else "p"
+    return (f"{m.mode.value} {me}{m.rank}: source TP {m.src.tp_size} -> destination TP "
+            f"{m.dst.tp_size}, {len(m.dst.regions)} regions, peers {list(m.peers)}")
+
+
+def map_html(m: TransferMap) -> str:
+    """Per peer rank, a table of what this rank copies per destination block, layers merged."""
+    other = "p" if m.mode.value == "pull" else "d"
+    parts = [_CSS, f"<p><b>TransferMap {html.escape(_map_header(m))}</b> (bytes and runs per "
+             "destination block, summed over each row's regions)</p>"]
+    for peer, rows in peer_rows(m).items():
+        rows = [
+            {**{k: v for k, v in r.items() if k not in (*_MACHINE, "bytes", "runs")},
+             "bytes/block": r["bytes"], "runs/block": r["runs"]}
+            for r in rows
+        ]
+        parts.append(_table(rows, f"{other}{peer}"))
+    return "".join(parts)
+
+
+def plan_html(plan: TransferPlan) -> str:
+    """Per peer rank, a table of bytes and runs of this request, layers merged."""
+    m = plan.map
+    other = "p" if m.mode.value == "pull" else "d"
+    blocks = sum(len(b) for b in plan.dst_blocks)
+    parts = [_CSS, f"<p><b>TransferPlan {html.escape(_map_header(m))}</b>: "
+             f"{human_bytes(plan.nbytes)} in {len(plan)} runs, {blocks} destination blocks in "
+             f"{len(plan.dst_blocks)} group(s)</p>"]
+    for peer, rows in peer_rows(plan).items():
+        nbytes = sum(r["bytes"] for r in rows)
+        runs = sum(r["runs"] for r in rows)
+        rows = [{k: v for k, v in r.items() if k not in _MACHINE} for r in rows]
+        parts.append(_table(rows, f"{other}{peer}: {human_bytes(nbytes)} in {runs} runs",
+                            drop=("first run (src -> dst in block)",)))
+    return "".join(parts)
+
+
+def map_frame(m: TransferMap):
+    """One row per lane: ranks, region, placement, streams, bytes and runs per block."""
+    pd = _require("pandas", "TransferMap.to_pandas()")
+    rows = []
+    for lane, nbytes, runs in _lane_stats(m):
+        region = m.dst.regions[lane.dst_region]
+        rows.append({
+            "src_rank": lane.src_rank, "dst_rank": lane.dst_rank,
+            "src_region": lane.src_region, "dst_region": lane.dst_region,
+            "region": region.name, "kind": region.kind.value, "group": lane.group,
+            "placement": lane.describe(m.dst), "streams": _streams(region),
+            "bytes_per_block": nbytes, "runs_per_block": runs,
+        })
+    return pd.DataFrame(rows)
+
+
+def plan_frame(plan: TransferPlan):
+    """The plan's copies as a DataFrame (the columns of ``copies()``) plus region names."""
+    pd = _require("pandas", "TransferPlan.to_pandas()")
+    rows = plan.copies()
+    df = pd.DataFrame({name: rows[name] for name in rows.dtype.names})
+    m = plan.map
+    src_names = np.array([r.name for r in m.src.regions], dtype=object)
+    dst_names = np.array([r.name for r in m.dst.regions], dtype=object)
+    df.insert(2, "src_region_name", src_names[rows["src_region"]] if len(rows) else [])
+    df.insert(6, "dst_region_name", dst_names[rows["dst_region"]] if len(rows) else [])
+    return df
+
+
+# -- the picture ------------------------------------------------------------------------------
+
+
+def _xs(n: int, width: float) -> list[float]:
+    step = width / max(n, 1)
+    return [step * (i + 0.5) for i in range(n)]
+
+
+def _holds(spec: EngineSpec, rank: int) -> str:
+    """What a rank holds of the first attention region: ``h0:4`` (for node labels)."""
+    from kvplan.placement import held_heads
+
+    for i in spec.regions_on(rank):
+        r = spec.regions[i]
+        if r.kind.value == "attention":
+            h = held_heads(r.num_kv_heads, spec.tp_size, rank % spec.tp_size)
+            return f"h{h.start}:{h.stop}"
+    return ""
+
+
+def plot_rank_map(items: Any, ax: Any = None, title: str | None = None):
+    """Draw the rank map of one or more plans (or maps) with matplotlib; returns the Figure.
+
+    Source ranks on top, destination ranks below, one line per edge and kind of region
+    (blue K+V heads, orange replicated latents, green state parts), width growing with the
+    bytes, each edge labelled with its head ranges / replicas and bytes. Ranks without an edge
+    are drawn faded.
+    """
+    _require("matplotlib", "plot()")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    items = [items] if not isinstance(items, (list, tuple)) else list(items)
+    if not items:
+        raise ValueError("plot_rank_map: nothing to draw (no plans or maps given)")
+    m = _map_of(items[0])
+    src, dst = m.src, m.dst
+    edges = rank_map(items)
+    n_src, n_dst = src.num_ranks, dst.num_ranks
+    labels = {
+        (e.src_rank, e.dst_rank): [f"{f.label}  {human_bytes(f.nbytes)}" for f in e.flows]
+        for e in edges
+    }
+    chars = max((len(t) for ls in labels.values() for t in ls), default=10)
+    width = max(n_src, n_dst) * max(1.6, 0.07 * chars + 0.35)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(min(24.0, max(7.0, width + 2.4)), 4.8))
+    else:
+        fig = ax.figure
+    xs_src, xs_dst = _xs(n_src, width), _xs(n_dst, width)
+    y_src, y_dst = 1.0, 0.0
+    used_src = {e.src_rank for e in edges}
+    used_dst = {e.dst_rank for e in edges}
+    top = max((e.nbytes for e in edges), default=1) or 1
+    kinds_seen = []
+    # labels go near the row with more ranks, where the edges are spread out
+    t_label = 0.5 if n_src == n_dst else (0.22 if n_src > n_dst else 0.78)
+    for e in edges:
+        x0, x1 = xs_src[e.src_rank], xs_dst[e.dst_rank]
+        n = len(e.flows)
+        kinds = {}
+        for f in e.flows:
+            kinds.setdefault(f.kind, 0)
+            kinds[f.kind] += f.nbytes
+        order = [k for k in KIND_COLORS if k in kinds]
+        for k, kind in enumerate(order):
+            off = (k - (len(order) - 1) / 2) * 0.11
+            lw = 1.0 + 6.0 * math.sqrt(kinds[kind] / top)
+            ax.plot([x0 + off, x1 + off], [y_src - 0.07, y_dst + 0.07], color=KIND_COLORS[kind],
+                    lw=lw, alpha=0.8, solid_capstyle="round", zorder=1 + k)
+            if kind not in kinds_seen:
+                kinds_seen.append(kind)
+        lx = x0 + (x1 - x0) * t_label
+        ly = y_src - 0.07 + (y_dst - y_src + 0.14) * t_label
+        lines = labels[(e.src_rank, e.dst_rank)]
+        text = "\n".join(lines[:3] + ([f"… {n - 3} more"] if n > 3 else []))
+        ax.text(lx, ly, text, ha="center", va="center", fontsize=7, zorder=3,
+                bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#999", "alpha": 0.92})
+    for row, xs, y, used, spec, name in (
+        ("p", xs_src, y_src, used_src, src, "prefill"),
+        ("d", xs_dst, y_dst, used_dst, dst, "decode"),
+    ):
+        for r, x in enumerate(xs):
+            holds = _holds(spec, r)
+            label = f"{row}{r}" + (f"\n{holds}" if holds else "")
+            faded = r not in used
+            ax.text(x, y, label, ha="center", va="center", fontsize=9, zorder=4,
+                    color="#999" if faded else "black",
+                    bbox={"boxstyle": "round,pad=0.35", "fc": "#f4f4f4" if faded else "#e8eef7",
+                          "ec": "#bbb" if faded else "#345"})
+        pp = f" PP{spec.pp_size}" if spec.pp_size > 1 else ""
+        ax.text(-0.2, y, f"{name}\nTP{spec.tp_size}{pp}", ha="right", va="center",
+                fontsize=10, fontweight="bold")
+    total = sum(e.nbytes for e in edges)
+    per = "per destination block" if not hasattr(items[0], "rows") else "for this request"
+    if title is None:
+        title = (f"{m.mode.value}: prefill TP{src.tp_size} -> decode TP{dst.tp_size}, "
+                 f"{len(edges)} edges, {human_bytes(total)} {per}")
+    ax.set_title(title, fontsize=11)
+    handles = [Line2D([0], [0], color=KIND_COLORS[k], lw=4, label=KIND_LABELS[k])
+               for k in ("kv", "latent", "state") if k in kinds_seen]
+    if handles:
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02),
+                  ncol=len(handles), fontsize=8, frameon=False)
+    ax.set_xlim(-1.6, width + 0.2)
+    ax.set_ylim(-0.28, 1.22)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,179 @@
+"""Notebook views: HTML tables per peer rank, pandas frames, and the rank-map picture."""
+
+import io
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import kvplan
+from kvplan import presets, views
+from kvplan.examples import gqa_with_mla_draft, nemotron_h_like
+
+pytest.importorskip("matplotlib")
+import matplotlib
+
+matplotlib.use("Agg")
+
+
+def _ids(spec, tokens=256):
+    out = []
+    for g in range(spec.num_groups):
+        regions = [r for r in spec.regions if r.group == g]
+        if regions[0].is_state:
+            out.append([2])
+        else:
+            n = -(-tokens // max(r.block_size for r in regions))
+            out.append(list(range(0, 2 * n, 2)))
+    return out
+
+
+def _plans(src, dst, tokens=256, mode="pull"):
+    if mode == "pull":
+        maps = [kvplan.pull_map(src, dst, d) for d in range(dst.num_ranks)]
+    else:
+        maps = [kvplan.push_map(src, dst, s) for s in range(src.num_ranks)]
+    return [m.plan(_ids(src, tokens), _ids(dst, tokens)) for m in maps]
+
+
+def _edges_from_copies(plans):
+    acc = Counter()
+    runs = Counter()
+    for p in plans:
+        for row in p.copies():
+            key = (int(row["src_rank"]), int(row["dst_rank"]))
+            acc[key] += int(row["length"])
+            runs[key] += 1
+    return acc, runs
+
+
+@pytest.mark.parametrize("tps", [(8, 2), (2, 8), (4, 4)])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_rank_map_edges_equal_the_plans(tps, mode):
+    src, dst = (gqa_with_mla_draft(t, num_blocks=64) for t in tps)
+    plans = _plans(src, dst, mode=mode)
+    edges = views.rank_map(plans)
+    nbytes, runs = _edges_from_copies(plans)
+    assert {(e.src_rank, e.dst_rank): e.nbytes for e in edges} == dict(nbytes)
+    assert {(e.src_rank, e.dst_rank): e.runs for e in edges} == dict(runs)
+    for e in edges:
+        assert sum(f.nbytes for f in e.flows) == e.nbytes
+
+
+def test_rank_map_of_tp8_to_tp2_reads_each_head_once_and_the_latent_from_one_rank():
+    src, dst = gqa_with_mla_draft(8, num_blocks=64), gqa_with_mla_draft(2, num_blocks=64)
+    edges = views.rank_map(_plans(src, dst))
+    assert [(e.src_rank, e.dst_rank) for e in edges] == [(p, p // 4) for p in range(8)]
+    labels = {(e.src_rank, e.dst_rank): [f.label for f in e.flows] for e in edges}
+    assert labels[(0, 0)] == ["KV h0:1", "MLA R"] and labels[(1, 0)] == ["KV h1:2"]
+    assert labels[(4, 1)] == ["KV h4:5", "MLA R"]
+
+
+def test_rank_map_of_a_map_is_per_destination_block():
+    src, dst = gqa_with_mla_draft(2), gqa_with_mla_draft(4)
+    m = kvplan.pull_map(src, dst, 1)
+    (edge,) = views.rank_map(m)
+    per_block = sum(int(lane.templates[0].length.sum()) for lane in m.lanes)
+    assert (edge.src_rank, edge.dst_rank, edge.nbytes) == (0, 1, per_block)
+
+
+def test_state_flows_show_the_slice_of_every_part():
+    src, dst = nemotron_h_like(2), nemotron_h_like(4)
+    edges = views.rank_map(_plans(src, dst, tokens=64))
+    state = {(e.src_rank, e.dst_rank): f.label for e in edges for f in e.flows
+             if f.kind == "state"}
+    assert state[(0, 1)] == "state 1/4-1/2" and state[(1, 3)] == "state 3/4-1"
+
+
+def _png(fig):
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=60)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("tps", [(8, 2), (2, 8)])
+def test_plot_draws_the_rank_map(tps):
+    src, dst = (gqa_with_mla_draft(t, num_blocks=64) for t in tps)
+    plans = _plans(src, dst)
+    fig = kvplan.plot_rank_map(plans)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    for e in views.rank_map(plans):  # every edge is labelled with its flows and bytes
+        assert any(all(f.label in t for f in e.flows) and views.human_bytes(e.flows[0].nbytes)
+                   in t for t in texts)
+    assert sum(bool(re.match(r"p\d+\n", t)) for t in texts) == tps[0]  # nodes: "p3\nh3:4"
+    assert sum(bool(re.match(r"d\d+\n", t)) for t in texts) == tps[1]
+    assert f"prefill\nTP{tps[0]}" in texts
+    assert _png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_and_map_plot_methods_return_figures():
+    src, dst = gqa_with_mla_draft(4, num_blocks=64), gqa_with_mla_draft(2, num_blocks=64)
+    m = kvplan.pull_map(src, dst, 0)
+    assert _png(m.plot())[:4] == b"\x89PNG"
+    assert _png(m.plan(_ids(src), _ids(dst)).plot())[:4] == b"\x89PNG"
+
+
+def test_spec_html_collapses_layers_alike():
+    spec = presets.spec("gemma-3-27b", 4)
+    page = spec._repr_html_()
+    assert page.count("<table") == 1
+    assert "layers.[0-4,6-10,12-16,…,60-61].attn x52" in page
+    assert "layers.[5,11,17,…,59].attn x10" in page
+    assert page.count("<tr>") == 3  # header and two rows, not 62
+
+
+def test_map_and_plan_html_have_a_table_per_peer_rank():
+    src, dst = presets.spec("llama-3.1-70b", 8), presets.spec("llama-3.1-70b", 2)
+    m = kvplan.pull_map(src, dst, 1)
+    page = m._repr_html_()
+    assert page.count("<table") == 4 and "<caption>p4</caption>" in page
+    assert "layers.[0-79].attn x80" in page and "S(heads 4:5)" in page
+    plan = m.plan([list(range(0, 64, 2))], [list(range(0, 64, 2))])
+    page = plan._repr_html_()
+    assert page.count("<table") == 4
+    assert f"{views.human_bytes(plan.nbytes)} in {len(plan)} runs" in page
+    for peer in plan.peers:
+        assert f"<caption>p{peer}: " in page
+
+
+def test_plan_to_pandas_is_the_copies_with_region_names():
+    pd = pytest.importorskip("pandas")
+    src, dst = gqa_with_mla_draft(2, num_blocks=64), gqa_with_mla_draft(4, num_blocks=64)
+    plan = kvplan.pull_map(src, dst, 3).plan(_ids(src), _ids(dst))
+    df = plan.to_pandas()
+    assert isinstance(df, pd.DataFrame) and len(df) == len(plan)
+    for col in plan.copies().dtype.names:
+        assert np.array_equal(df[col].to_numpy(), plan.copies()[col])
+    assert set(df["dst_region_name"]) == {r.name for r in dst.regions}
+    assert len(kvplan.pull_map(src, dst, 3).to_pandas()) == len(dst.regions)
+    assert list(src.to_pandas()["name"]) == [r.name for r in src.regions]
+
+
+def test_to_pandas_without_pandas_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    src = gqa_with_mla_draft(2, num_blocks=64)
+    plan = kvplan.pull_map(src, src, 0).plan(_ids(src), _ids(src))
+    with pytest.raises(ImportError, match=r"needs pandas.*pip install 'kvplan\[view\]'"):
+        plan.to_pandas()
+
+
+def test_name_set_and_human_bytes():
+    assert views.name_set(["a"]) == "a"
+    assert views.name_set([f"layers.{i}.attn" for i in (0, 1, 2, 5)]) == "layers.[0-2,5].attn x4"
+    assert views.name_set(["x.mla", "y.attn"]) == "x.mla … y.attn x2"
+    assert views.human_bytes(576) == "576 B" and views.human_bytes(1536) == "1.5 KiB"
+
+
+def test_the_core_imports_neither_pandas_nor_matplotlib():
+    code = ("import sys, kvplan\n"
+            "s = kvplan.presets.spec('llama-3.1-8b', 2)\n"
+            "s._repr_html_()\n"
+            "print(sorted(m for m in ('pandas', 'matplotlib', 'rich') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
