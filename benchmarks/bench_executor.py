@@ -12,6 +12,8 @@
    with MAP_NORESERVE: NIXL registers them without touching a page.
 4. Descriptors of a hetero-TP plan: the plan's runs, NIXL's own count after merging
    (telemetry), and the maximal contiguous runs counted independently (goal: equal).
+5. A hybrid engine (KimiLinear-like: MLA and KDA state views of shared pools, kernel blocks),
+   P TP2 -> D TP4: executor against raw NIXL (goal: at most 1.1x) and descriptors (equal).
 
 Every engine lives in this process; agents have no progress thread (the targets are progressed
 by ``Transfer.wait(progress=...)``, the raw loop does the same).
@@ -34,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvplan
 from kvplan import EngineSpec
-from kvplan.examples import llama3_70b
+from kvplan.examples import kimi_linear_like, llama3_70b
 from kvplan_nixl import Endpoint
 from kvplan_nixl._nixl import NIXL_LOCAL, make_agent
 
@@ -52,12 +54,21 @@ def _spec(tp: int, layers: int, nb: int) -> EngineSpec:
 
 
 def _buffers(spec: EngineSpec, fill: int | None) -> list[np.ndarray]:
-    out = []
+    """One array per region (pp 1), the regions of a pool sharing their pool's array."""
+    out: list[np.ndarray] = []
     for i in range(len(spec.regions)):
+        a = spec.allocation_of(i)
+        if a != i:
+            out.append(out[a])
+            continue
         b = np.empty(spec.rank_region_nbytes(i), np.uint8)
         b[:] = np.uint8(i + 1) if fill is None else fill  # touch every page: no faults timed
         out.append(b)
     return out
+
+
+def _allocations(bufs: list[np.ndarray]) -> list[np.ndarray]:
+    return list({id(b): b for b in bufs}.values())
 
 
 class Engines:
@@ -90,10 +101,12 @@ class Raw:
         self.targets = {}
         for r in eng.peers:
             a = make_agent(f"raw-p{r}", ("UCX",), False)
-            a.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in eng.sbufs[r]], "DRAM")
+            a.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in _allocations(
+                eng.sbufs[r])], "DRAM")
             self.targets[r] = a
         self.agent = make_agent("raw-d", ("UCX",), False)
-        self.agent.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in eng.dbufs], "DRAM")
+        self.agent.register_memory([(b.ctypes.data, b.nbytes, 0, "")
+                                    for b in _allocations(eng.dbufs)], "DRAM")
         self.names = {r: self.agent.add_remote_agent(a.get_agent_metadata())
                       for r, a in self.targets.items()}
         self.sbase = {r: np.array([b.ctypes.data for b in eng.sbufs[r]]) for r in eng.peers}
@@ -210,6 +223,49 @@ def bench_hetero(reps: int, tokens: int) -> list[tuple]:
         eng.close()
 
 
+def bench_hybrid(reps: int, tokens: int) -> list[tuple]:
+    """KimiLinear-like (MLA + KDA state views of shared pools, kernel blocks of 16), P TP2 ->
+    D TP4, scattered pages and one state slot: executor against raw NIXL, and descriptors."""
+    layers, nb = 12, tokens // 64 + 8
+    src, dst = (kimi_linear_like(tp, layers=layers, num_blocks=nb) for tp in (2, 4))
+    eng = Engines(src, dst)
+    try:
+        rng = np.random.default_rng(1)
+        n = tokens // 64
+
+        def ids():  # disjoint pages for the MLA group's blocks and the KDA group's slot
+            perm = rng.permutation(nb).tolist()
+            return [perm[:n], perm[n:n + 1]]
+
+        sb, db = ids(), ids()
+        plan = eng.d.map("prefill").plan(sb, db)
+        raw = Raw(eng)
+        eng.read(plan)
+        raw.read(plan)
+        t_ex, t_raw = [], []
+        for _ in range(reps):
+            t_ex.append(_time(lambda: eng.read(plan)))
+            t_raw.append(_time(lambda: raw.read(plan)))
+        t_ex, t_raw = statistics.median(t_ex), statistics.median(t_raw)
+        t = eng.d.read(plan, "prefill")
+        t.wait(60, progress=eng.p)
+        posted = sum(t.desc_counts().values())
+        rows = plan.copies()
+        return [
+            (f"hybrid pull, KimiLinear-like ({layers} MLA + {layers} KDA pooled, kernel 16), "
+             f"P TP2 -> D TP4, {tokens} tokens + 1 slot scattered: raw NIXL",
+             f"{t_raw * 1e3:.1f} ms ({len(rows)} runs, {plan.nbytes / 2**20:.0f} MiB, "
+             f"{plan.nbytes / t_ex / 1e9:.2f} GB/s executor)", "", ""),
+            ("hybrid pull: executor / raw NIXL", f"{t_ex / t_raw:.3f}x", "<= 1.1x",
+             "met" if t_ex / t_raw <= 1.1 else "NOT met"),
+            ("hybrid plan: plan runs / NIXL descCount / maximal runs",
+             f"{len(rows)} / {posted} / {_maximal_runs(rows)}", "equal",
+             "met" if len(rows) == posted == _maximal_runs(rows) else "NOT met"),
+        ]
+    finally:
+        eng.close()
+
+
 def _maximal_runs(rows: np.ndarray) -> int:
     """Runs left after merging every pair contiguous on both sides (independent of kvplan)."""
     order = np.lexsort((rows["dst_offset"], rows["dst_region"], rows["src_region"],
@@ -278,6 +334,7 @@ def main(argv=None) -> int:
     rows = []
     rows += bench_bulk(args.reps)
     rows += bench_hetero(max(3, args.reps // 2), args.tokens)
+    rows += bench_hybrid(max(3, args.reps // 2), 8 * args.tokens)
     rows += bench_connect(5)
     print("| measure | result | goal | |")
     print("|---|---|---|---|")

@@ -5,6 +5,10 @@ model with an MLA draft, prefill TP4 -> decode TP2, as in vLLM PR 44583), one En
 in this process over CPU tensors, fills prefill with known bytes, plans one request, transfers
 it over NIXL (pull, or push with ``--push``), and checks every destination byte against
 ``kvplan.simulate`` applied to copies of the same buffers. Exit status 1 on any mismatch.
+Hybrid examples work the same way: ``--example kimi-linear`` (MLA and KDA state views of shared
+pools), ``--example nemotron-h`` (Mamba2 state and attention), with ``--slots`` state slots per
+request and ``--prefill-pp`` / ``--decode-pp`` pipeline stages (any example's regions cut into
+contiguous stages); each initiator rank connects only the peer ranks its map names.
 """
 
 from __future__ import annotations
@@ -22,38 +26,52 @@ from kvplan import EngineSpec, TransferPlan
 from kvplan.examples import EXAMPLES
 
 
-def _spec(args: argparse.Namespace, tp: int, block_size: int | None) -> EngineSpec:
+def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None) -> EngineSpec:
     kwargs: dict = {"num_blocks": args.num_blocks}
     if block_size is not None:
         kwargs["block_size"] = block_size
-    for opt in ("layout", "kv"):
+    for opt in ("layout", "kv", "num_slots"):
         if getattr(args, opt) is not None:
             kwargs[opt] = getattr(args, opt)
     try:
-        return EXAMPLES[args.example](tp, **kwargs)
+        spec = EXAMPLES[args.example](tp, **kwargs)
     except TypeError as exc:
         raise SystemExit(
             f"kvplan: example {args.example!r} does not take that option: {exc}"
         ) from None
+    if pp != 1:  # any example: its regions cut into pp contiguous stages
+        spec = EngineSpec.from_dict({**spec.to_dict(), "pp_size": pp})
+    return spec
 
 
 def _request(args, src: EngineSpec, dst: EngineSpec) -> tuple[list, list]:
-    """Distinct random block ids per group on each side, covering ``--tokens`` positions."""
+    """Distinct random block ids per group on each side: enough blocks to cover ``--tokens``
+    positions in token groups, ``--slots`` slots in state groups, and ids disjoint between the
+    groups sharing a pool (a page belongs to one group's view at a time)."""
     rng = np.random.default_rng(args.seed)
     out = []
     for spec in (src, dst):
         lists = []
+        used: dict[str, set[int]] = {}  # pool -> page ids taken by earlier groups
         for g in range(spec.num_groups):
             regions = [r for r in spec.regions if r.group == g]
-            bs = max(r.block_size for r in regions)
+            pools = {r.pool for r in regions if r.pool is not None}
             limit = min(r.num_blocks for r in regions)
-            need = -(-args.tokens // bs)
-            if need > limit:
+            taken = set().union(*(used.get(p, set()) for p in pools))
+            free = [b for b in rng.permutation(limit).tolist() if b not in taken]
+            if regions[0].is_state:
+                need, what = args.slots, f"{args.slots} slots"
+            else:
+                bs = max(r.block_size for r in regions)
+                need, what = -(-args.tokens // bs), f"{args.tokens} tokens"
+            if need > len(free):
                 raise SystemExit(
-                    f"kvplan: {args.tokens} tokens need {need} blocks of {bs}, but group {g} has "
-                    f"{limit}; raise --num-blocks or lower --tokens"
+                    f"kvplan: {what} need {need} blocks of group {g}, but it has {len(free)} "
+                    f"free of {limit}; raise --num-blocks or lower --tokens / --slots"
                 )
-            lists.append(rng.permutation(limit)[:need].tolist())
+            lists.append(free[:need])
+            for p in pools:
+                used.setdefault(p, set()).update(free[:need])
         out.append(lists)
     return out[0], out[1]
 
@@ -61,16 +79,16 @@ def _request(args, src: EngineSpec, dst: EngineSpec) -> tuple[list, list]:
 def _plans(args, src: EngineSpec, dst: EngineSpec) -> list[TransferPlan]:
     src_blocks, dst_blocks = _request(args, src, dst)
     if args.push:
-        maps = [kvplan.push_map(src, dst, r) for r in range(src.tp_size)]
+        maps = [kvplan.push_map(src, dst, r) for r in range(src.num_ranks)]
     else:
-        maps = [kvplan.pull_map(src, dst, r) for r in range(dst.tp_size)]
+        maps = [kvplan.pull_map(src, dst, r) for r in range(dst.num_ranks)]
     return [m.plan(src_blocks, dst_blocks) for m in maps]
 
 
 def _engines(args) -> tuple[EngineSpec, EngineSpec]:
     return (
-        _spec(args, args.prefill_tp, args.prefill_block_size),
-        _spec(args, args.decode_tp, args.decode_block_size),
+        _spec(args, args.prefill_tp, args.prefill_pp, args.prefill_block_size),
+        _spec(args, args.decode_tp, args.decode_pp, args.decode_block_size),
     )
 
 
@@ -81,21 +99,30 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _buffers(spec: EngineSpec, rank: int, fill: int | None, rng) -> list:
-    """One CPU tensor per region (numpy when torch is absent), with known contents."""
+def _buffers(spec: EngineSpec, rank: int, fill: int | None, rng) -> dict[int, object]:
+    """One CPU tensor (numpy when torch is absent) per allocation ``rank`` holds (a region, or
+    a pool shared by its regions), keyed by the allocation's first region, with known bytes."""
     torch = None
     try:
         import torch
     except ImportError:
         pass
-    out = []
-    for i in range(len(spec.regions)):
-        n = spec.rank_region_nbytes(i)
+    out = {}
+    for a in sorted({spec.allocation_of(i) for i in spec.regions_on(rank)}):
+        n = spec.rank_region_nbytes(a)
         data = (
             rng.integers(0, 256, n, dtype=np.uint8) if fill is None else np.full(n, fill, np.uint8)
         )
-        out.append(torch.from_numpy(data) if torch is not None else data)
+        out[a] = torch.from_numpy(data) if torch is not None else data
     return out
+
+
+def _views(spec: EngineSpec, allocs: list[dict[int, object]]) -> dict[tuple[int, int], object]:
+    """``{(rank, region): buffer}`` over every region each rank holds: what kvplan.simulate
+    takes (the regions of one pool map to the pool's one buffer)."""
+    return {
+        (r, i): a[spec.allocation_of(i)] for r, a in enumerate(allocs) for i in spec.regions_on(r)
+    }
 
 
 def _as_numpy(buf) -> np.ndarray:
@@ -116,30 +143,40 @@ def cmd_demo(args) -> int:
     src, dst = _engines(args)
     plans = _plans(args, src, dst)  # refuses incompatible engines before any agent exists
     rng = np.random.default_rng(args.seed)
-    p_bufs = [_buffers(src, r, None, rng) for r in range(src.tp_size)]
-    d_bufs = [_buffers(dst, r, 0xEE, rng) for r in range(dst.tp_size)]
-    ref = {(r, i): _as_numpy(b).copy() for r, bs in enumerate(d_bufs) for i, b in enumerate(bs)}
-    srcs = {(r, i): _as_numpy(b) for r, bs in enumerate(p_bufs) for i, b in enumerate(bs)}
+    p_bufs = [_buffers(src, r, None, rng) for r in range(src.num_ranks)]
+    d_bufs = [_buffers(dst, r, 0xEE, rng) for r in range(dst.num_ranks)]
+    ref_allocs = [{a: _as_numpy(b).copy() for a, b in bs.items()} for bs in d_bufs]
+    ref = _views(dst, ref_allocs)
+    srcs = {k: _as_numpy(b) for k, b in _views(src, p_bufs).items()}
     for plan in plans:
         kvplan.simulate(plan, srcs, ref)
 
     mode = "push" if args.push else "pull"
-    print(f"kvplan demo: {args.example}, prefill TP{src.tp_size} -> decode TP{dst.tp_size}, "
+
+    def shape(spec: EngineSpec) -> str:
+        return f"TP{spec.tp_size}" + (f" PP{spec.pp_size}" if spec.pp_size > 1 else "")
+
+    print(f"kvplan demo: {args.example}, prefill {shape(src)} -> decode {shape(dst)}, "
           f"{mode}, {args.tokens} tokens")
     t0 = time.perf_counter()
-    prefill = [Endpoint("prefill", src, r, b) for r, b in enumerate(p_bufs)]
-    decode = [Endpoint("decode", dst, r, b) for r, b in enumerate(d_bufs)]
+    # one buffer per allocation, by the name of its first region (a pool's: any of its names)
+    prefill = [Endpoint("prefill", src, r, {src.regions[a].name: b for a, b in bs.items()})
+               for r, bs in enumerate(p_bufs)]
+    decode = [Endpoint("decode", dst, r, {dst.regions[a].name: b for a, b in bs.items()})
+              for r, bs in enumerate(d_bufs)]
     try:
         initiators, targets = (prefill, decode) if args.push else (decode, prefill)
         remote = "decode" if args.push else "prefill"
         t1 = time.perf_counter()
         metas = [t.metadata() for t in targets]
-        for ep in initiators:
-            for m in metas:
-                ep.connect(m, mode=mode)
+        connects = 0
+        for ep, plan in zip(initiators, plans, strict=True):
+            for r in plan.map.peers:  # only the ranks this rank copies with (its stages')
+                ep.connect(metas[r], mode=mode)
+                connects += 1
         t2 = time.perf_counter()
         print(f"{len(prefill) + len(decode)} endpoints in {t1 - t0:.2f} s, "
-              f"{len(initiators) * len(metas)} connects in {(t2 - t1) * 1e3:.1f} ms\n")
+              f"{connects} connects in {(t2 - t1) * 1e3:.1f} ms\n")
         for plan in plans:
             print(plan.summary())
         print()
@@ -148,7 +185,7 @@ def cmd_demo(args) -> int:
             post = ep.write if args.push else ep.read
             post(plan, remote).wait(30, progress=targets)
         for bs in d_bufs:
-            for b in bs:
+            for b in bs.values():
                 _as_numpy(b)[:] = 0xEE
         t3 = time.perf_counter()
         posted = []
@@ -172,14 +209,19 @@ def cmd_demo(args) -> int:
     finally:
         for ep in prefill + decode:
             ep.close()
-    bad = [k for k, b in ref.items() if not np.array_equal(_as_numpy(d_bufs[k[0]][k[1]]), b)]
-    checked = sum(b.size for b in ref.values())
+    bad = [
+        (r, a) for r, allocs in enumerate(ref_allocs) for a, want in allocs.items()
+        if not np.array_equal(_as_numpy(d_bufs[r][a]), want)
+    ]
+    checked = sum(b.size for allocs in ref_allocs for b in allocs.values())
     if bad:
-        r, i = bad[0]
-        got = _as_numpy(d_bufs[r][i])
-        off = int(np.flatnonzero(got != ref[(r, i)])[0])
-        print(f"MISMATCH: decode rank {r} region {dst.regions[i].name!r} byte {off}: got "
-              f"{got[off]}, expected {ref[(r, i)][off]} ({len(bad)} regions differ)")
+        r, a = bad[0]
+        got, want = _as_numpy(d_bufs[r][a]), ref_allocs[r][a]
+        off = int(np.flatnonzero(got != want)[0])
+        pool = dst.regions[a].pool
+        where = f"pool {pool!r}" if pool is not None else f"region {dst.regions[a].name!r}"
+        print(f"MISMATCH: decode rank {r} {where} byte {off}: got {got[off]}, expected "
+              f"{want[off]} ({len(bad)} allocations differ)")
         return 1
     print(f"verified: all {checked} destination bytes match kvplan.simulate")
     return 0
@@ -197,14 +239,23 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--example", choices=sorted(EXAMPLES), default="gqa-mla-draft")
         s.add_argument("--prefill-tp", type=int, default=4)
         s.add_argument("--decode-tp", type=int, default=2)
+        s.add_argument("--prefill-pp", type=int, default=1, help="pipeline stages of prefill")
+        s.add_argument("--decode-pp", type=int, default=1, help="pipeline stages of decode")
         s.add_argument("--push", action="store_true", help="prefill writes instead of decode reads")
         s.add_argument("--tokens", type=int, default=2048, help="request length (default 2048)")
+        s.add_argument("--slots", type=int, default=1,
+                       help="state slots per state group of the request (hybrids; default 1)")
         s.add_argument("--num-blocks", type=int, default=256, help="blocks per region")
+        s.add_argument("--num-slots", type=int, default=None,
+                       help="state slots per state region (nemotron-h)")
         s.add_argument("--prefill-block-size", type=int, default=None)
         s.add_argument("--decode-block-size", type=int, default=None)
         s.add_argument("--layout", choices=["HND", "NHD"], default=None)
         s.add_argument("--kv", choices=["split", "joint"], default=None)
         s.add_argument("--seed", type=int, default=0)
+    from kvplan_nixl import explain  # explain, check, spec, presets (pure, no NIXL)
+
+    explain.register(sub)
     return p
 
 

@@ -203,6 +203,10 @@ def _why(local, remote, i, lr, lo, rr, ro, ln, describe) -> str:
         )
     elif e <= 0:
         reason = f"length {e} is not positive"
+    elif local.nbytes[a] == 0:
+        reason = f"this rank holds no region {local.names[a]!r} (another pipeline stage)"
+    elif remote.nbytes[c] == 0:
+        reason = f"the peer rank holds no region {remote.names[c]!r} (another pipeline stage)"
     elif b < 0 or b + e > local.nbytes[a]:
         reason = (
             f"local run [{b}:{b + e}) is outside the {int(local.nbytes[a])} registered bytes of "

@@ -12,6 +12,7 @@ Not thread-safe: use an Endpoint, and its Transfers, from one thread.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import secrets
 import sys
@@ -62,16 +63,20 @@ class Peer:
 
 
 class _Route:
-    """Per (remote engine, mode): the map, both ladders and the local descriptor list."""
+    """Per (remote engine, mode): the map, the local ladder and list, and per peer rank its
+    ladder and list (peers of different pipeline stages hold different regions)."""
 
-    __slots__ = ("dst_groups", "local", "local_dlist", "map", "peer_dlists", "remote")
+    __slots__ = ("dst_groups", "local", "local_dlist", "map", "peer_dlists", "peer_ladders",
+                 "remote_units")
 
-    def __init__(self, tmap: TransferMap, local: Ladder, remote: Ladder, local_dlist) -> None:
+    def __init__(self, tmap: TransferMap, local: Ladder, remote_units: list[int],
+                 local_dlist) -> None:
         self.map = tmap
         self.local = local
-        self.remote = remote
-        self.local_dlist = local_dlist
-        self.peer_dlists: dict[int, Any] = {}
+        self.remote_units = remote_units
+        self.local_dlist = local_dlist  # None when this rank copies nothing with that engine
+        self.peer_ladders: dict[int, Ladder] = {}
+        self.peer_dlists: dict[int, Any] = {}  # None for a peer holding nothing the map copies
         self.dst_groups = np.array([r.group for r in tmap.dst.regions], dtype=np.int64)
 
 
@@ -94,21 +99,33 @@ def _parse_agent(name: str) -> tuple[str, int]:
     return name, -1
 
 
-def _buffer(buf: Any, spec: EngineSpec, i: int) -> tuple[int, int, int, str]:
-    """(address, nbytes, device, mem_type) of one region's buffer; refuses a wrong size at once."""
-    name = spec.regions[i].name
+def _alloc_label(spec: EngineSpec, a: int) -> str:
+    """How error messages name allocation ``a``: a region, or a pool and its regions."""
+    r = spec.regions[a]
+    if r.pool is None:
+        return f"region {r.name!r}"
+    names = [x.name for x in spec.regions if x.pool == r.pool]
+    return f"pool {r.pool!r} (regions {', '.join(map(repr, names))})"
+
+
+def _buffer(buf: Any, spec: EngineSpec, a: int, key: str) -> tuple[int, int, int, str]:
+    """(address, nbytes, device, mem_type) of allocation ``a``'s buffer, given as ``key``;
+    refuses a wrong size at once."""
+    what = _alloc_label(spec, a)
+    if key not in (spec.regions[a].name, spec.regions[a].pool):
+        what += f", given as {key!r}"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buf, torch.Tensor):
         if not buf.is_contiguous():
-            raise BufferSizeError(f"region {name!r}: tensor is not contiguous")
+            raise BufferSizeError(f"{what}: tensor is not contiguous")
         if buf.device.type not in ("cpu", "cuda"):
-            raise BufferSizeError(f"region {name!r}: tensor on {buf.device}, not cpu or cuda")
+            raise BufferSizeError(f"{what}: tensor on {buf.device}, not cpu or cuda")
         cuda = buf.device.type == "cuda"
         addr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
         dev, mem = (buf.device.index or 0, "VRAM") if cuda else (0, "DRAM")
     elif isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
-            raise BufferSizeError(f"region {name!r}: numpy array is not C-contiguous")
+            raise BufferSizeError(f"{what}: numpy array is not C-contiguous")
         addr, nbytes, dev, mem = buf.ctypes.data, buf.nbytes, 0, "DRAM"
     elif (
         isinstance(buf, tuple)
@@ -118,30 +135,123 @@ def _buffer(buf: Any, spec: EngineSpec, i: int) -> tuple[int, int, int, str]:
         addr, nbytes, dev, mem = int(buf[0]), int(buf[1]), 0, "DRAM"
     else:
         raise TypeError(
-            f"region {name!r}: a buffer is a contiguous torch tensor, a numpy array or an "
+            f"{what}: a buffer is a contiguous torch tensor, a numpy array or an "
             f"(address, nbytes) pair, got {type(buf).__name__}"
         )
-    want = spec.rank_region_nbytes(i)
+    want = spec.rank_region_nbytes(a)
     if nbytes != want:
-        r = spec.regions[i]
+        page = spec.rank_page_nbytes(a)
+        how = (
+            f"{want // page} pages of {page} bytes" if spec.regions[a].pool is not None
+            else f"{spec.regions[a].num_blocks} blocks x {page} bytes per block"
+        )
         raise BufferSizeError(
-            f"region {name!r}: buffer has {nbytes} bytes, the spec implies {want} "
-            f"({r.num_blocks} blocks x {spec.rank_block_nbytes(i)} bytes per block on one of "
-            f"{spec.tp_size} ranks)"
+            f"{what}: buffer has {nbytes} bytes, the spec implies {want} ({how} on one of "
+            f"{spec.tp_size} TP ranks)"
         )
     if addr <= 0:
-        raise BufferSizeError(f"region {name!r}: address {addr} is not a valid pointer")
+        raise BufferSizeError(f"{what}: address {addr} is not a valid pointer")
     return addr, nbytes, dev, mem
+
+
+def _stage_text(spec: EngineSpec, stage: int) -> str:
+    tp = spec.tp_size
+    return f"pipeline stage {stage} (ranks {stage * tp}..{stage * tp + tp - 1})"
+
+
+def _resolve_buffers(
+    spec: EngineSpec, rank: int, buffers: Sequence[Any] | Mapping[str, Any]
+) -> dict[int, tuple[Any, tuple[int, int, int, str]]]:
+    """``{allocation index: (buffer, (address, nbytes, device, mem))}`` for the allocations
+    ``rank`` holds, in spec order; every refusal is a :class:`BufferSizeError` naming what."""
+    held = spec.regions_on(rank)
+    allocs = sorted({spec.allocation_of(i) for i in held})
+    labels = [_alloc_label(spec, a) for a in allocs]
+    entries: list[tuple[str, int, Any]] = []  # (key, allocation, buffer)
+    if isinstance(buffers, Mapping):
+        by_name = {r.name: i for i, r in enumerate(spec.regions)}
+        pools = {}
+        for i, r in enumerate(spec.regions):
+            if r.pool is not None:
+                pools.setdefault(r.pool, i)
+        for key, buf in buffers.items():
+            if key in by_name:
+                i = by_name[key]
+            elif key in pools:
+                i = pools[key]
+            else:
+                raise BufferSizeError(
+                    f"buffers: {key!r} is neither a region nor a pool of the spec "
+                    f"(rank {rank} needs {', '.join(labels)})"
+                )
+            if i not in held:
+                what = "pool" if key not in by_name else "region"
+                raise BufferSizeError(
+                    f"buffers: {what} {key!r} lies on {_stage_text(spec, spec.stage_of(i))}, "
+                    f"not on rank {rank}'s {_stage_text(spec, rank // spec.tp_size)}; give "
+                    f"buffers only for what rank {rank} holds: {', '.join(labels)}"
+                )
+            entries.append((key, spec.allocation_of(i), buf))
+    else:
+        bufs = list(buffers)
+        if len(bufs) == len(allocs):
+            entries = [(spec.regions[a].name, a, b) for a, b in zip(allocs, bufs, strict=True)]
+        elif len(bufs) == len(held):
+            entries = [
+                (spec.regions[i].name, spec.allocation_of(i), b)
+                for i, b in zip(held, bufs, strict=True)
+            ]
+        else:
+            per_region = "" if len(held) == len(allocs) else (
+                f" (or one per region it holds, {len(held)})"
+            )
+            raise BufferSizeError(
+                f"{len(bufs)} buffers for rank {rank}, which holds {len(allocs)} "
+                f"allocation(s){per_region}: {', '.join(labels)}; pass them in spec order, or "
+                "a mapping by region or pool name"
+            )
+    got: dict[int, tuple[str, Any, tuple[int, int, int, str]]] = {}
+    for key, a, buf in entries:
+        reg = _buffer(buf, spec, a, key)
+        if a in got and got[a][2] != reg:
+            k0, _, r0 = got[a]
+            raise BufferSizeError(
+                f"{_alloc_label(spec, a)}: {k0!r} and {key!r} give two different buffers "
+                f"(at {r0[0]:#x} and {reg[0]:#x}); the regions of a pool share one allocation, "
+                "so give them the same buffer, or give it once (by the pool's name or one "
+                "region's)"
+            )
+        got.setdefault(a, (key, buf, reg))
+    missing = [_alloc_label(spec, a) for a in allocs if a not in got]
+    if missing:
+        raise BufferSizeError(f"buffers: rank {rank} has no buffer for {', '.join(missing)}")
+    out = {a: (got[a][1], got[a][2]) for a in allocs}
+    spans = sorted((r[3], r[2], r[0], r[0] + r[1], a) for a, (_, r) in out.items())
+    for x, y in itertools.pairwise(spans):
+        if x[:2] == y[:2] and y[2] < x[3]:
+            raise BufferSizeError(
+                f"buffers of {_alloc_label(spec, x[4])} and {_alloc_label(spec, y[4])} overlap "
+                "in memory; regions share memory only through a pool of the spec"
+            )
+    return out
 
 
 class Endpoint:
     """One rank of one engine: NIXL agent, registered regions, connected peers.
 
-    ``buffers`` holds one buffer per region of ``spec`` (in spec order, or a mapping by region
-    name): a contiguous torch tensor (CPU -> DRAM, CUDA -> VRAM), a C-contiguous numpy array, or
-    an ``(address, nbytes)`` pair of DRAM. A size that differs from
-    ``spec.rank_region_nbytes(i)`` raises :class:`BufferSizeError` before NIXL is touched. The
-    buffers must outlive the endpoint. ``telemetry=True`` records NIXL's descriptor counts.
+    ``rank`` is a flat rank in ``[0, spec.num_ranks)``, ``pp_rank * tp_size + tp_rank``; the
+    rank holds only the regions of its pipeline stage (``spec.regions_on(rank)``).
+    ``buffers`` holds one buffer per *allocation* the rank holds: each region not in a pool
+    is one allocation, each pool (the regions naming it) is one. Either a mapping keyed by
+    region name or by pool name (for a pool: its name, or any of its regions' names, all
+    given the same memory), or a sequence in spec order with one buffer per allocation (or
+    one per region held, the regions of a pool repeating the pool's buffer). A buffer is a
+    contiguous torch tensor (CPU -> DRAM, CUDA -> VRAM), a C-contiguous numpy array, or an
+    ``(address, nbytes)`` pair of DRAM, of ``spec.rank_region_nbytes(i)`` bytes. Buffers for
+    regions of another stage, a missing allocation, two different buffers for one pool, a
+    wrong size or overlapping allocations raise :class:`BufferSizeError` before NIXL is
+    touched. Each allocation is registered once. The buffers must outlive the endpoint.
+    ``telemetry=True`` records NIXL's descriptor counts.
     """
 
     def __init__(
@@ -160,22 +270,13 @@ class Endpoint:
             spec = EngineSpec.from_dict(spec)
         if not isinstance(spec, EngineSpec):
             raise TypeError(f"spec must be an EngineSpec or its dict, got {type(spec).__name__}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.tp_size:
-            raise ValueError(f"rank {rank!r} is not in [0, {spec.tp_size}) of engine {engine!r}")
-        names = [r.name for r in spec.regions]
-        if isinstance(buffers, Mapping):
-            unknown = sorted(set(buffers) - set(names))
-            missing = [n for n in names if n not in buffers]
-            if unknown or missing:
-                raise BufferSizeError(f"buffers: missing regions {missing}, unknown {unknown}")
-            buffers = [buffers[n] for n in names]
-        buffers = list(buffers)
-        if len(buffers) != len(names):
-            raise BufferSizeError(
-                f"{len(buffers)} buffers for the {len(names)} regions of the spec ({names})"
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.num_ranks:
+            pp = f" (tp {spec.tp_size} x pp {spec.pp_size})" if spec.pp_size > 1 else ""
+            raise ValueError(
+                f"rank {rank!r} is not in [0, {spec.num_ranks}) of engine {engine!r}{pp}"
             )
-        regs = [_buffer(b, spec, i) for i, b in enumerate(buffers)]
-        mems = sorted({m for *_, m in regs})
+        allocs = _resolve_buffers(spec, rank, buffers)
+        mems = sorted({reg[3] for _, reg in allocs.values()})
         if len(mems) != 1:
             raise BufferSizeError(f"all regions of a rank must be in one memory, got {mems}")
         self.engine = engine
@@ -183,10 +284,16 @@ class Endpoint:
         self.rank = rank
         self.telemetry = bool(telemetry)
         self.mem_type = mems[0]
-        self._bases = tuple(a for a, *_ in regs)
-        self._nbytes = tuple(n for _, n, *_ in regs)
-        self._devices = tuple(d for _, _, d, _ in regs)
-        self._buffers = buffers  # keep them alive while registered
+        n = len(spec.regions)
+        bases, nbytes, devices = [0] * n, [0] * n, [0] * n
+        for i in spec.regions_on(rank):  # per region index; pooled regions share the pool's
+            addr, size, dev, _ = allocs[spec.allocation_of(i)][1]
+            bases[i], nbytes[i], devices[i] = addr, size, dev
+        self._bases = tuple(bases)
+        self._nbytes = tuple(nbytes)
+        self._devices = tuple(devices)
+        self._buffers = [b for b, _ in allocs.values()]  # keep them alive while registered
+        regs = [reg for _, reg in allocs.values()]
         self.agent_name = f"{engine}{_SEP}{rank}{_SEP}{os.getpid():x}{secrets.token_hex(4)}"
         self._live: collections.Counter[str] = collections.Counter()
         self._peers: dict[tuple[str, int], Peer] = {}
@@ -199,7 +306,7 @@ class Endpoint:
             missing = [b for b in backends if b not in self._agent.backends]
             if missing:
                 raise NixlError("create_backend", "NIXL_ERR_NOT_FOUND", f"no backend {missing}")
-            with nixl_call("register_memory", f"{len(regs)} regions of {engine} rank {rank}"):
+            with nixl_call("register_memory", f"{len(regs)} allocations of {engine} rank {rank}"):
                 self._reg = self._agent.register_memory(
                     [(a, n, d, "") for a, n, d, _ in regs], self.mem_type
                 )
@@ -237,6 +344,11 @@ class Endpoint:
         local side and once per peer rank for the remote side, as NIXL strided rows whose count
         grows with ``log(num_blocks)`` only. Connecting the same peer again is a no-op; a peer
         rank that restarted (new agent) replaces the old one.
+
+        It suffices to connect the ranks ``map(remote, mode).peers`` names (connect any one
+        first: the map is built from its spec); with pipeline stages they are the ranks of the
+        stages holding this rank's regions. Other ranks may be connected too: they get no
+        descriptor list, since no plan of the map names them.
         """
         agent = self._require()
         info = md.decode(metadata)
@@ -272,8 +384,16 @@ class Endpoint:
             old = Peer(info.engine, info.rank, info.agent, info.spec)
             self._peers[(info.engine, info.rank)] = old
         if info.rank not in route.peer_dlists:
-            rows = route.remote.rows(info.bases, info.devices)
-            route.peer_dlists[info.rank] = self._prep(agent, info.agent, rows, info.mem_type)
+            names = [r.name for r in info.spec.regions]
+            ladder = Ladder.build(names, info.nbytes, route.remote_units)
+            rows = ladder.rows(info.bases, info.devices)
+            route.peer_ladders[info.rank] = ladder
+            # a peer the map never copies with (another stage, or a TP rank whose units and
+            # replicas other ranks serve) gets no list: no plan of this map names it
+            needed = info.rank in route.map.peers and len(rows) > 0
+            route.peer_dlists[info.rank] = (
+                self._prep(agent, info.agent, rows, info.mem_type) if needed else None
+            )
         return old
 
     def _new_route(self, agent, info: md.PeerInfo, mode: Mode) -> _Route:
@@ -284,9 +404,9 @@ class Endpoint:
         mine = [tmap.granule(r.name) for r in self.spec.regions]
         theirs = [tmap.granule(r.name) for r in info.spec.regions]
         local = Ladder.build([r.name for r in self.spec.regions], self._nbytes, mine)
-        remote = Ladder.build([r.name for r in info.spec.regions], info.nbytes, theirs)
-        dlist = self._prep(agent, NIXL_LOCAL, local.rows(self._bases, self._devices), self.mem_type)
-        return _Route(tmap, local, remote, dlist)
+        rows = local.rows(self._bases, self._devices)
+        dlist = self._prep(agent, NIXL_LOCAL, rows, self.mem_type) if len(rows) else None
+        return _Route(tmap, local, theirs, dlist)
 
     def map(self, remote: str, mode: str | Mode = "pull") -> TransferMap:
         """The TransferMap connect built for ``remote`` (make plans with its ``plan``)."""
@@ -360,10 +480,11 @@ class Endpoint:
                 f"{sorted(route.peer_dlists)}"
             )
         lowered: list[Lowered] = []
-        for a, b in zip(starts, ends, strict=True):
+        for r, a, b in zip(ranks, starts, ends, strict=True):
             seg = rows[a:b]
             lowered.append(
-                lower(route.local, route.remote, seg[f"{lside}_region"], seg[f"{lside}_offset"],
+                lower(route.local, route.peer_ladders[r], seg[f"{lside}_region"],
+                      seg[f"{lside}_offset"],
                       seg[f"{rside}_region"], seg[f"{rside}_offset"], seg["length"],
                       describe=_describer(seg))
             )
@@ -371,6 +492,9 @@ class Endpoint:
             r: frozenset(np.unique(route.dst_groups[rows["dst_region"][a:b]]).tolist())
             for r, a, b in zip(ranks, starts, ends, strict=True)
         }
+        # a plan touching a rank or side with no list would have failed the bounds check
+        assert all(route.peer_dlists[r] is not None for r in ranks)
+        assert not ranks or route.local_dlist is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         parts = [_Part(r, lw.runs, lw.nbytes) for r, lw in zip(ranks, lowered, strict=True)]
         t = Transfer(self, plan, remote, parts, groups, deadline)
@@ -480,7 +604,8 @@ class Endpoint:
 
     def __repr__(self) -> str:
         state = "closed" if self._agent is None else f"{len(self._peers)} peers"
-        return f"Endpoint({self.engine!r}, rank={self.rank}, tp={self.spec.tp_size}, {state})"
+        pp = f", pp={self.spec.pp_size}" if self.spec.pp_size > 1 else ""
+        return f"Endpoint({self.engine!r}, rank={self.rank}, tp={self.spec.tp_size}{pp}, {state})"
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -509,6 +634,8 @@ class Endpoint:
         return h
 
     def _release_dlist(self, h, errors: list[BaseException] | None = None) -> None:
+        if h is None:  # a route or peer with nothing to describe had no list prepared
+            return
         try:
             with nixl_call("release of a descriptor list"):
                 h.release()
@@ -550,6 +677,7 @@ class Endpoint:
                 t.cancel(f"peer {peer.engine!r} rank {peer.rank} disconnected", [peer.rank])
         for (engine, _), route in self._routes.items():
             if engine == peer.engine and peer.rank in route.peer_dlists:
+                route.peer_ladders.pop(peer.rank, None)
                 self._release_dlist(route.peer_dlists.pop(peer.rank), errors)
         del self._peers[(peer.engine, peer.rank)]
         try:

@@ -6,7 +6,11 @@ Wire format (all integers big-endian)::
     format u16                    FORMAT_VERSION; checked right after the magic, so a peer of
                                   another version is refused by name even if the rest changed
     header u32, agent u32         lengths of the two parts below
-    header                        UTF-8 JSON: engine, rank, agent name, spec, regions, mem type
+    header                        UTF-8 JSON: engine, rank, agent name, spec, mem type, and
+                                  "regions": [[index, base, nbytes, device], ...], one row per
+                                  region the rank holds (its pipeline stage's), indices those
+                                  of the whole spec; the regions of one pool repeat the pool's
+                                  base and size (one allocation)
     agent                         NIXL's own agent metadata (opaque)
     digest                        sha256 of everything above, 32 bytes
 
@@ -27,7 +31,9 @@ from kvplan_nixl.errors import MetadataError
 
 MAGIC = b"KVPLNIXL"
 #: Bump when the header's meaning changes; peers of other versions are refused.
-FORMAT_VERSION = 1
+#: 1: one row per region of the spec (TP only). 2: rows carry the region index and list only
+#: the regions of the rank's pipeline stage; pooled regions share their allocation's row.
+FORMAT_VERSION = 2
 _FIXED = struct.Struct(">8sHII")
 _DIGEST = 32
 #: Refuse headers larger than this before parsing JSON (a spec of thousands of regions fits).
@@ -36,7 +42,12 @@ MAX_HEADER_BYTES = 16 << 20
 
 @attrs.frozen(kw_only=True)
 class PeerInfo:
-    """A decoded peer: who it is, its layout, and where its regions are registered."""
+    """A decoded peer: who it is, its layout, and where its regions are registered.
+
+    ``bases``, ``nbytes`` and ``devices`` are indexed by region index of the whole spec; the
+    regions the rank does not hold (other pipeline stages) have 0 everywhere, and the regions
+    of one pool repeat the pool allocation's base and size.
+    """
 
     engine: str
     rank: int
@@ -48,6 +59,11 @@ class PeerInfo:
     devices: tuple[int, ...]
     agent_metadata: bytes = attrs.field(repr=False)
 
+    @property
+    def held(self) -> tuple[int, ...]:
+        """Indices of the regions the peer rank holds (its pipeline stage's)."""
+        return self.spec.regions_on(self.rank)
+
 
 def encode(info: PeerInfo) -> bytes:
     """Serialize ``info``; :func:`decode` inverts it."""
@@ -58,7 +74,12 @@ def encode(info: PeerInfo) -> bytes:
             "agent": info.agent,
             "spec": info.spec.to_dict(),
             "mem_type": info.mem_type,
-            "regions": [list(t) for t in zip(info.bases, info.nbytes, info.devices, strict=True)],
+            "regions": [  # what is registered: the held regions (decode checks which)
+                [i, b, n, d]
+                for i, (b, n, d) in enumerate(zip(info.bases, info.nbytes, info.devices,
+                                                  strict=True))
+                if n
+            ],
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -82,9 +103,11 @@ def decode(blob: bytes) -> PeerInfo:
         raise MetadataError(f"kvplan_nixl metadata truncated: {len(blob)} bytes")
     _, version, hlen, alen = _FIXED.unpack_from(blob)
     if version != FORMAT_VERSION:
+        which = "an older" if version < FORMAT_VERSION else "a newer"
         raise MetadataError(
             f"kvplan_nixl metadata format version {version}, this endpoint reads version "
-            f"{FORMAT_VERSION}: upgrade or downgrade one side so both speak the same version"
+            f"{FORMAT_VERSION} (the peer runs {which} kvplan_nixl): upgrade or downgrade one "
+            "side so both speak the same version"
         )
     if hlen > MAX_HEADER_BYTES or len(blob) != _FIXED.size + hlen + alen + _DIGEST:
         raise MetadataError(
@@ -107,29 +130,43 @@ def decode(blob: bytes) -> PeerInfo:
         raise MetadataError(f"kvplan_nixl metadata header unreadable: {exc!r}") from exc
     if not isinstance(engine, str) or isinstance(rank, bool) or not isinstance(rank, int):
         raise MetadataError(f"metadata header: bad engine {engine!r} or rank {rank!r}")
-    if not 0 <= rank < spec.tp_size:
-        raise MetadataError(f"metadata of {engine!r}: rank {rank} not in [0, {spec.tp_size})")
-    if len(regions) != len(spec.regions) or any(len(t) != 3 for t in regions):
+    if not 0 <= rank < spec.num_ranks:
+        raise MetadataError(f"metadata of {engine!r}: rank {rank} not in [0, {spec.num_ranks})")
+    who = f"metadata of {engine!r} rank {rank}"
+    if any(len(t) != 4 for t in regions):
+        raise MetadataError(f"{who}: region rows must be [index, base, nbytes, device]")
+    held = spec.regions_on(rank)
+    indices = [t[0] for t in regions]
+    if indices != list(held):
         raise MetadataError(
-            f"metadata of {engine!r} rank {rank}: {len(regions)} registered regions for "
-            f"{len(spec.regions)} in its spec"
+            f"{who}: registers regions {indices}, but rank {rank} (pipeline stage "
+            f"{rank // spec.tp_size}) holds regions {list(held)} of its spec"
         )
-    for i, (_, n, _) in enumerate(regions):
+    n = len(spec.regions)
+    bases, sizes, devs = [0] * n, [0] * n, [0] * n
+    for i, base, size, dev in regions:
         want = spec.rank_region_nbytes(i)
-        if n != want:
+        if size != want:
             raise MetadataError(
-                f"metadata of {engine!r} rank {rank}: region {spec.regions[i].name!r} registers "
-                f"{n} bytes, its spec implies {want}"
+                f"{who}: region {spec.regions[i].name!r} registers {size} bytes, its spec "
+                f"implies {want}"
             )
-    bases, sizes, devs = zip(*regions, strict=True)
+        a = spec.allocation_of(i)
+        if a != i and (base, dev) != (bases[a], devs[a]):
+            raise MetadataError(
+                f"{who}: regions {spec.regions[a].name!r} and {spec.regions[i].name!r} of pool "
+                f"{spec.regions[i].pool!r} are registered at different addresses; a pool is one "
+                "allocation"
+            )
+        bases[i], sizes[i], devs[i] = base, size, dev
     return PeerInfo(
         engine=engine,
         rank=rank,
         agent=str(agent),
         spec=spec,
         mem_type=str(mem),
-        bases=bases,
-        nbytes=sizes,
-        devices=devs,
+        bases=tuple(bases),
+        nbytes=tuple(sizes),
+        devices=tuple(devs),
         agent_metadata=agent_md,
     )

@@ -23,22 +23,24 @@ import numpy as np
 
 
 def buffers(spec, rank: int, seed: int, how: str) -> list[np.ndarray]:
-    """The regions of ``rank``: a function of (spec, rank, seed, how) only, so the test that
-    started this process can recompute every byte."""
+    """One array per region ``rank`` holds (spec order; the regions of a pool share one), a
+    function of (spec, rank, seed, how) only, so the test that started this process can
+    recompute every byte."""
     from tests import oracle
 
-    n = len(spec.regions)
+    held = spec.regions_on(rank)
     if how == "oracle":
         every = oracle.source_buffers(spec.to_dict(), seed=seed)
     elif how == "sentinel":
         every = oracle.destination_buffers(spec.to_dict(), seed=seed)
     else:
-        return [
-            np.random.default_rng([seed, rank, i]).integers(0, 256, spec.rank_region_nbytes(i),
-                                                             dtype=np.uint8)
-            for i in range(n)
-        ]
-    return [every[(rank, i)] for i in range(n)]
+        every = {
+            (rank, i): np.random.default_rng([seed, rank, i]).integers(
+                0, 256, spec.rank_region_nbytes(i), dtype=np.uint8)
+            for i in held if spec.allocation_of(i) == i
+        }
+        every.update({(rank, i): every[(rank, spec.allocation_of(i))] for i in held})
+    return [every[(rank, i)] for i in held]
 
 
 def main() -> int:

@@ -40,23 +40,36 @@ def mla(name="draft.0.mla", *, dim=576, nb=32, bs=16, group=0, kind="mla",
             "dtype": dtype, "dim": dim}
 
 
-class Pair:
-    """A source and a destination engine, one real Endpoint per rank, in this process."""
+def shared_copy(bufs: dict) -> dict:
+    """A copy of ``{(rank, region): array}`` in which the regions of one pool still share one
+    array (a plain dict copy would split a pool into independent copies)."""
+    copies: dict[int, np.ndarray] = {}
+    return {k: copies.setdefault(id(v), v.copy()) for k, v in bufs.items()}
 
-    def __init__(self, src: EngineSpec, dst: EngineSpec, *, telemetry: bool = False) -> None:
+
+class Pair:
+    """A source and a destination engine, one real Endpoint per (flat) rank, in this process.
+
+    Each endpoint gets its buffers as a mapping by region name over the regions its rank holds;
+    the regions of a pool map to the same array (the oracle's buffers share it). ``src_blocks``
+    fills pooled sources page by page with the view of the group that lists the page (see
+    ``oracle.source_buffers``); pass the request's source blocks for engines with pools.
+    """
+
+    def __init__(self, src: EngineSpec, dst: EngineSpec, *, telemetry: bool = False,
+                 src_blocks=None) -> None:
         self.src, self.dst = src, dst
-        self.src_bufs = oracle.source_buffers(src.to_dict(), seed=3)
+        self.src_bufs = oracle.source_buffers(src.to_dict(), seed=3, request_blocks=src_blocks)
         self.dst_bufs = oracle.destination_buffers(dst.to_dict(), seed=4)
-        self.before = {k: v.copy() for k, v in self.dst_bufs.items()}
+        self.before = shared_copy(self.dst_bufs)
         self.p: list[Endpoint] = []
         self.d: list[Endpoint] = []
         try:
-            for r in range(src.tp_size):
-                bufs = [self.src_bufs[(r, i)] for i in range(len(src.regions))]
-                self.p.append(Endpoint("prefill", src, r, bufs, telemetry=telemetry))
-            for r in range(dst.tp_size):
-                bufs = [self.dst_bufs[(r, i)] for i in range(len(dst.regions))]
-                self.d.append(Endpoint("decode", dst, r, bufs, telemetry=telemetry))
+            for eps, engine, sp, bufs in ((self.p, "prefill", src, self.src_bufs),
+                                          (self.d, "decode", dst, self.dst_bufs)):
+                for r in range(sp.num_ranks):
+                    mine = {sp.regions[i].name: bufs[(r, i)] for i in sp.regions_on(r)}
+                    eps.append(Endpoint(engine, sp, r, mine, telemetry=telemetry))
         except BaseException:
             self.close()
             raise
@@ -74,9 +87,9 @@ class Pair:
 
     def plans(self, mode: str, src_blocks, dst_blocks):
         if mode == "pull":
-            maps = [pull_map(self.src, self.dst, r) for r in range(self.dst.tp_size)]
+            maps = [pull_map(self.src, self.dst, r) for r in range(self.dst.num_ranks)]
         else:
-            maps = [push_map(self.src, self.dst, r) for r in range(self.src.tp_size)]
+            maps = [push_map(self.src, self.dst, r) for r in range(self.src.num_ranks)]
         return [m.plan(src_blocks, dst_blocks) for m in maps]
 
     def run(self, mode: str, src_blocks, dst_blocks, *, notify=None, timeout=30.0):
@@ -99,7 +112,7 @@ class Pair:
         them (the executor's own contract), then the oracle (the whole stack's).
         """
         if plans:
-            ref = {k: v.copy() for k, v in self.before.items()}
+            ref = shared_copy(self.before)
             for plan in plans:
                 simulate(plan, self.src_bufs, ref)
             for k, want in ref.items():
@@ -111,7 +124,7 @@ class Pair:
                     )
         checked = 0
         sd, dd = self.src.to_dict(), self.dst.to_dict()
-        for r in range(self.dst.tp_size):
+        for r in range(self.dst.num_ranks):
             expected, _ = oracle.expected_destination(
                 sd, dd, src_blocks, dst_blocks, r, self.src_bufs, self.before
             )
@@ -123,7 +136,7 @@ class Pair:
                         f"decode rank {r} region {self.dst.regions[j].name}: {bad.size} bytes "
                         f"differ, first at {int(bad[0])}"
                     )
-                checked += exp.size
+                checked += exp.size  # a pool counted once per view
         return checked
 
     def close(self) -> None:
@@ -164,6 +177,26 @@ def blocks(rng: np.random.Generator, spec: EngineSpec, n: int | Sequence[int]) -
         k = n if isinstance(n, int) else n[g]
         limit = min(r.num_blocks for r in spec.regions if r.group == g)
         out.append(rng.permutation(limit)[:k].tolist())
+    return out
+
+
+def hybrid_blocks(rng: np.random.Generator, spec: EngineSpec, tokens: int,
+                  slots: int) -> list[list[int]]:
+    """One request's block ids on one side: ``ceil(tokens / block_size)`` per token group and
+    ``slots`` per state group, distinct random ids, disjoint between groups sharing a pool."""
+    used: dict[str, set[int]] = {}
+    out = []
+    for g in range(spec.num_groups):
+        regions = [r for r in spec.regions if r.group == g]
+        pools = {r.pool for r in regions if r.pool is not None}
+        limit = min(r.num_blocks for r in regions)
+        taken = set().union(*(used.get(p, set()) for p in pools))
+        free = [b for b in rng.permutation(limit).tolist() if b not in taken]
+        n = slots if regions[0].is_state else -(-tokens // max(r.block_size for r in regions))
+        assert n <= len(free), f"group {g}: {n} blocks wanted, {len(free)} free"
+        out.append(free[:n])
+        for p in pools:
+            used.setdefault(p, set()).update(free[:n])
     return out
 
 

@@ -24,13 +24,39 @@ def test_plan_prints_without_importing_nixl_or_torch():
     assert "TransferPlan pull d0" in out.stdout and "TransferPlan pull d1" in out.stdout
 
 
-@pytest.mark.parametrize("extra", [[], ["--push", "--prefill-tp", "2", "--decode-tp", "4"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--push", "--prefill-tp", "2", "--decode-tp", "4"],
+        ["--example", "kimi-linear", "--push", "--prefill-tp", "4", "--decode-tp", "1",
+         "--num-blocks", "16", "--slots", "2"],
+        ["--example", "nemotron-h", "--prefill-tp", "2", "--prefill-pp", "2", "--decode-tp",
+         "1", "--num-blocks", "40", "--num-slots", "2"],
+        ["--example", "nemotron-h", "--push", "--prefill-tp", "2", "--decode-tp", "1",
+         "--decode-pp", "2", "--num-blocks", "40", "--num-slots", "2"],
+    ],
+    ids=["default", "push", "kimi-p4-d1-push", "nemotron-pp2-d1",
+         "nemotron-d-pp2-push"],
+)
 def test_demo_verifies(capsys, extra):
     rc = main(["demo", "--tokens", "512", "--num-blocks", "64", *extra])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "verified: all" in out and "GB/s" in out
     assert "descriptors" in out
+    if "--prefill-pp" in extra:
+        assert "prefill TP2 PP2 -> decode TP1" in out
+        assert "d0    p3" in out  # the decode rank read from both stages
+
+
+def test_hybrid_plan_with_stages_is_pure(capsys):
+    rc = main(["plan", "--example", "kimi-linear", "--prefill-tp", "2", "--prefill-pp", "2",
+               "--decode-tp", "1", "--tokens", "128", "--num-blocks", "8", "--slots", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "TransferPlan pull d0" in out and "p3:" in out
+    assert "parts q_conv+k_conv+v_conv+recurrent" in out
 
 
 def test_incompatible_example_exits_with_a_message(capsys):

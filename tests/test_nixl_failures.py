@@ -43,10 +43,16 @@ def test_wrong_buffer_size_refused_before_nixl():
     with pytest.raises(BufferSizeError, match=r"region 'draft.0.mla': buffer has \d+ bytes, the "
                        r"spec implies \d+"):
         Endpoint("prefill", SRC, 0, bad)
-    with pytest.raises(BufferSizeError, match="1 buffers for the 2 regions"):
+    with pytest.raises(BufferSizeError, match=r"1 buffers for rank 0, which holds 2 allocation"):
         Endpoint("prefill", SRC, 0, bufs[:1])
-    with pytest.raises(BufferSizeError, match="missing regions"):
+    with pytest.raises(BufferSizeError, match=r"rank 0 has no buffer for region 'draft\.0\.mla'"):
         Endpoint("prefill", SRC, 0, {"layers.0.attn": bufs[0]})
+    with pytest.raises(BufferSizeError, match="'nope' is neither a region nor a pool"):
+        Endpoint("prefill", SRC, 0, {"layers.0.attn": bufs[0], "draft.0.mla": bufs[1],
+                                     "nope": bufs[1]})
+    with pytest.raises(BufferSizeError, match="overlap in memory"):
+        Endpoint("prefill", SRC, 0, [(bufs[0].ctypes.data, bufs[0].nbytes),
+                                     (bufs[0].ctypes.data, bufs[1].nbytes)])
     with pytest.raises(BufferSizeError, match="not C-contiguous"):
         Endpoint("prefill", SRC, 0, [bufs[0], np.zeros(2 * bufs[1].size, np.uint8)[::2]])
     with pytest.raises(TypeError, match="numpy array or an"):
@@ -60,14 +66,15 @@ def test_foreign_corrupt_and_other_version_metadata_refused():
         d, good = pr.d[0], pr.p[0].metadata()
         before = d.handles()
         raw_nixl = pr.p[0]._agent.get_agent_metadata()
-        version2 = bytearray(good)
-        version2[8:10] = (2).to_bytes(2, "big")
+        version1 = bytearray(good)
+        version1[8:10] = (1).to_bytes(2, "big")  # what a kvplan_nixl of before PP/pools sends
         flipped = bytearray(good)
         flipped[len(good) // 2] ^= 0x01
         for blob, msg in [
             (raw_nixl, "not kvplan_nixl endpoint metadata"),
             (b"", "not kvplan_nixl endpoint metadata"),
-            (bytes(version2), "format version 2, this endpoint reads version 1"),
+            (bytes(version1), r"format version 1, this endpoint reads version 2 \(the peer "
+                              r"runs an older kvplan_nixl\)"),
             (bytes(flipped), "corrupt: checksum mismatch"),
             (good[:-5], "corrupt"),
             (good[:12], "truncated"),

@@ -9,7 +9,7 @@ import struct
 import attrs
 import pytest
 
-from kvplan.examples import gqa_with_mla_draft
+from kvplan.examples import gqa_with_mla_draft, kimi_linear_like, nemotron_h_like
 from kvplan_nixl import MetadataError
 from kvplan_nixl import metadata as md
 
@@ -46,7 +46,8 @@ def test_roundtrip():
         (b"", "not kvplan_nixl endpoint metadata"),
         (b"\x0a\x0bsome nixl agent metadata", "not kvplan_nixl endpoint metadata"),
         (md.MAGIC + b"\x00", "truncated"),
-        (_raw({}, version=7), "format version 7, this endpoint reads version 1"),
+        (_raw({}, version=7), "format version 7, this endpoint reads version 2 .*a newer"),
+        (_raw({}, version=1), "format version 1, this endpoint reads version 2 .*an older"),
         (md.encode(_info())[:-1], "corrupt"),
         (md.encode(_info()) + b"!", "corrupt"),
         (_raw({"engine": "p"}), "header unreadable"),
@@ -77,6 +78,56 @@ def test_inconsistent_header_refused():
     with pytest.raises(MetadataError, match=r"rank 4 not in \[0, 4\)"):
         md.decode(md.encode(_info(rank=4)))
     short = _info()
-    with pytest.raises(MetadataError, match="registered regions for"):
+    with pytest.raises(MetadataError, match=r"registers regions \[0\], but rank 3 \(pipeline "
+                       r"stage 0\) holds regions \[0, 1, 2\]"):
         md.decode(md.encode(attrs.evolve(short, bases=short.bases[:1], nbytes=short.nbytes[:1],
                                          devices=(0,))))
+
+
+# pipeline stages and pools: rows carry region indices of the whole spec
+PP = nemotron_h_like(2, pp_size=2, mamba_layers=3, num_blocks=4, num_slots=2)
+KIMI = kimi_linear_like(2, layers=2, num_blocks=4)
+
+
+def _held_info(spec, rank, **kw) -> md.PeerInfo:
+    n = len(spec.regions)
+    held = spec.regions_on(rank)
+    bases = [0] * n
+    for i in held:
+        bases[i] = 4096 * (spec.allocation_of(i) + 1)
+    base = dict(
+        engine="prefill", rank=rank, agent=f"prefill#{rank}#abc", spec=spec, mem_type="DRAM",
+        bases=tuple(bases),
+        nbytes=tuple(spec.rank_region_nbytes(i) if i in held else 0 for i in range(n)),
+        devices=(0,) * n, agent_metadata=b"nixl",
+    )
+    base.update(kw)
+    return md.PeerInfo(**base)
+
+
+@pytest.mark.parametrize(("spec", "rank", "held"), [(PP, 1, (0, 1)), (PP, 3, (2, 3)),
+                                                    (KIMI, 1, (0, 1, 2, 3))])
+def test_roundtrip_stages_and_pools(spec, rank, held):
+    info = _held_info(spec, rank)
+    assert info.held == held
+    blob = md.encode(info)
+    assert md.decode(blob) == info
+    rows = json.loads(blob[md._FIXED.size:][: struct.unpack_from(">I", blob, 10)[0]])["regions"]
+    assert [r[0] for r in rows] == list(held)
+
+
+def test_stage_and_pool_refusals():
+    other_stage = list(_held_info(PP, 3).nbytes)
+    other_stage[0] = PP.rank_region_nbytes(0)  # rank 3 (stage 1) claims region 0 (stage 0)
+    bases = list(_held_info(PP, 3).bases)
+    bases[0] = 4096
+    with pytest.raises(MetadataError, match=r"registers regions \[0, 2, 3\], but rank 3 "
+                       r"\(pipeline stage 1\) holds regions \[2, 3\]"):
+        md.decode(md.encode(_held_info(PP, 3, nbytes=tuple(other_stage), bases=tuple(bases))))
+    split = list(_held_info(KIMI, 0).bases)
+    split[1] += 64  # the KDA view of pool.0 somewhere else than its MLA view
+    with pytest.raises(MetadataError, match=r"regions 'layers\.0\.mla' and 'layers\.1\.kda' "
+                       r"of pool 'pool\.0' are registered at different addresses"):
+        md.decode(md.encode(_held_info(KIMI, 0, bases=tuple(split))))
+    with pytest.raises(MetadataError, match=r"rank 4 not in \[0, 4\)"):
+        md.decode(md.encode(attrs.evolve(_held_info(PP, 3), rank=4)))
