@@ -76,6 +76,21 @@ def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarr
             raise RequestError(f"{side} group {g}: block id {int(s[dup[0]])} appears twice")
         a.flags.writeable = False
         out.append(a)
+    pools: dict[str, set[int]] = {}
+    for r in spec.regions:
+        if r.pool is not None:
+            pools.setdefault(r.pool, set()).add(r.group)
+    for pool, groups in pools.items():  # a page belongs to one group's view at a time
+        ids = np.concatenate([out[g] for g in sorted(groups)])
+        s = np.sort(ids)
+        dup = np.flatnonzero(s[1:] == s[:-1])
+        if dup.size:
+            page = int(s[dup[0]])
+            owners = [g for g in sorted(groups) if page in out[g]]
+            raise RequestError(
+                f"{side} block id {page} is listed by groups {owners}, which share pool "
+                f"{pool!r}: a page belongs to one group's view at a time"
+            )
     return tuple(out)
 
 

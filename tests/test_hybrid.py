@@ -277,3 +277,12 @@ def test_hybrid_plans_place_bytes_like_the_reference():
                     so, do = s_lay.offset(c, 0, 3, u, 0), dl.offset(c, 0, 1, u, 0)
                     n = comp.unit_bytes
                     assert np.array_equal(dst[(rank, i)][do:do + n], src[(s_rank, i)][so:so + n])
+
+
+def test_a_pool_page_listed_by_two_groups_is_refused():
+    spec = kimi_linear_like(2)
+    m = pull_map(spec, spec, 0)
+    with pytest.raises(RequestError, match=r"source block id 3 is listed by groups \[0, 1\]"):
+        m.plan([[1, 3], [3]], [[2, 4], [5]])
+    with pytest.raises(RequestError, match=r"destination block id 5 .* pool 'pool\.0'"):
+        m.plan([[1, 3], [4]], [[2, 5], [5]])
