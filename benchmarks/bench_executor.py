@@ -10,6 +10,7 @@
 3. ``Endpoint.connect`` (metadata decode, kvplan pull_map, strided lists, add_remote_agent) at
    1e3 and 1e6 blocks per region (goal: within 2x). The big regions are address space reserved
    with MAP_NORESERVE: NIXL registers them without touching a page.
+   Baseline: the per-block descriptor list engines prepare at handshake, at 1e3 and 1e5 blocks.
 4. Descriptors of a hetero-TP plan: the plan's runs, NIXL's own count after merging
    (telemetry), and the maximal contiguous runs counted independently (goal: equal).
 5. A hybrid engine (KimiLinear-like: MLA and KDA state views of shared pools, kernel blocks),
@@ -326,6 +327,39 @@ def bench_connect(reps: int) -> list[tuple]:
     return out
 
 
+def bench_engine_style_prep(reps: int) -> list[tuple]:
+    """Baseline: what engines ship at handshake (vLLM's NIXL connector): one descriptor per
+    (layer, stream, block) of the remote rank, prepared once, so handshake cost and memory grow
+    with num_blocks. Same Llama-3-70B-like peer (80 layers, P TP8 head slice read by D TP4)."""
+    out = []
+    for nb in (1_000, 100_000):
+        keep: list = []
+        src = llama3_70b(8, num_blocks=nb)
+        regions = _reserved(src, keep)
+        target = make_agent("engine-style-p", ("UCX",), False)
+        target.register_memory([(a, n, 0, "") for a, n in regions], "DRAM")
+        agent = make_agent("engine-style-d", ("UCX",), False)
+        name = agent.add_remote_agent(target.get_agent_metadata())
+        blk = src.rank_block_nbytes(0) // 2  # one stream of one block
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            addr = np.concatenate([
+                base + s * nb * blk + np.arange(nb, dtype=np.int64) * blk
+                for base, _ in regions for s in range(2)
+            ])
+            rows = np.stack([addr, np.full(len(addr), blk), np.zeros(len(addr), np.int64)], 1)
+            h = agent.prep_xfer_dlist(name, rows, "DRAM")
+            times.append(time.perf_counter() - t0)
+            h.release()
+        agent.remove_remote_agent(name)
+        del agent, target, keep
+        out.append((f"engine-style handshake: per-block descriptor list, {nb:.0e} blocks/region "
+                    f"({len(rows):,} descriptors)", f"{statistics.median(times) * 1e3:.1f} ms",
+                    "baseline", ""))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=9)
@@ -336,6 +370,7 @@ def main(argv=None) -> int:
     rows += bench_hetero(max(3, args.reps // 2), args.tokens)
     rows += bench_hybrid(max(3, args.reps // 2), 8 * args.tokens)
     rows += bench_connect(5)
+    rows += bench_engine_style_prep(3)
     print("| measure | result | goal | |")
     print("|---|---|---|---|")
     for r in rows:
