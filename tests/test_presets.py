@@ -163,9 +163,10 @@ def test_presets_are_package_data():
 @pytest.mark.parametrize("tps", [(2, 4), (4, 2)])
 def test_presets_plan_under_hetero_tp(name, tps):
     src, dst = (_spec(name, tp=t, block_size=16) for t in tps)
-    ids = [[0] if g_state else [1, 3] for g_state in
-           (src.regions[[r.group for r in src.regions].index(g)].is_state
-            for g in range(src.num_groups))]
+    # A slot per state group, two pages per token group; disjoint ids, as groups may share a pool.
+    ids = [[4 + g] if g_state else [1, 3] for g, g_state in enumerate(
+           src.regions[[r.group for r in src.regions].index(g)].is_state
+           for g in range(src.num_groups))]
     for d in sorted({0, dst.num_ranks - 1}):
         plan = kvplan.pull_map(src, dst, d).plan(ids, ids)
         assert len(plan) and plan.nbytes > 0
