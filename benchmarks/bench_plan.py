@@ -36,13 +36,16 @@ def _ids(spec, tokens: int, rng) -> list[np.ndarray]:
     """Scattered block ids per group: enough blocks for ``tokens``, one slot for a state group;
     groups sharing a pool get disjoint ids."""
     pooled = any(r.pool for r in spec.regions)
+    shared = rng.permutation(min(r.num_blocks for r in spec.regions))  # one pool: disjoint ids
     out, at = [], 0
     for g in range(spec.num_groups):
         regions = [r for r in spec.regions if r.group == g]
         n = 1 if regions[0].is_state else tokens // regions[0].block_size
-        perm = rng.permutation(min(r.num_blocks for r in regions))
-        out.append(perm[at:at + n])
-        at += n if pooled else 0
+        if pooled:
+            out.append(shared[at:at + n])
+            at += n
+        else:
+            out.append(rng.permutation(min(r.num_blocks for r in regions))[:n])
     return out
 
 
