@@ -275,6 +275,7 @@ class Endpoint:
         return self._route(remote, Mode(mode)).map
 
     def peers(self) -> tuple[Peer, ...]:
+        """The connected peer ranks, ordered by (engine, rank)."""
         return tuple(self._peers[k] for k in sorted(self._peers))
 
     def disconnect(self, remote: str, rank: int) -> None:
@@ -456,6 +457,7 @@ class Endpoint:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` has released the agent."""
         return self._agent is None
 
     def __enter__(self) -> Endpoint:

@@ -98,6 +98,7 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
+        """Bytes this transfer moves, over all peer ranks."""
         return sum(p.nbytes for p in self._parts.values())
 
     def states(self) -> dict[int, State]:
@@ -109,6 +110,7 @@ class Transfer:
         return {r: self._parts[r].runs for r in self.peers}
 
     def bytes_per_peer(self) -> dict[int, int]:
+        """Bytes this transfer moves per peer rank."""
         return {r: self._parts[r].nbytes for r in self.peers}
 
     def desc_counts(self) -> dict[int, int | None]:

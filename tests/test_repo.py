@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvplan
+import kvplan_nixl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,10 +21,11 @@ def test_ruff_is_clean():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_every_public_name_is_documented():
+@pytest.mark.parametrize("package", [kvplan, kvplan_nixl], ids=lambda p: p.__name__)
+def test_every_public_name_is_documented(package):
     missing = []
-    for name in kvplan.__all__:
-        obj = getattr(kvplan, name)
+    for name in package.__all__:
+        obj = getattr(package, name)
         if (inspect.isclass(obj) or inspect.isfunction(obj)) and not inspect.getdoc(obj):
             missing.append(name)
         if inspect.isclass(obj):
