@@ -20,7 +20,13 @@ import time
 import numpy as np
 
 from kvplan import pull_map
-from kvplan.examples import gqa_with_mla_draft, kimi_linear_like, llama3_70b, nemotron_h_like
+from kvplan.examples import (
+    gqa_with_mla_draft,
+    kimi_linear_like,
+    llama3_70b,
+    nemotron_h_like,
+    request_blocks,
+)
 
 
 def median_time(fn, repeat: int) -> float:
@@ -32,27 +38,10 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _ids(spec, tokens: int, rng) -> list[np.ndarray]:
-    """Scattered block ids per group: enough blocks for ``tokens``, one slot for a state group;
-    groups sharing a pool get disjoint ids."""
-    pooled = any(r.pool for r in spec.regions)
-    shared = rng.permutation(min(r.num_blocks for r in spec.regions))  # one pool: disjoint ids
-    out, at = [], 0
-    for g in range(spec.num_groups):
-        regions = [r for r in spec.regions if r.group == g]
-        n = 1 if regions[0].is_state else tokens // regions[0].block_size
-        if pooled:
-            out.append(shared[at:at + n])
-            at += n
-        else:
-            out.append(rng.permutation(min(r.num_blocks for r in regions))[:n])
-    return out
-
-
 def request_path(name: str, src, dst, tokens: int, repeat: int) -> list[str]:
     tmap = pull_map(src, dst, 0)
     rng = np.random.default_rng(0)
-    lists_s, lists_d = _ids(src, tokens, rng), _ids(dst, tokens, rng)
+    lists_s, lists_d = (request_blocks(s, tokens, seed=rng) for s in (src, dst))
     rows = len(tmap.plan(lists_s, lists_d).copies())
     t_plan = median_time(lambda: tmap.plan(lists_s, lists_d).copies(), repeat)
     t_fill = median_time(lambda: np.full(rows * 7, 1, dtype=np.int64), repeat)

@@ -6,6 +6,8 @@ side's TP size (and block size, to try mixed block sizes).
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvplan.spec import EngineSpec
 
 
@@ -142,6 +144,39 @@ def kimi_linear_like(
                         "num_blocks": num_blocks, "dtype": "bfloat16",
                         "parts": kda_parts(heads, head_dim), "pool": f"pool.{i}"})
     return EngineSpec.from_dict({"tp_size": tp_size, "regions": regions})
+
+
+def request_blocks(
+    spec: EngineSpec, tokens: int, *, slots: int = 1, seed: int | np.random.Generator = 0
+) -> list[list[int]]:
+    """One side of an example request: distinct random block ids per group of ``spec``.
+
+    A token group gets ``ceil(tokens / block_size)`` blocks (its largest block size), a state
+    group ``slots`` slots, and groups sharing a pool get disjoint ids (a page belongs to one
+    group's view at a time). Raises ``ValueError`` naming the group when it has too few blocks.
+    """
+    rng = np.random.default_rng(seed)
+    used: dict[str, set[int]] = {}  # pool -> page ids taken by earlier groups
+    out = []
+    for g in range(spec.num_groups):
+        regions = [r for r in spec.regions if r.group == g]
+        pools = {r.pool for r in regions if r.pool is not None}
+        limit = min(r.num_blocks for r in regions)
+        taken = set().union(*(used.get(p, set()) for p in pools))
+        free = [b for b in rng.permutation(limit).tolist() if b not in taken]
+        if regions[0].is_state:
+            need, what = slots, f"{slots} slot(s)"
+        else:
+            need = -(-tokens // max(r.block_size for r in regions))
+            what = f"{tokens} tokens"
+        if need > len(free):
+            raise ValueError(
+                f"group {g}: {what} need {need} blocks, but it has {len(free)} free of {limit}"
+            )
+        out.append(free[:need])
+        for p in pools:
+            used.setdefault(p, set()).update(free[:need])
+    return out
 
 
 #: Example name -> builder, for command lines.

@@ -23,7 +23,7 @@ import numpy as np
 
 import kvplan
 from kvplan import EngineSpec, TransferPlan
-from kvplan.examples import EXAMPLES
+from kvplan.examples import EXAMPLES, request_blocks
 
 
 def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None) -> EngineSpec:
@@ -45,35 +45,16 @@ def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None) ->
 
 
 def _request(args, src: EngineSpec, dst: EngineSpec) -> tuple[list, list]:
-    """Distinct random block ids per group on each side: enough blocks to cover ``--tokens``
-    positions in token groups, ``--slots`` slots in state groups, and ids disjoint between the
-    groups sharing a pool (a page belongs to one group's view at a time)."""
+    """Random block ids on each side: ``--tokens`` positions per token group, ``--slots`` per
+    state group, disjoint between the groups sharing a pool (kvplan.examples.request_blocks)."""
     rng = np.random.default_rng(args.seed)
-    out = []
-    for spec in (src, dst):
-        lists = []
-        used: dict[str, set[int]] = {}  # pool -> page ids taken by earlier groups
-        for g in range(spec.num_groups):
-            regions = [r for r in spec.regions if r.group == g]
-            pools = {r.pool for r in regions if r.pool is not None}
-            limit = min(r.num_blocks for r in regions)
-            taken = set().union(*(used.get(p, set()) for p in pools))
-            free = [b for b in rng.permutation(limit).tolist() if b not in taken]
-            if regions[0].is_state:
-                need, what = args.slots, f"{args.slots} slots"
-            else:
-                bs = max(r.block_size for r in regions)
-                need, what = -(-args.tokens // bs), f"{args.tokens} tokens"
-            if need > len(free):
-                raise SystemExit(
-                    f"kvplan: {what} need {need} blocks of group {g}, but it has {len(free)} "
-                    f"free of {limit}; raise --num-blocks or lower --tokens / --slots"
-                )
-            lists.append(free[:need])
-            for p in pools:
-                used.setdefault(p, set()).update(free[:need])
-        out.append(lists)
-    return out[0], out[1]
+    try:
+        return tuple(request_blocks(s, args.tokens, slots=args.slots, seed=rng)
+                     for s in (src, dst))
+    except ValueError as exc:
+        raise SystemExit(
+            f"kvplan: {exc}; raise --num-blocks or lower --tokens / --slots"
+        ) from None
 
 
 def _plans(args, src: EngineSpec, dst: EngineSpec) -> list[TransferPlan]:

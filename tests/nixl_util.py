@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvplan import EngineSpec, pull_map, push_map, simulate
+from kvplan.examples import request_blocks
 from kvplan_nixl import Endpoint
 from tests import oracle
 
@@ -182,22 +183,8 @@ def blocks(rng: np.random.Generator, spec: EngineSpec, n: int | Sequence[int]) -
 
 def hybrid_blocks(rng: np.random.Generator, spec: EngineSpec, tokens: int,
                   slots: int) -> list[list[int]]:
-    """One request's block ids on one side: ``ceil(tokens / block_size)`` per token group and
-    ``slots`` per state group, distinct random ids, disjoint between groups sharing a pool."""
-    used: dict[str, set[int]] = {}
-    out = []
-    for g in range(spec.num_groups):
-        regions = [r for r in spec.regions if r.group == g]
-        pools = {r.pool for r in regions if r.pool is not None}
-        limit = min(r.num_blocks for r in regions)
-        taken = set().union(*(used.get(p, set()) for p in pools))
-        free = [b for b in rng.permutation(limit).tolist() if b not in taken]
-        n = slots if regions[0].is_state else -(-tokens // max(r.block_size for r in regions))
-        assert n <= len(free), f"group {g}: {n} blocks wanted, {len(free)} free"
-        out.append(free[:n])
-        for p in pools:
-            used.setdefault(p, set()).update(free[:n])
-    return out
+    """One request's block ids on one side (see kvplan.examples.request_blocks)."""
+    return request_blocks(spec, tokens, slots=slots, seed=rng)
 
 
 def peer_cmd(*args: str) -> list[str]:
