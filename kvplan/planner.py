@@ -193,9 +193,8 @@ class Lane:
         if self.placement is Placement.REPLICATE:
             return "R"
         region = dst.regions[self.dst_region]
-        names = [c.name for c in region.components]
-        label = (lambda u: "heads") if not region.is_state else (lambda u: names[u.component])
-        return "S(" + ", ".join(f"{label(u)} {u.start}:{u.stop}" for u in self.units) + ")"
+        names = [c.name if region.is_state else "heads" for c in region.components]
+        return f"S({', '.join(f'{names[u.component]} {u.start}:{u.stop}' for u in self.units)})"
 
     def __repr__(self) -> str:
         units = ", ".join(f"c{u.component} {u.start}:{u.stop}" for u in self.units)
