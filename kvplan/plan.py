@@ -80,13 +80,17 @@ def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarr
     for r in spec.regions:
         if r.pool is not None:
             pools.setdefault(r.pool, set()).add(r.group)
-    for pool, groups in pools.items():  # a page belongs to one group's view at a time
-        ids = np.concatenate([out[g] for g in sorted(groups)])
+    shared: dict[tuple[int, ...], str] = {}  # each set of groups sharing pools, checked once
+    for p, g in pools.items():
+        if len(g) > 1:
+            shared.setdefault(tuple(sorted(g)), p)
+    for groups, pool in shared.items():  # a page belongs to one group's view at a time
+        ids = np.concatenate([out[g] for g in groups])
         s = np.sort(ids)
         dup = np.flatnonzero(s[1:] == s[:-1])
         if dup.size:
             page = int(s[dup[0]])
-            owners = [g for g in sorted(groups) if page in out[g]]
+            owners = [g for g in groups if page in out[g]]
             raise RequestError(
                 f"{side} block id {page} is listed by groups {owners}, which share pool "
                 f"{pool!r}: a page belongs to one group's view at a time"
