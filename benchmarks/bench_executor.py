@@ -140,6 +140,21 @@ class Raw:
             rh.release()
 
 
+def _versus_raw(eng: Engines, plan, reps: int) -> tuple[float, float, int]:
+    """Median seconds of the executor and of raw NIXL for ``plan`` (interleaved, after one
+    warm-up each), and the NIXL descriptors one executor read posted (telemetry)."""
+    raw = Raw(eng)
+    eng.read(plan)
+    raw.read(plan)
+    t_ex, t_raw = [], []
+    for _ in range(reps):
+        t_ex.append(_time(lambda: eng.read(plan)))
+        t_raw.append(_time(lambda: raw.read(plan)))
+    t = eng.d.read(plan, "prefill")
+    t.wait(60, progress=eng.p)
+    return statistics.median(t_ex), statistics.median(t_raw), sum(t.desc_counts().values())
+
+
 def bench_bulk(reps: int) -> list[tuple]:
     """256 MiB, same TP, consecutive blocks: 16 runs of 16 MiB."""
     spec = _spec(1, 8, 512)  # 8 regions x 512 blocks x 64 KiB = 256 MiB per rank
@@ -190,17 +205,7 @@ def bench_hetero(reps: int, tokens: int) -> list[tuple]:
         n = tokens // 16
         sb, db = [rng.permutation(nb)[:n].tolist()], [rng.permutation(nb)[:n].tolist()]
         plan = eng.d.map("prefill").plan(sb, db)
-        raw = Raw(eng)
-        eng.read(plan)
-        raw.read(plan)
-        t_ex, t_raw = [], []
-        for _ in range(reps):
-            t_ex.append(_time(lambda: eng.read(plan)))
-            t_raw.append(_time(lambda: raw.read(plan)))
-        t_ex, t_raw = statistics.median(t_ex), statistics.median(t_raw)
-        t = eng.d.read(plan, "prefill")
-        t.wait(60, progress=eng.p)
-        posted = sum(v for v in t.desc_counts().values())
+        t_ex, t_raw, posted = _versus_raw(eng, plan, reps)
         rows = plan.copies()
         contiguous = [list(range(n))]
         plan_c = eng.d.map("prefill").plan(contiguous, contiguous)
@@ -240,17 +245,7 @@ def bench_hybrid(reps: int, tokens: int) -> list[tuple]:
 
         sb, db = ids(), ids()
         plan = eng.d.map("prefill").plan(sb, db)
-        raw = Raw(eng)
-        eng.read(plan)
-        raw.read(plan)
-        t_ex, t_raw = [], []
-        for _ in range(reps):
-            t_ex.append(_time(lambda: eng.read(plan)))
-            t_raw.append(_time(lambda: raw.read(plan)))
-        t_ex, t_raw = statistics.median(t_ex), statistics.median(t_raw)
-        t = eng.d.read(plan, "prefill")
-        t.wait(60, progress=eng.p)
-        posted = sum(t.desc_counts().values())
+        t_ex, t_raw, posted = _versus_raw(eng, plan, reps)
         rows = plan.copies()
         return [
             (f"hybrid pull, KimiLinear-like ({layers} MLA + {layers} KDA pooled, kernel 16), "

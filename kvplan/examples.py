@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvplan.hf import kda_parts as hf_kda_parts
+from kvplan.hf import mamba2_parts
 from kvplan.spec import EngineSpec
 
 
@@ -88,13 +90,7 @@ def sliding_window_mix(
 def mamba2_conv_parts(d_conv: int = 4, dtype_bytes: int = 2) -> list[dict]:
     """Nemotron-H-8B's Mamba2 state parts: conv x (8192 channels), B and C (8 groups of 128
     channels), and the temporal state (128 heads of 64 x 128 values), as state-region parts."""
-    per_channel = (d_conv - 1) * dtype_bytes
-    return [
-        {"name": "x", "units": 8192, "unit_bytes": per_channel},
-        {"name": "B", "units": 8, "unit_bytes": 128 * per_channel},
-        {"name": "C", "units": 8, "unit_bytes": 128 * per_channel},
-        {"name": "ssm", "units": 128, "unit_bytes": 64 * 128 * dtype_bytes},
-    ]
+    return list(mamba2_parts(128, 64, 8, 128, d_conv, dtype_bytes, dtype_bytes))
 
 
 def nemotron_h_like(
@@ -117,13 +113,7 @@ def nemotron_h_like(
 def kda_parts(heads: int = 8, head_dim: int = 64, d_conv: int = 4) -> list[dict]:
     """KimiLinear's KDA state, four parts: short-conv states of q, k, v (bf16, per channel) and
     the recurrent state (float32, head_dim x head_dim per head)."""
-    conv = (d_conv - 1) * 2
-    return [
-        {"name": "q_conv", "units": heads * head_dim, "unit_bytes": conv},
-        {"name": "k_conv", "units": heads * head_dim, "unit_bytes": conv},
-        {"name": "v_conv", "units": heads * head_dim, "unit_bytes": conv},
-        {"name": "recurrent", "units": heads, "unit_bytes": head_dim * head_dim * 4},
-    ]
+    return list(hf_kda_parts(heads, head_dim, d_conv, 2, 4))
 
 
 def kimi_linear_like(

@@ -280,6 +280,33 @@ def _layers_sliding(r: _Reader) -> list[_Layer]:
     ]
 
 
+def mamba2_parts(heads: int, head_dim: int, groups: int, state_size: int, conv_kernel: int,
+                 dtype_bytes: int, state_bytes: int) -> tuple[dict, ...]:
+    """A Mamba2 layer's state-slot parts: conv x (``heads * head_dim`` channels), B and C
+    (``groups`` of ``state_size`` channels), each ``conv_kernel - 1`` values per channel, and the
+    temporal state (``head_dim x state_size`` per head)."""
+    conv = (conv_kernel - 1) * dtype_bytes
+    return (
+        {"name": "x", "units": heads * head_dim, "unit_bytes": conv},
+        {"name": "B", "units": groups, "unit_bytes": state_size * conv},
+        {"name": "C", "units": groups, "unit_bytes": state_size * conv},
+        {"name": "ssm", "units": heads, "unit_bytes": head_dim * state_size * state_bytes},
+    )
+
+
+def kda_parts(heads: int, head_dim: int, conv_kernel: int, dtype_bytes: int,
+              state_bytes: int) -> tuple[dict, ...]:
+    """A KDA layer's four state parts: short-conv states of q, k, v (per channel) and the
+    recurrent state (``head_dim x head_dim`` per head)."""
+    conv = (conv_kernel - 1) * dtype_bytes
+    return (
+        {"name": "q_conv", "units": heads * head_dim, "unit_bytes": conv},
+        {"name": "k_conv", "units": heads * head_dim, "unit_bytes": conv},
+        {"name": "v_conv", "units": heads * head_dim, "unit_bytes": conv},
+        {"name": "recurrent", "units": heads, "unit_bytes": head_dim * head_dim * state_bytes},
+    )
+
+
 def _state_dtype(r: _Reader, state_dtype: str | None, default: str) -> str:
     return state_dtype or r.fields.get("mamba_ssm_dtype") or default
 
@@ -324,15 +351,9 @@ def _layers_mamba2(r: _Reader, dtype: str, state_dtype: str | None) -> list[_Lay
     e = DTYPE_SIZES[dtype]
     es = _dtype_size(r, _state_dtype(r, state_dtype or r.fields.get("mamba_ssm_cache_dtype"),
                                      dtype))
-    heads, hd = r.positive("mamba_num_heads"), r.positive("mamba_head_dim")
-    groups, state = r.positive("n_groups"), r.positive("ssm_state_size")
-    conv = (r.positive("conv_kernel") - 1) * e
-    parts = (
-        {"name": "x", "units": heads * hd, "unit_bytes": conv},
-        {"name": "B", "units": groups, "unit_bytes": state * conv},
-        {"name": "C", "units": groups, "unit_bytes": state * conv},
-        {"name": "ssm", "units": heads, "unit_bytes": hd * state * es},
-    )
+    parts = mamba2_parts(r.positive("mamba_num_heads"), r.positive("mamba_head_dim"),
+                         r.positive("n_groups"), r.positive("ssm_state_size"),
+                         r.positive("conv_kernel"), e, es)
     out = []
     for i, c in enumerate(pattern):
         if c == "M":
@@ -356,14 +377,8 @@ def _layers_kda(r: _Reader, dtype: str, state_dtype: str | None, pp_size: int) -
                         f"split layers 1..{n} (1-based), got {full} and {kda}")
     e = DTYPE_SIZES[dtype]
     es = _dtype_size(r, _state_dtype(r, state_dtype, _KDA_STATE_DTYPE))
-    heads, hd = sub.positive("num_heads"), sub.positive("head_dim")
-    conv = (sub.positive("short_conv_kernel_size") - 1) * e
-    parts = (
-        {"name": "q_conv", "units": heads * hd, "unit_bytes": conv},
-        {"name": "k_conv", "units": heads * hd, "unit_bytes": conv},
-        {"name": "v_conv", "units": heads * hd, "unit_bytes": conv},
-        {"name": "recurrent", "units": heads, "unit_bytes": hd * hd * es},
-    )
+    parts = kda_parts(sub.positive("num_heads"), sub.positive("head_dim"),
+                      sub.positive("short_conv_kernel_size"), e, es)
     mla_set = {i - 1 for i in full}
     out = []
     for stage in range(pp_size):  # pools never cross a pipeline stage

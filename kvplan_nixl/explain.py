@@ -437,19 +437,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("presets", help=text, description=text)
     p.set_defaults(fn=cmd_presets)
     p.add_argument("--json", action="store_true")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one of these subcommands on its own (``python -m kvplan_nixl.explain explain ...``)."""
-    parser = argparse.ArgumentParser(prog="kvplan", description=__doc__.splitlines()[0])
-    register(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.fn(args)
-    except kvplan.KVPlanError as exc:
-        print(f"kvplan: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,11 +7,11 @@ import pytest
 
 import kvplan
 from kvplan import presets
-from kvplan_nixl import explain
+from kvplan_nixl.cli import main
 
 
 def run(capsys, *argv):
-    code = explain.main(list(argv))
+    code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
