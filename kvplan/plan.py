@@ -103,40 +103,55 @@ def _expand(
     pos: np.ndarray,
     src_ids: np.ndarray,
     dst_ids: np.ndarray,
+    dst_first: int,
     rows: slice | np.ndarray,
     js: np.ndarray,
     src: np.ndarray,
     dst: np.ndarray,
     length: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of template pieces ``rows`` for destination block positions ``pos`` (block-major)."""
+    """Rows of template pieces ``rows`` for destination block positions ``pos`` (block-major).
+
+    Positions are counted from request position 0 on both sides; the destination list's element
+    0 is block position ``dst_first`` (the source list always starts at position 0).
+    """
     s_pos = pos * tpl.dst_bs // tpl.src_bs  # first source block each destination block touches
     src_off = src_ids[s_pos[:, None] + js[rows]] * tpl.src_block + src[rows]
-    dst_off = (dst_ids[pos] * tpl.dst_block)[:, None] + dst[rows]
+    dst_off = (dst_ids[pos - dst_first] * tpl.dst_block)[:, None] + dst[rows]
     lens = np.broadcast_to(length[rows], dst_off.shape)
     return src_off.ravel(), dst_off.ravel(), lens.ravel()
 
 
 def _lane_runs(
-    lane: Lane, src_ids: np.ndarray, dst_ids: np.ndarray, order_cache: dict
+    lane: Lane,
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    span: tuple[int, int, int],
+    order_cache: dict,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merged ``(src_offset, dst_offset, length)`` of one lane, sorted by destination offset."""
+    """Merged ``(src_offset, dst_offset, length)`` of one lane, sorted by destination offset.
+
+    ``span`` is ``(lo, hi, dst_first)``: copy request positions ``[lo, hi)``; the destination
+    list starts at block position ``dst_first``.
+    """
     tpls = lane.templates
     bs, phases = tpls[0].dst_bs, len(tpls)
-    n = min(len(src_ids) * tpls[0].src_bs, len(dst_ids) * bs)  # positions both sides cover
-    lo = 0 if lane.window is None else max(0, n - (lane.window // bs + 1) * bs)
+    lo, n, dst_first = span
     j0, j1 = -(-lo // bs), n // bs  # destination blocks covered in full
-    key = (lane.group, j0, j1)
+    key = (lane.group, j0, j1, dst_first)
     pos = order_cache.get(key)
     if pos is None:  # ascending block id, so that rows come out in destination-offset order
-        pos = j0 + np.argsort(dst_ids[j0:j1]) if j1 > j0 else np.zeros(0, np.int64)  # ids unique
+        if j1 > j0:  # ids are unique
+            pos = j0 + np.argsort(dst_ids[j0 - dst_first:j1 - dst_first])
+        else:
+            pos = np.zeros(0, np.int64)
         order_cache[key] = pos
     parts = []
     for ph, tpl in enumerate(tpls):  # one phase unless source blocks are larger
         pos_ph = pos if phases == 1 else pos[pos % phases == ph]
         parts += [
-            _expand(tpl, pos_ph, src_ids, dst_ids, slice(a, b), tpl.js, tpl.src, tpl.dst,
-                    tpl.length)
+            _expand(tpl, pos_ph, src_ids, dst_ids, dst_first, slice(a, b), tpl.js, tpl.src,
+                    tpl.dst, tpl.length)
             for a, b in tpl.slabs
         ]
     partial = {j for j in (lo // bs, n // bs) if j * bs < n and not j0 <= j < j1}
@@ -145,8 +160,8 @@ def _lane_runs(
         t_lo, t_hi = max(lo, j * bs) - j * bs, min(n, (j + 1) * bs) - j * bs
         keep = np.flatnonzero((tpl.atom_token >= t_lo) & (tpl.atom_token < t_hi))
         parts.append(
-            _expand(tpl, np.array([j]), src_ids, dst_ids, keep, tpl.atom_js, tpl.atom_src,
-                    tpl.atom_dst, tpl.atom_length)
+            _expand(tpl, np.array([j]), src_ids, dst_ids, dst_first, keep, tpl.atom_js,
+                    tpl.atom_src, tpl.atom_dst, tpl.atom_length)
         )
     if not parts:
         empty = np.zeros(0, np.int64)
@@ -158,8 +173,74 @@ def _lane_runs(
     return merge_runs(src_off, dst_off, length)
 
 
-def build_plan(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence) -> TransferPlan:
+#: How the destination lists of a request with ``tokens=`` are anchored (see TransferMap.plan).
+DST_FROM = ("zero", "start")
+
+
+def _token_range(tokens) -> tuple[int, int] | None:
+    """Validate ``tokens=(start, end)``: integers with ``0 <= start <= end``."""
+    if tokens is None:
+        return None
+    try:
+        start, end = tokens
+    except (TypeError, ValueError):
+        raise RequestError(f"tokens must be a pair (start, end), got {tokens!r}") from None
+    for name, v in (("start", start), ("end", end)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise RequestError(f"tokens: {name} must be an integer, got {v!r}")
+    start, end = int(start), int(end)
+    if not 0 <= start <= end:
+        raise RequestError(f"tokens ({start}, {end}): need 0 <= start <= end")
+    return start, end
+
+
+def _span(
+    tmap: TransferMap, lane: Lane, n_src: int, n_dst: int, tokens: tuple[int, int] | None,
+    dst_from: str,
+) -> tuple[int, int, int]:
+    """``(lo, hi, dst_first)`` of one lane for a request (see :meth:`TransferMap.plan`)."""
+    tpl = lane.templates[0]
+    vs, vd = tpl.src_bs, tpl.dst_bs  # request positions per block of each list
+    if tokens is None:
+        lo, hi, first = 0, min(n_src * vs, n_dst * vd), 0
+    else:
+        lo, hi = tokens
+        first = lo // vd if dst_from == "start" else 0
+    if lane.window is not None:  # the window's blocks, counted back from the end
+        lo = max(lo, hi - (lane.window // vd + 1) * vd)
+    if tokens is not None and hi > lo:
+        name = tmap.dst.regions[lane.dst_region].name
+        if n_src * vs < hi:
+            raise RequestError(
+                f"group {lane.group} (region {name!r}): tokens {tokens[0]}:{tokens[1]} need "
+                f"source positions up to {hi}, but {n_src} source block(s) of {vs} positions "
+                f"cover [0, {n_src * vs})"
+            )
+        if (first + n_dst) * vd < hi:
+            where = f"[{first * vd}, {(first + n_dst) * vd})"
+            raise RequestError(
+                f"group {lane.group} (region {name!r}): tokens {tokens[0]}:{tokens[1]} need "
+                f"destination positions up to {hi}, but {n_dst} destination block(s) of {vd} "
+                f"positions (dst_from={dst_from!r}) cover {where}"
+            )
+    return lo, max(lo, hi), first
+
+
+def build_plan(
+    tmap: TransferMap,
+    src_blocks: Sequence,
+    dst_blocks: Sequence,
+    tokens: tuple[int, int] | None = None,
+    dst_from: str = "zero",
+) -> TransferPlan:
     """Expand ``tmap``'s lanes over one request's block ids (see :meth:`TransferMap.plan`)."""
+    rng = _token_range(tokens)
+    if dst_from not in DST_FROM:
+        raise RequestError(f"dst_from must be one of {DST_FROM}, got {dst_from!r}")
+    if dst_from != "zero" and rng is None:
+        raise RequestError(
+            f"dst_from={dst_from!r} anchors the destination lists at tokens' start: pass tokens"
+        )
     src_lists = _block_lists(tmap.src, src_blocks, "source")
     dst_lists = _block_lists(tmap.dst, dst_blocks, "destination")
     for g in sorted({r.group for r in tmap.dst.regions if r.is_state}):
@@ -177,7 +258,10 @@ def build_plan(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence) ->
         key = (id(lane.templates), g, lane.window)  # identical lanes (layers) share their runs
         runs = by_template.get(key)
         if runs is None:
-            runs = _lane_runs(lane, src_lists[g], dst_lists[g], order_cache)
+            s_ids, d_ids = src_lists[g], dst_lists[g]
+            state = tmap.dst.regions[lane.dst_region].is_state  # slots move whole, by position
+            span = _span(tmap, lane, len(s_ids), len(d_ids), None if state else rng, dst_from)
+            runs = _lane_runs(lane, s_ids, d_ids, span, order_cache)
             by_template[key] = runs
         lane_rows.append(runs)
     bounds = np.cumsum([0] + [len(r[2]) for r in lane_rows])
@@ -194,7 +278,8 @@ def build_plan(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence) ->
         out["length"][at:end] = length
     out.flags.writeable = False
     return TransferPlan(
-        map=tmap, src_blocks=src_lists, dst_blocks=dst_lists, rows=out, lane_bounds=_frozen(bounds)
+        map=tmap, src_blocks=src_lists, dst_blocks=dst_lists, rows=out, lane_bounds=_frozen(bounds),
+        tokens=rng, dst_from=dst_from,
     )
 
 
@@ -222,6 +307,8 @@ class TransferPlan(ReadOnlyArrays):
     dst_blocks: tuple[np.ndarray, ...]
     rows: np.ndarray
     lane_bounds: np.ndarray = attrs.field(eq=False)  # rows of lane k: [bounds[k], bounds[k+1])
+    tokens: tuple[int, int] | None = None  # the request's token range, None for whole lists
+    dst_from: str = "zero"  # how the destination lists are anchored (TransferMap.plan)
 
     def copies(self) -> np.ndarray:
         """The runs as a read-only structured array of :data:`COPY_DTYPE`."""
@@ -250,6 +337,8 @@ class TransferPlan(ReadOnlyArrays):
             and all(map(np.array_equal, self.src_blocks, other.src_blocks))
             and all(map(np.array_equal, self.dst_blocks, other.dst_blocks))
             and np.array_equal(self.rows, other.rows)
+            and self.tokens == other.tokens
+            and self.dst_from == other.dst_from
         )
 
     __hash__ = None  # type: ignore[assignment]  # holds arrays: a value, but not hashable
@@ -261,7 +350,7 @@ class TransferPlan(ReadOnlyArrays):
         lines = [
             f"TransferPlan {m.mode.value} {me}{m.rank}: {_human(self.nbytes)} in {len(self)} runs, "
             f"{sum(len(b) for b in self.dst_blocks)} destination blocks in "
-            f"{len(self.dst_blocks)} group(s)"
+            f"{len(self.dst_blocks)} group(s){self._scope()}"
         ]
         lengths = np.add.reduceat(self.rows["length"], self.lane_bounds[:-1]) if len(self) else None
         per_lane = [
@@ -283,6 +372,13 @@ class TransferPlan(ReadOnlyArrays):
                     f"{_human(per_lane[k][0])} in {per_lane[k][1]} runs"
                 )
         return "\n".join(lines)
+
+    def _scope(self) -> str:
+        """The request's token range (and list anchoring) for the summary's first line."""
+        if self.tokens is None:
+            return ""
+        anchor = ", destination lists from start" if self.dst_from == "start" else ""
+        return f", tokens {self.tokens[0]}:{self.tokens[1]}{anchor}"
 
     def __repr__(self) -> str:
         m = self.map

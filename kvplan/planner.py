@@ -280,17 +280,39 @@ class TransferMap:
             *(t.granule for lane in self.lanes if lane.dst_region == j for t in lane.templates)
         )
 
-    def plan(self, src_blocks: Sequence, dst_blocks: Sequence) -> TransferPlan:
+    def plan(
+        self,
+        src_blocks: Sequence,
+        dst_blocks: Sequence,
+        *,
+        tokens: tuple[int, int] | None = None,
+        dst_from: str = "zero",
+    ) -> TransferPlan:
         """The byte copies for one request: one block-id sequence per KV-cache group per side.
 
-        Element ``j`` of a group's list holds that side's tokens ``[j*bs, (j+1)*bs)``; the copied
-        positions are those both lists cover (the last ``(window // bs_dst + 1) * bs_dst`` of them
-        for a sliding-window region). Raises :class:`~kvplan.RequestError` (a ``ValueError``) for
-        a wrong group count, an id out of range or a repeated id, naming the group and the id.
+        Element ``j`` of a group's list holds that side's request positions ``[j*V, (j+1)*V)``,
+        ``V`` being the positions one block id covers (``block_size``, times ``dcp_size`` under
+        decode context parallelism).
+
+        - Without ``tokens`` the copied positions are those both lists cover,
+          ``[0, min(len(src)*V_src, len(dst)*V_dst))``: lists of unequal length copy the shorter
+          side's positions, as whole blocks of it.
+        - ``tokens=(start, end)`` copies exactly positions ``[start, end)``, wherever ``start``
+          and ``end`` fall inside blocks (a prefix-cache hit on the destination, a partly filled
+          last block). Both lists start at position 0 unless ``dst_from="start"``: then each
+          destination list starts at the block holding ``start`` -- the first block the
+          destination lacks, as vLLM's connectors list it (they keep the last ``len(local)``
+          remote blocks). The lists must cover the copied positions; longer lists are fine.
+
+        A sliding-window region copies only the last ``(window // V_dst + 1) * V_dst`` of those
+        positions, counted back from the end (``end``, or the covered length). State groups
+        ignore ``tokens``: the ``j``-th source slot moves whole to the ``j``-th destination
+        slot. Raises :class:`~kvplan.RequestError` (a ``ValueError``) for a wrong group count,
+        an id out of range, a repeated id, or a range the lists do not cover, naming the group.
         """
         from kvplan.plan import build_plan
 
-        return build_plan(self, src_blocks, dst_blocks)
+        return build_plan(self, src_blocks, dst_blocks, tokens, dst_from)
 
     def summary(self) -> str:
         """Per peer rank: each region's placement, head interval, streams and runs per block."""

@@ -45,6 +45,7 @@ __all__ = [
     "spec_pairs",
     "state_parts",
     "state_region_pairs",
+    "token_requests",
     "tp_pairs",
     "unit_counts",
 ]
@@ -542,3 +543,46 @@ def requests(
         src_blocks.append(slist)
         dst_blocks.append(dlist)
     return src_blocks, dst_blocks
+
+
+def _positions_per_block(spec: dict, region: dict) -> int:
+    """Request positions one block id covers: ``block_size``, times ``dcp_size`` if any."""
+    return region.get("block_size", 1) * spec.get("dcp_size", 1)
+
+
+@st.composite
+def token_requests(
+    draw, src_dict: dict | EngineSpec, dst_dict: dict | EngineSpec
+) -> tuple[list[list[int]], list[list[int]], tuple[int, int], str]:
+    """A token-exact request: ``(src_blocks, dst_blocks, (start, end), dst_from)``.
+
+    Lists as :func:`requests` draws them; ``0 <= start <= end <= `` the positions every token
+    group's lists cover (so ``start`` and ``end`` fall anywhere inside blocks of either side).
+    With ``dst_from == "start"`` (drawn only when each destination group has one block size)
+    every destination token group's list is cut to begin at the block holding ``start``, as
+    vLLM lists the blocks a destination lacks after a prefix-cache hit.
+    """
+    if isinstance(src_dict, EngineSpec):
+        src_dict = src_dict.to_dict()
+    if isinstance(dst_dict, EngineSpec):
+        dst_dict = dst_dict.to_dict()
+    src_blocks, dst_blocks = draw(requests(src_dict, dst_dict))
+    by_name = {r["name"]: r for r in src_dict["regions"]}
+    cover: list[int] = []
+    per_group: dict[int, set[int]] = {}
+    for d in dst_dict["regions"]:
+        if d["kind"] == "state":
+            continue
+        s, g = by_name[d["name"]], d.get("group", 0)
+        vs, vd = _positions_per_block(src_dict, s), _positions_per_block(dst_dict, d)
+        cover.append(min(len(src_blocks[g]) * vs, len(dst_blocks[g]) * vd))
+        per_group.setdefault(g, set()).add(vd)
+    limit = min(cover, default=0)
+    end = draw(st.just(limit) | st.integers(0, limit))  # often the whole lists
+    start = draw(st.just(0) | st.integers(0, end))  # often no prefix hit
+    dst_from = "zero"
+    if all(len(v) == 1 for v in per_group.values()) and draw(st.booleans()):
+        dst_from = "start"
+        for g, (vd,) in per_group.items():
+            dst_blocks[g] = dst_blocks[g][start // vd:]
+    return src_blocks, dst_blocks, (start, end), dst_from

@@ -47,7 +47,9 @@ Semantics (the contract the planner follows too):
   stages take one more) unless every region names its ``stage``; flat rank = ``pp_rank * tp +
   tp_rank`` and a rank holds only its stage's regions.
 - Requests: ``blocks[g]`` lists group ``g``'s block ids. Token regions copy token positions
-  ``copied_positions(...)``; state regions copy slot ``src[g][j]`` to slot ``dst[g][j]`` for
+  ``copied_positions(...)`` (all positions both lists cover, or exactly ``tokens=(start,
+  end)``, a window keeping the last ``(window // bs_dst + 1) * bs_dst`` of them); state
+  regions copy slot ``src[g][j]`` to slot ``dst[g][j]`` for
   every ``j`` (equal lengths), all parts.
 
 Buffers are dicts keyed ``(flat rank, region_index)`` holding one flat ``uint8`` array per
@@ -616,14 +618,22 @@ def clone_buffers(
 
 
 def copied_positions(
-    n_src_blocks: int, bs_src: int, n_dst_blocks: int, bs_dst: int, window: int | None
+    n_src_blocks: int, bs_src: int, n_dst_blocks: int, bs_dst: int, window: int | None,
+    tokens: tuple[int, int] | None = None,
 ) -> range:
-    """Token positions of one token region copied for a request (see module docstring)."""
-    n = min(n_src_blocks * bs_src, n_dst_blocks * bs_dst)
-    start = 0
+    """Token positions of one token region copied for a request (see module docstring).
+
+    ``bs_*`` are the positions one block id covers. Without ``tokens``: what both lists cover.
+    With ``tokens=(start, end)``: exactly ``[start, end)``. A window keeps the last
+    ``(window // bs_dst + 1) * bs_dst`` positions before the end.
+    """
+    if tokens is None:
+        start, end = 0, min(n_src_blocks * bs_src, n_dst_blocks * bs_dst)
+    else:
+        start, end = tokens
     if window is not None:
-        start = max(0, n - (window // bs_dst + 1) * bs_dst)
-    return range(start, n)
+        start = max(start, end - (window // bs_dst + 1) * bs_dst)
+    return range(start, max(start, end))
 
 
 def _holders(count: int, tp_size: int) -> dict[int, list[tuple[int, int]]]:
@@ -655,7 +665,8 @@ def _check_blocks(ids: list[int], num_blocks: int, name: str) -> None:
         raise ValueError(f"region {name!r}: block id out of range 0..{num_blocks - 1}")
 
 
-def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank):
+def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, tokens=None,
+            dst_from="zero"):
     """Yield ``(d_off, candidates)`` for one region pair: ``d_off`` a grid of destination
     offsets whose first axis is the destination's local head / unit, and ``candidates`` a list
     (one per replica choice c) of lists of ``(src tp rank, rows, s_off)``: source offsets for
@@ -693,17 +704,22 @@ def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank):
         return
 
     bs_s, bs_d = sreg["block_size"], dreg["block_size"]
-    span = copied_positions(len(slist), bs_s, len(dlist), bs_d, dreg["window"])
+    span = copied_positions(len(slist), bs_s, len(dlist), bs_d, dreg["window"], tokens)
     pos = np.arange(span.start, span.stop, dtype=np.int64)
     if not pos.size:
         return
+    # The destination list's first element: block 0, or (vLLM) the block holding ``start``.
+    d_first = tokens[0] // bs_d if (tokens is not None and dst_from == "start") else 0
+    if pos[-1] // bs_s >= len(slist) or pos[-1] // bs_d - d_first >= len(dlist):
+        raise ValueError(f"region {dreg['name']!r}: positions up to {span.stop} are not in the "
+                         "block lists")
     e = ELEMENT_SIZE[dreg["dtype"]]
     # Broadcast grids: head x position x stream x feature x byte.
     p = pos.reshape(1, -1, 1, 1, 1)
     s = np.arange(_num_streams(dreg), dtype=np.int64).reshape(1, 1, -1, 1, 1)
     f = np.arange(_features(dreg), dtype=np.int64).reshape(1, 1, 1, -1, 1)
     k = np.arange(e, dtype=np.int64).reshape(1, 1, 1, 1, -1)
-    d_b, d_t = np.array(dlist, dtype=np.int64)[p // bs_d], p % bs_d
+    d_b, d_t = np.array(dlist, dtype=np.int64)[p // bs_d - d_first], p % bs_d
     s_b, s_t = np.array(slist, dtype=np.int64)[p // bs_s], p % bs_s
 
     def s_fn(hs):
@@ -729,6 +745,8 @@ def expected_destination(
     dst_rank: int,
     src_buffers: Mapping[tuple[int, int], np.ndarray],
     dst_before: Mapping,
+    tokens: tuple[int, int] | None = None,
+    dst_from: str = "zero",
 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
     """Ground truth for flat destination rank ``dst_rank`` after transferring one request.
 
@@ -741,6 +759,9 @@ def expected_destination(
     same array object for each of them) while ``must_write[j]`` marks only region ``j``'s
     bytes. ``src_blocks[g]`` / ``dst_blocks[g]`` are the block ids of group ``g``; each side
     uses its own region's group id. Each source region is read from the stage that holds it.
+    ``tokens=(start, end)`` copies exactly those positions of token regions (state slots move
+    whole); ``dst_from="start"`` makes each destination list start at the block holding
+    ``start`` instead of at position 0.
 
     Raises ValueError for requests or specs outside the contract, and when source replicas of
     a needed byte differ (e.g. a pooled source filled without ``request_blocks``).
@@ -781,7 +802,7 @@ def expected_destination(
         base = src_stages[i] * src_tp  # flat rank of the source stage's TP rank 0
 
         for d_off, choices in _pieces(
-            sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank
+            sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, tokens, dst_from
         ):
             if d_off.size == 0:
                 continue
