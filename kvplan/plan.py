@@ -11,7 +11,7 @@ and lanes (at most regions x peer ranks), and over the at most two partially cov
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -309,6 +309,49 @@ class TransferPlan(ReadOnlyArrays):
     lane_bounds: np.ndarray = attrs.field(eq=False)  # rows of lane k: [bounds[k], bounds[k+1])
     tokens: tuple[int, int] | None = None  # the request's token range, None for whole lists
     dst_from: str = "zero"  # how the destination lists are anchored (TransferMap.plan)
+    regions: tuple[int, ...] | None = None  # a part's destination regions; None: the whole plan
+
+    def part(self, regions: Iterable[str]) -> TransferPlan:
+        """The slice of this plan that copies only the named regions (e.g. one layer's).
+
+        No re-planning: the rows of those regions' lanes are taken as they are, so the parts
+        of a partition of the regions together hold exactly this plan's rows, and a part's
+        rows keep this plan's order. ``regions`` are region names (they pair the two engines);
+        the part's :attr:`regions` lists their destination indices. Raises
+        :class:`~kvplan.RequestError` for a name neither spec has, or (for a part of a part)
+        a region outside this part.
+        """
+        if isinstance(regions, str):
+            regions = (regions,)
+        dst = self.map.dst
+        idx = set()
+        for name in regions:
+            try:
+                j = dst.region_index(name)
+            except KeyError:
+                raise RequestError(
+                    f"part: no region named {name!r} (the engines have "
+                    f"{len(dst.regions)} regions, e.g. {dst.regions[0].name!r})"
+                ) from None
+            if self.regions is not None and j not in self.regions:
+                raise RequestError(f"part: region {name!r} is not in this part")
+            idx.add(j)
+        lanes = self.map.region_lanes
+        ks = sorted(k for j in idx for k in lanes.get(j, ()))
+        b = self.lane_bounds
+        if ks:
+            rows = np.concatenate([self.rows[b[k]:b[k + 1]] for k in ks])
+        else:
+            rows = np.empty(0, dtype=COPY_DTYPE)
+        rows.flags.writeable = False
+        sizes = np.zeros(len(b) - 1, dtype=np.int64)
+        sizes[ks] = b[1:][ks] - b[:-1][ks]
+        bounds = np.concatenate(([0], np.cumsum(sizes)))
+        return TransferPlan(
+            map=self.map, src_blocks=self.src_blocks, dst_blocks=self.dst_blocks, rows=rows,
+            lane_bounds=_frozen(bounds), tokens=self.tokens, dst_from=self.dst_from,
+            regions=tuple(sorted(idx)),
+        )
 
     def copies(self) -> np.ndarray:
         """The runs as a read-only structured array of :data:`COPY_DTYPE`."""
@@ -339,6 +382,7 @@ class TransferPlan(ReadOnlyArrays):
             and np.array_equal(self.rows, other.rows)
             and self.tokens == other.tokens
             and self.dst_from == other.dst_from
+            and self.regions == other.regions
         )
 
     __hash__ = None  # type: ignore[assignment]  # holds arrays: a value, but not hashable
@@ -352,11 +396,9 @@ class TransferPlan(ReadOnlyArrays):
             f"{sum(len(b) for b in self.dst_blocks)} destination blocks in "
             f"{len(self.dst_blocks)} group(s){self._scope()}"
         ]
-        lengths = np.add.reduceat(self.rows["length"], self.lane_bounds[:-1]) if len(self) else None
-        per_lane = [
-            (int(lengths[k]) if lengths is not None and end > at else 0, int(end - at))
-            for k, (at, end) in enumerate(zip(self.lane_bounds[:-1], self.lane_bounds[1:]))
-        ]
+        cum = np.concatenate(([0], np.cumsum(self.rows["length"])))  # lanes may be empty
+        b = self.lane_bounds
+        per_lane = list(zip((cum[b[1:]] - cum[b[:-1]]).tolist(), np.diff(b).tolist()))
         peer_of = (lambda x: x.src_rank) if m.mode is Mode.PULL else (lambda x: x.dst_rank)
         for peer in sorted({peer_of(x) for x in m.lanes}):
             mine = [k for k, x in enumerate(m.lanes) if peer_of(x) == peer]
@@ -374,11 +416,16 @@ class TransferPlan(ReadOnlyArrays):
         return "\n".join(lines)
 
     def _scope(self) -> str:
-        """The request's token range (and list anchoring) for the summary's first line."""
-        if self.tokens is None:
-            return ""
-        anchor = ", destination lists from start" if self.dst_from == "start" else ""
-        return f", tokens {self.tokens[0]}:{self.tokens[1]}{anchor}"
+        """The request's token range (and list anchoring) and a part's regions, for summary."""
+        out = ""
+        if self.tokens is not None:
+            anchor = ", destination lists from start" if self.dst_from == "start" else ""
+            out += f", tokens {self.tokens[0]}:{self.tokens[1]}{anchor}"
+        if self.regions is not None:
+            names = [self.map.dst.regions[j].name for j in self.regions]
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)})" if len(names) > 3 else "")
+            out += f"; part of {len(self.map.dst.regions)} regions: {shown}"
+        return out
 
     def __repr__(self) -> str:
         m = self.map

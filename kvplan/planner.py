@@ -262,6 +262,14 @@ class TransferMap:
     mode: Mode
     rank: int
     lanes: tuple[Lane, ...] = attrs.field(eq=False)
+    #: destination region index -> indices of its lanes (ascending): what a plan's part slices
+    region_lanes: dict[int, tuple[int, ...]] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        by_region: dict[int, list[int]] = {}
+        for k, lane in enumerate(self.lanes):
+            by_region.setdefault(lane.dst_region, []).append(k)
+        object.__setattr__(self, "region_lanes", {j: tuple(v) for j, v in by_region.items()})
 
     @property
     def peers(self) -> tuple[int, ...]:

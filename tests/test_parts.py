@@ -1,0 +1,91 @@
+"""Layer-wise parts: ``plan.part(names)`` is a slice of the whole plan, never a re-plan.
+
+Properties over region subsets: a part holds exactly the whole plan's rows of its regions, in
+the same order; the parts of any partition of the regions together hold the whole plan's rows,
+byte for byte, and executing them one after another leaves the oracle's destination.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvplan.strategies as ks
+from kvplan import EngineSpec, RequestError, pull_map, push_map, simulate
+from kvplan.examples import request_blocks
+from kvplan.presets import spec as preset
+from tests import oracle
+
+SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def partitioned(draw):
+    src_d, dst_d = draw(ks.spec_pairs())
+    sb, db, tokens, dst_from = draw(ks.token_requests(src_d, dst_d))
+    names = [r["name"] for r in dst_d["regions"]]
+    labels = draw(st.lists(st.integers(0, 3), min_size=len(names), max_size=len(names)))
+    parts = [[n for n, lab in zip(names, labels, strict=True) if lab == k] for k in range(4)]
+    return src_d, dst_d, sb, db, tokens, dst_from, [p for p in parts if p]
+
+
+@SETTINGS
+@given(partitioned(), st.booleans())
+def test_parts_of_a_partition_are_the_whole_plan(case, push):
+    src_d, dst_d, sb, db, tokens, dst_from, parts = case
+    src, dst = EngineSpec.from_dict(src_d), EngineSpec.from_dict(dst_d)
+    ranks = range(src.num_ranks) if push else range(dst.num_ranks)
+    make = push_map if push else pull_map
+    for r in ranks:
+        whole = make(src, dst, r).plan(sb, db, tokens=tokens, dst_from=dst_from)
+        c = whole.copies()
+        pieces = [whole.part(p) for p in parts]
+        for names, piece in zip(parts, pieces, strict=True):
+            idx = [dst.region_index(n) for n in names]
+            assert piece.regions == tuple(sorted(idx))
+            # exactly the whole plan's rows of those regions, in the whole plan's order
+            assert np.array_equal(piece.copies(), c[np.isin(c["dst_region"], idx)])
+            assert piece.lane_bounds[-1] == len(piece)
+            assert not piece.copies().flags.writeable
+        both = np.concatenate([p.copies() for p in pieces])
+        assert sorted(both.tolist()) == sorted(c.tolist())
+        assert sum(p.nbytes for p in pieces) == whole.nbytes
+
+
+@settings(SETTINGS, max_examples=25)
+@given(partitioned())
+def test_executing_the_parts_leaves_the_oracle_destination(case):
+    src_d, dst_d, sb, db, tokens, dst_from, parts = case
+    src, dst = EngineSpec.from_dict(src_d), EngineSpec.from_dict(dst_d)
+    src_bufs = oracle.source_buffers(src_d, seed=5, request_blocks=sb)
+    for rank in range(dst.num_ranks):
+        whole = pull_map(src, dst, rank).plan(sb, db, tokens=tokens, dst_from=dst_from)
+        before = oracle.destination_buffers(dst_d, seed=6)
+        expected, _ = oracle.expected_destination(src_d, dst_d, sb, db, rank, src_bufs, before,
+                                                  tokens=tokens, dst_from=dst_from)
+        got = oracle.clone_buffers(before, rank)
+        for names in parts:
+            simulate(whole.part(names), src_bufs, got)
+        for j in expected:
+            assert np.array_equal(got[(rank, j)], expected[j]), dst.regions[j].name
+
+
+def test_part_refusals_name_the_region():
+    s = preset("llama-3.1-8b", tp_size=2, num_blocks=64)
+    b = request_blocks(s, 64)
+    p = pull_map(s, s, 0).plan(b, b)
+    with pytest.raises(RequestError, match="no region named 'layers.99.attn'"):
+        p.part(["layers.99.attn"])
+    one = p.part(["layers.0.attn", "layers.1.attn"])
+    with pytest.raises(RequestError, match="region 'layers.2.attn' is not in this part"):
+        one.part(["layers.2.attn"])
+    assert one.part("layers.1.attn") == p.part(["layers.1.attn"])
+
+
+def test_summary_names_the_part():
+    s = preset("llama-3.1-8b", tp_size=2, num_blocks=64)
+    b = request_blocks(s, 64)
+    p = pull_map(s, s, 0).plan(b, b, tokens=(3, 50))
+    text = p.part([f"layers.{k}.attn" for k in range(5)]).summary()
+    assert "tokens 3:50" in text
+    assert "part of 32 regions: layers.0.attn, layers.1.attn, layers.2.attn, ... (5)" in text
