@@ -74,10 +74,10 @@ def test_part_refusals_name_the_region():
     s = preset("llama-3.1-8b", tp_size=2, num_blocks=64)
     b = request_blocks(s, 64)
     p = pull_map(s, s, 0).plan(b, b)
-    with pytest.raises(RequestError, match="no region named 'layers.99.attn'"):
+    with pytest.raises(RequestError, match=r"no region named 'layers\.99\.attn'"):
         p.part(["layers.99.attn"])
     one = p.part(["layers.0.attn", "layers.1.attn"])
-    with pytest.raises(RequestError, match="region 'layers.2.attn' is not in this part"):
+    with pytest.raises(RequestError, match=r"region 'layers\.2\.attn' is not in this part"):
         one.part(["layers.2.attn"])
     assert one.part("layers.1.attn") == p.part(["layers.1.attn"])
 
