@@ -33,12 +33,14 @@ from kvplan_nixl.errors import (
 
 if TYPE_CHECKING:
     from kvplan_nixl.endpoint import Endpoint, Notification, Peer
+    from kvplan_nixl.parts import RequestTransfer
     from kvplan_nixl.transfer import State, Transfer
 
 _LAZY = {
     "Endpoint": "kvplan_nixl.endpoint",
     "Notification": "kvplan_nixl.endpoint",
     "Peer": "kvplan_nixl.endpoint",
+    "RequestTransfer": "kvplan_nixl.parts",
     "State": "kvplan_nixl.transfer",
     "Transfer": "kvplan_nixl.transfer",
 }
@@ -55,6 +57,7 @@ __all__ = [
     "Notification",
     "Peer",
     "PlanMismatchError",
+    "RequestTransfer",
     "State",
     "Transfer",
     "TransferFailed",

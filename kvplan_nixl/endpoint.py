@@ -16,7 +16,7 @@ import os
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -37,6 +37,9 @@ from kvplan_nixl.errors import (
     nixl_call,
 )
 from kvplan_nixl.transfer import Transfer, _Part
+
+if TYPE_CHECKING:
+    from kvplan_nixl.parts import RequestTransfer
 
 #: Separator of the fields of an agent name, ``engine#rank#nonce`` (parsed from the right).
 _SEP = "#"
@@ -299,8 +302,10 @@ class Endpoint:
         """Pull: post the reads of ``plan`` (made by this rank's pull map for ``remote``).
 
         ``notify`` is delivered to each source rank when its part is complete (see
-        :meth:`notifications`). ``timeout`` (seconds) is a deadline enforced by ``poll`` and
-        ``wait``. Before anything is posted every run is checked against both sides'
+        :meth:`notifications`). ``plan`` may be a part (``plan.part(names)``, one layer's
+        regions): it posts just those runs, with its own notification; to have one completion
+        for a request posted in parts, use :meth:`request`. ``timeout`` (seconds) is a
+        deadline enforced by ``poll`` and ``wait``. Before anything is posted every run is checked against both sides'
         registered bounds; a plan that does not fit raises and posts nothing.
         """
         return self._post(plan, remote, Mode.PULL, notify, timeout)
@@ -315,6 +320,27 @@ class Endpoint:
     ) -> Transfer:
         """Push: post the writes of ``plan`` (made by this rank's push map for ``remote``)."""
         return self._post(plan, remote, Mode.PUSH, notify, timeout)
+
+    def request(
+        self,
+        plan: TransferPlan,
+        remote: str,
+        *,
+        notify: bytes | None = None,
+        timeout: float | None = None,
+    ) -> RequestTransfer:
+        """Open a request to post in parts (layer-wise), read or write as ``plan``'s map says.
+
+        ``plan`` is the whole request's plan; post its parts with ``post(plan.part(names),
+        notify=...)`` as they become ready, then ``end()``. ``notify`` is the request's one
+        completion message, sent to every peer rank of ``plan`` once every part is DONE;
+        ``timeout`` (seconds) is a deadline for all parts. See :mod:`kvplan_nixl.parts`.
+        """
+        from kvplan_nixl.parts import RequestTransfer
+
+        self._route(remote, plan.map.mode)  # connected in that mode, or NotConnectedError
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return RequestTransfer(self, plan, remote, notify, deadline)
 
     def _post(self, plan, remote, mode, notify, timeout) -> Transfer:
         agent = self._require()

@@ -1,0 +1,171 @@
+"""RequestTransfer: one request posted in parts (layer-wise streaming), completed once.
+
+A prefill engine finishes its layers one after another; a connector that sends a layer as soon
+as it is computed posts the request in parts. ``Endpoint.request(plan, remote)`` opens a
+RequestTransfer over the whole plan; ``post(part)`` posts one part (``plan.part(names)``, or the
+names themselves) as one :class:`~kvplan_nixl.Transfer`, optionally with a notification of its
+own; ``end()`` says no part is left. The request completes once: when every part is DONE,
+``poll``/``wait`` report it and the request's notification is sent, once, to every peer rank the
+whole plan touches. It is sent only after every part completed locally, so a peer that frees its
+blocks on that message never frees blocks a part still reads or writes.
+
+Not thread-safe: drive it from the thread that owns its Endpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvplan import Mode, TransferPlan
+from kvplan_nixl.errors import PlanMismatchError, nixl_call
+from kvplan_nixl.transfer import State, Transfer
+
+if TYPE_CHECKING:
+    from kvplan_nixl.endpoint import Endpoint
+
+
+class RequestTransfer:
+    """The parts of one request posted as they become ready, with one completion.
+
+    Build with :meth:`Endpoint.request`. ``transfers`` are the parts posted so far, in order.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        plan: TransferPlan,
+        remote: str,
+        notify: bytes | None,
+        deadline: float | None,
+    ) -> None:
+        if not isinstance(plan, TransferPlan):
+            raise TypeError(f"expected a kvplan.TransferPlan, got {type(plan).__name__}")
+        if plan.regions is not None:
+            raise PlanMismatchError("open a request with the whole plan, then post its parts")
+        self._ep = endpoint
+        self.plan = plan
+        self.remote = remote
+        self.mode = plan.map.mode
+        self._notify = None if notify is None else bytes(notify)
+        self._deadline = deadline
+        self._posted: dict[int, int] = {}  # destination region -> index of the part posting it
+        self.transfers: list[Transfer] = []
+        self._ended = False
+        self._notified = False
+        self.finished: float | None = None
+
+    # -- posting -----------------------------------------------------------------------------
+
+    def post(self, part: TransferPlan | str | Iterable[str], *,
+             notify: bytes | None = None) -> Transfer:
+        """Post one part now: a ``plan.part(...)`` of this request's plan, or region names.
+
+        ``notify`` is delivered to each peer rank of this part when its share completes.
+        Raises :class:`PlanMismatchError` for a part of another plan, a region already posted,
+        or a post after :meth:`end`; nothing is posted then.
+        """
+        if self._ended:
+            raise PlanMismatchError("request already ended: no part can be posted after end()")
+        if not isinstance(part, TransferPlan):
+            part = self.plan.part(part)
+        whole = self.plan
+        if part.map is not whole.map or part.src_blocks is not whole.src_blocks or (
+            part.dst_blocks is not whole.dst_blocks or part.tokens != whole.tokens
+        ):
+            raise PlanMismatchError(
+                "part is not a slice of this request's plan: make it with plan.part(names) "
+                "of the plan the request was opened with"
+            )
+        regions = part.regions if part.regions is not None else tuple(
+            range(len(whole.map.dst.regions)))
+        again = [j for j in regions if j in self._posted]
+        if again:
+            names = [whole.map.dst.regions[j].name for j in again]
+            raise PlanMismatchError(
+                f"region(s) {names} already posted in part {self._posted[again[0]]} of this "
+                "request; each region is posted once"
+            )
+        timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        t = self._ep._post(part, self.remote, self.mode, notify, timeout)
+        for j in regions:
+            self._posted[j] = len(self.transfers)
+        self.transfers.append(t)
+        return t
+
+    def end(self) -> None:
+        """No part is left. Raises :class:`PlanMismatchError` naming regions never posted (of
+        those the plan copies something for); the request then stays open."""
+        missing = [
+            self.plan.map.dst.regions[j].name
+            for j in sorted(self.plan.map.region_lanes) if j not in self._posted
+        ]
+        if missing:
+            shown = ", ".join(missing[:4]) + (f", ... ({len(missing)})" if len(missing) > 4 else "")
+            raise PlanMismatchError(f"end(): region(s) never posted: {shown}")
+        self._ended = True
+        self.poll()
+
+    # -- completion --------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """True once ended and no part is pending (each DONE or FAILED)."""
+        return self._ended and all(t.done for t in self.transfers)
+
+    @property
+    def ok(self) -> bool:
+        """True once ended and every part is DONE (the request's notification is then sent)."""
+        return self._ended and all(t.ok for t in self.transfers)
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Peer ranks the whole plan touches: those the request's notification goes to."""
+        return self.plan.peers
+
+    def poll(self) -> bool:
+        """Advance every part once (never blocks); True once the request is done."""
+        for t in self.transfers:
+            t.poll()
+        self._complete()
+        return self.done
+
+    def wait(self, timeout: float | None = None, *, progress: Iterable[Endpoint] = ()) -> None:
+        """Block until every part is DONE, then send the request's notification (once).
+
+        Raises the first failed part's :class:`TransferFailed` / :class:`TransferTimeout`;
+        ``progress`` as for :meth:`Transfer.wait`. Needs :meth:`end` first.
+        """
+        if not self._ended:
+            raise PlanMismatchError("wait(): call end() once every part is posted")
+        limit = None if timeout is None else time.monotonic() + timeout
+        others = tuple(progress)
+        for t in self.transfers:
+            left = None if limit is None else max(0.0, limit - time.monotonic())
+            t.wait(left, progress=others)
+        self._complete()
+
+    def states(self) -> list[dict[int, State]]:
+        """Per posted part, ``{peer_rank: State}`` as of the last poll."""
+        return [t.states() for t in self.transfers]
+
+    def _complete(self) -> None:
+        if self._notified or not self.ok:
+            return
+        self._notified = True
+        self.finished = time.perf_counter()
+        if self._notify is None:
+            return
+        agent = self._ep._require()
+        for rank in self.peers:
+            peer = self._ep._peers[(self.remote, rank)]
+            with nixl_call("send_notif", f"{self.remote} rank {rank}"):
+                agent.send_notif(peer.agent, self._notify)
+
+    def __repr__(self) -> str:
+        state = "ok" if self.ok else ("done" if self.done else "open" if not self._ended
+                                      else "pending")
+        way = "from" if self.mode is Mode.PULL else "to"
+        return (f"RequestTransfer({self.mode.value} {way} {self.remote!r}, "
+                f"{len(self.transfers)} parts, {state})")
