@@ -305,8 +305,9 @@ class Endpoint:
         :meth:`notifications`). ``plan`` may be a part (``plan.part(names)``, one layer's
         regions): it posts just those runs, with its own notification; to have one completion
         for a request posted in parts, use :meth:`request`. ``timeout`` (seconds) is a
-        deadline enforced by ``poll`` and ``wait``. Before anything is posted every run is checked against both sides'
-        registered bounds; a plan that does not fit raises and posts nothing.
+        deadline enforced by ``poll`` and ``wait``. Before anything is posted every run is
+        checked against both sides' registered bounds; a plan that does not fit raises and
+        posts nothing.
         """
         return self._post(plan, remote, Mode.PULL, notify, timeout)
 

@@ -87,7 +87,8 @@ def test_request_refusals():
         other = ep.map("prefill").plan(sb, db)  # an equal plan, but not this request's
         with pytest.raises(PlanMismatchError, match="not a slice of this request's plan"):
             req.post(other.part(["layers.2.attn"]))
-        with pytest.raises(PlanMismatchError, match=r"never posted: layers\.2\.attn, layers\.3\.attn"):
+        with pytest.raises(PlanMismatchError,
+                           match=r"never posted: layers\.2\.attn, layers\.3\.attn"):
             req.end()
         with pytest.raises(PlanMismatchError, match="call end"):
             req.wait(1)
