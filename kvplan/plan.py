@@ -323,27 +323,27 @@ class TransferPlan(ReadOnlyArrays):
         """
         if isinstance(regions, str):
             regions = (regions,)
-        dst = self.map.dst
+        dst, ids = self.map.dst, self.map.region_ids
         idx = set()
         for name in regions:
-            try:
-                j = dst.region_index(name)
-            except KeyError:
+            j = ids.get(name)
+            if j is None:
                 raise RequestError(
                     f"part: no region named {name!r} (the engines have "
                     f"{len(dst.regions)} regions, e.g. {dst.regions[0].name!r})"
-                ) from None
+                )
             if self.regions is not None and j not in self.regions:
                 raise RequestError(f"part: region {name!r} is not in this part")
             idx.add(j)
         lanes = self.map.region_lanes
         ks = sorted(k for j in idx for k in lanes.get(j, ()))
         b = self.lane_bounds
-        if ks:
-            rows = np.concatenate([self.rows[b[k]:b[k + 1]] for k in ks])
-        else:
-            rows = np.empty(0, dtype=COPY_DTYPE)
-        rows.flags.writeable = False
+        if len(ks) == 1:  # one lane: a view of the plan's rows, no copy
+            rows = self.rows[b[ks[0]]:b[ks[0] + 1]]
+        else:  # take() of an int index: cheaper than concatenating structured slices
+            take = [np.arange(b[k], b[k + 1]) for k in ks]
+            rows = self.rows.take(np.concatenate(take) if take else np.zeros(0, np.int64))
+            rows.flags.writeable = False
         sizes = np.zeros(len(b) - 1, dtype=np.int64)
         sizes[ks] = b[1:][ks] - b[:-1][ks]
         bounds = np.concatenate(([0], np.cumsum(sizes)))

@@ -264,12 +264,15 @@ class TransferMap:
     lanes: tuple[Lane, ...] = attrs.field(eq=False)
     #: destination region index -> indices of its lanes (ascending): what a plan's part slices
     region_lanes: dict[int, tuple[int, ...]] = attrs.field(init=False, eq=False, repr=False)
+    #: region name -> destination region index (names pair the two engines' regions)
+    region_ids: dict[str, int] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         by_region: dict[int, list[int]] = {}
         for k, lane in enumerate(self.lanes):
             by_region.setdefault(lane.dst_region, []).append(k)
         object.__setattr__(self, "region_lanes", {j: tuple(v) for j, v in by_region.items()})
+        object.__setattr__(self, "region_ids", {r.name: j for j, r in enumerate(self.dst.regions)})
 
     @property
     def peers(self) -> tuple[int, ...]:
