@@ -61,6 +61,13 @@ def region_pairs(src: EngineSpec, dst: EngineSpec) -> tuple[tuple[int, int], ...
     for j, d in enumerate(dst.regions):
         i = src.region_index(d.name)
         check_region_pair(src.regions[i], d)
+        vs, vd = src.positions_per_block(i), dst.positions_per_block(j)
+        if not _divides_either_way(vs, vd):  # decode context parallelism scales a block id
+            raise IncompatibleLayoutError(
+                f"region {d.name!r}: positions per block id do not divide: source "
+                f"{src.regions[i].block_size} x dcp {src.dcp_size} = {vs}, destination "
+                f"{d.block_size} x dcp {dst.dcp_size} = {vd}"
+            )
         pairs.append((i, j))
     return tuple(pairs)
 

@@ -57,20 +57,58 @@ class HeadSource:
         return f"p{self.src_rank} heads {self.start}:{self.stop}"
 
 
-def head_sources(num_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> tuple[HeadSource, ...]:
+def head_sources(
+    num_heads: int, src_tp: int, dst_tp: int, dst_rank: int, *, src_dcp: int = 1,
+    dst_dcp: int = 1, src_dcp_rank: int = 0,
+) -> tuple[HeadSource, ...]:
     """Where destination rank ``dst_rank`` reads each head it holds, as maximal head intervals.
+
+    Under decode context parallelism (``*_dcp`` > 1) a token is held, among a head's holders,
+    only by those of its DCP rank (``rank % dcp``): this answers for the tokens source DCP rank
+    ``src_dcp_rank`` holds (and ``dst_rank`` holds, which its own DCP rank decides). The same
+    rule: ``dst_rank`` is the ``i``-th of the ``n`` destinations holding (head, token) and reads
+    from the ``i*m//n``-th of the ``m`` sources holding it.
 
     Post-conditions: the intervals are disjoint, ascending, cover exactly
     ``held_heads(num_heads, dst_tp, dst_rank)``, and each source rank holds its interval.
     """
     out: list[HeadSource] = []
     for h in held_heads(num_heads, dst_tp, dst_rank):
-        dsts = holders(num_heads, dst_tp, h)
+        dsts = holders(num_heads, dst_tp, h)  # each starts a DCP group (EngineSpec checks)
         srcs = holders(num_heads, src_tp, h)
-        i = dst_rank - dsts.start
-        src = srcs.start + i * len(srcs) // len(dsts)
+        i = (dst_rank - dsts.start) // dst_dcp
+        m, n = len(srcs) // src_dcp, len(dsts) // dst_dcp
+        src = srcs.start + src_dcp_rank + (i * m // n) * src_dcp
         if out and out[-1].src_rank == src and out[-1].stop == h:
             out[-1] = HeadSource(src, out[-1].start, h + 1)
         else:
             out.append(HeadSource(src, h, h + 1))
     return tuple(out)
+
+
+@attrs.frozen
+class TokenSharding:
+    """How the ranks of one DCP group share the positions of a block id (one side, one region).
+
+    vLLM's decode context parallelism (docs/concepts.md): a block id covers ``span =
+    block_size * dcp`` request positions; offset ``o`` in it belongs to DCP rank ``(o //
+    interleave) % dcp`` and sits at token ``(o // (dcp * interleave)) * interleave + o %
+    interleave`` of that rank's block. ``dcp == 1`` is the plain case: one rank, token ``o``.
+    """
+
+    block_size: int
+    dcp: int = 1
+    interleave: int = 1
+
+    @property
+    def span(self) -> int:
+        """Request positions one block id covers."""
+        return self.block_size * self.dcp
+
+    def holder(self, o):
+        """DCP rank holding offset ``o`` of a block id (ints or numpy arrays)."""
+        return (o // self.interleave) % self.dcp
+
+    def local(self, o):
+        """Token index, in the holder's block, of offset ``o`` of a block id."""
+        return (o // (self.dcp * self.interleave)) * self.interleave + o % self.interleave

@@ -33,7 +33,7 @@ import numpy as np
 from kvplan.compat import region_pairs
 from kvplan.errors import SpecError
 from kvplan.layout import RankLayout, rank_layout
-from kvplan.placement import Placement, head_sources
+from kvplan.placement import Placement, TokenSharding, head_sources
 from kvplan.runs import merge_runs
 from kvplan.spec import EngineSpec
 
@@ -116,27 +116,45 @@ class UnitRange:
 
 
 def build_template(
-    src: RankLayout, dst: RankLayout, units: Sequence[UnitRange], phase: int = 0
+    src: RankLayout,
+    dst: RankLayout,
+    units: Sequence[UnitRange],
+    phase: int = 0,
+    src_tokens: TokenSharding | None = None,
+    dst_tokens: TokenSharding | None = None,
+    src_dcp_rank: int = 0,
+    dst_dcp_rank: int = 0,
 ) -> BlockTemplate:
     """Template for copying ``units`` of one destination block from the source layout.
 
-    ``phase`` is the destination block's index inside its source block (when source blocks
-    are larger): its tokens start at source token ``phase * dst.block_size``.
+    A block id covers ``span`` request positions on each side (``block_size``, times the DCP
+    size: ``*_tokens``); the template covers the positions of one destination block id that
+    ``dst_dcp_rank`` holds and ``src_dcp_rank`` holds on the source side (all of them without
+    DCP). ``phase`` is the destination block's index inside its source block (when source
+    blocks are larger): its positions start at ``phase * span_dst`` of the source block.
     """
-    src_bs, dst_bs = src.block_size, dst.block_size
+    s_tok = src_tokens or TokenSharding(src.block_size)
+    d_tok = dst_tokens or TokenSharding(dst.block_size)
+    src_bs, dst_bs = s_tok.span, d_tok.span
+    t_all = np.arange(dst_bs)
+    p_all = phase * dst_bs + t_all  # position counted from the first source block touched
+    # need ∩ hold, on the token axis: positions this destination rank holds and this source
+    # rank holds (every position when neither side shards tokens).
+    mine = (d_tok.holder(t_all) == dst_dcp_rank) & (s_tok.holder(p_all % src_bs) == src_dcp_rank)
+    t_kept = t_all[mine]
     cols: list[list[np.ndarray]] = [[], [], [], [], []]
     for ur in units:
         s, u, t = np.meshgrid(
             np.arange(dst.components[ur.component].streams),
             np.arange(ur.start, ur.stop),
-            np.arange(dst_bs),
+            t_kept,
             indexing="ij",
         )
         s, u, t = s.ravel(), u.ravel(), t.ravel()
-        p = phase * dst_bs + t  # token position counted from the first source block touched
+        p = phase * dst_bs + t
         for col, v in zip(cols, (
-            src.offset(ur.component, s, 0, u, p % src_bs),
-            dst.offset(ur.component, s, 0, u, t),
+            src.offset(ur.component, s, 0, u, s_tok.local(p % src_bs)),
+            dst.offset(ur.component, s, 0, u, d_tok.local(t)),
             np.full(len(t), dst.components[ur.component].unit_bytes, dtype=np.int64),
             p // src_bs,
             t,
@@ -151,6 +169,7 @@ def build_template(
     f_src, f_dst, f_len, f_js = merge_runs(a_src, a_dst, a_len, js)
     slab = f_dst // dst.block
     bounds = np.flatnonzero(np.concatenate(([True], slab[1:] != slab[:-1], [True])))
+    slabs = tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist())) if len(f_dst) else ()
     return BlockTemplate(
         src_bs=src_bs,
         dst_bs=dst_bs,
@@ -160,7 +179,7 @@ def build_template(
         src=_frozen(f_src),
         dst=_frozen(f_dst),
         length=_frozen(f_len),
-        slabs=tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist())),
+        slabs=slabs,
         atom_token=_frozen(t),
         atom_js=_frozen(js),
         atom_src=_frozen(a_src),
@@ -220,23 +239,31 @@ def _lanes_for_dst_rank(
             continue
         sr, dr = src.regions[i], dst.regions[j]
         src_stage_base = src.stage_of(i) * src.tp_size
+        # Who holds which tokens: decode context parallelism shards token regions only.
+        s_dcp, d_dcp = (1, 1) if dr.is_state else (src.dcp_size, dst.dcp_size)
+        s_tok = TokenSharding(sr.block_size, s_dcp, src.dcp_interleave if s_dcp > 1 else 1)
+        d_tok = TokenSharding(dr.block_size, d_dcp, dst.dcp_interleave if d_dcp > 1 else 1)
         by_src: dict[int, list[UnitRange]] = {}
         for c, comp in enumerate(dr.components):
-            for hs in head_sources(comp.units, src.tp_size, dst.tp_size, t_rank):
-                by_src.setdefault(src_stage_base + hs.src_rank, []).append(
-                    UnitRange(c, hs.start, hs.stop)
-                )
+            for e in range(s_dcp):  # the tokens source DCP rank e holds
+                for hs in head_sources(comp.units, src.tp_size, dst.tp_size, t_rank,
+                                       src_dcp=s_dcp, dst_dcp=d_dcp, src_dcp_rank=e):
+                    by_src.setdefault(src_stage_base + hs.src_rank, []).append(
+                        UnitRange(c, hs.start, hs.stop)
+                    )
         placement = Placement.REPLICATE if dr.is_replicated else Placement.SPLIT
         d_lay = rank_layout(dst, j, dst_rank)
-        phases = max(1, sr.block_size // dr.block_size)
+        phases = max(1, s_tok.span // d_tok.span)
         for s_rank, units in sorted(by_src.items()):
             if only_src is not None and s_rank != only_src:
                 continue
             s_lay = rank_layout(src, i, s_rank)
-            key = (s_lay, d_lay, tuple(units))
+            ranks = ((s_rank % src.tp_size) % s_dcp, t_rank % d_dcp)  # DCP ranks of the lane
+            key = (s_lay, d_lay, tuple(units), s_tok, d_tok, ranks)
             templates = cache.get(key)
             if templates is None:
-                templates = tuple(build_template(s_lay, d_lay, units, ph) for ph in range(phases))
+                templates = tuple(build_template(s_lay, d_lay, units, ph, s_tok, d_tok, *ranks)
+                                  for ph in range(phases))
                 cache[key] = templates
             lanes.append(Lane(s_rank, dst_rank, i, j, tuple(units), placement, dr.group,
                               dr.window, templates))

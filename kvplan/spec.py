@@ -352,11 +352,14 @@ class EngineSpec:
     tp_size: int
     regions: tuple[RegionSpec, ...] = attrs.field(converter=_regions)
     pp_size: int = 1
+    dcp_size: int = 1  # decode context parallelism: token regions shard tokens over dcp ranks
+    dcp_interleave: int = 1  # tokens a DCP rank takes at a time, round-robin (vLLM's
+    # cp_kv_cache_interleave_size)
     _stages: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     _pages: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        for field in ("tp_size", "pp_size"):
+        for field in ("tp_size", "pp_size", "dcp_size", "dcp_interleave"):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SpecError(f"{field} must be a positive integer, got {v!r}")
@@ -371,6 +374,7 @@ class EngineSpec:
             seen.add(r.name)
             self._check_components(r)
         self._check_groups()
+        self._check_dcp()
         object.__setattr__(self, "_stages", self._assign_stages())
         object.__setattr__(self, "_pages", self._assign_pages())
 
@@ -383,6 +387,34 @@ class EngineSpec:
                 raise SpecError(
                     f"region {r.name!r}: {what} {k} and tp_size {tp} must divide one another "
                     f"({k} % {tp} = {k % tp}, {tp} % {k} = {tp % k})"
+                )
+
+    def _check_dcp(self) -> None:
+        """Decode context parallelism as vLLM lays it out (docs/concepts.md): the DCP groups
+        are ``dcp_size`` consecutive ranks of a TP group that hold the same heads, each rank
+        holding every ``dcp_size``-th run of ``dcp_interleave`` tokens of a block id."""
+        dcp, il, tp = self.dcp_size, self.dcp_interleave, self.tp_size
+        if tp % dcp:
+            raise SpecError(
+                f"dcp_size {dcp} does not divide tp_size {tp} ({tp} % {dcp} = {tp % dcp}): "
+                "a DCP group is carved out of a TP group"
+            )
+        if dcp == 1:
+            return
+        for r in self.regions:
+            if r.is_state:  # a state slot is not a sequence of tokens: TP placement only
+                continue
+            if r.block_size % il:
+                raise SpecError(
+                    f"region {r.name!r}: dcp_interleave {il} does not divide block_size "
+                    f"{r.block_size} ({r.block_size} % {il} = {r.block_size % il})"
+                )
+            k = r.heads
+            if k * dcp > tp or (tp // k) % dcp:
+                raise SpecError(
+                    f"region {r.name!r}: dcp_size {dcp} needs every DCP group to hold the same "
+                    f"heads: {k} head(s) over tp_size {tp} give {max(1, tp // k)} rank(s) per "
+                    f"head, not a multiple of {dcp}"
                 )
 
     def _check_groups(self) -> None:
@@ -456,7 +488,7 @@ class EngineSpec:
         """Build from ``{"tp_size": int, "pp_size": int (optional), "regions": [...]}``."""
         if not isinstance(d, Mapping):
             raise SpecError(f"an engine spec must be a mapping, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"tp_size", "pp_size", "regions"})
+        unknown = sorted(set(d) - {"tp_size", "pp_size", "regions", "dcp_size", "dcp_interleave"})
         if unknown:
             raise SpecError(f"engine spec: unknown field(s) {unknown}")
         for key in ("tp_size", "regions"):
@@ -469,6 +501,8 @@ class EngineSpec:
             tp_size=d["tp_size"],
             pp_size=d.get("pp_size", 1),
             regions=tuple(RegionSpec.from_dict(r) for r in regions),
+            dcp_size=d.get("dcp_size", 1),
+            dcp_interleave=d.get("dcp_interleave", 1),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -476,6 +510,9 @@ class EngineSpec:
         d: dict[str, Any] = {"tp_size": self.tp_size}
         if self.pp_size != 1:
             d["pp_size"] = self.pp_size
+        for field in ("dcp_size", "dcp_interleave"):  # written only when set
+            if getattr(self, field) != 1:
+                d[field] = getattr(self, field)
         d["regions"] = [r.to_dict() for r in self.regions]
         return d
 
@@ -483,6 +520,12 @@ class EngineSpec:
     def num_ranks(self) -> int:
         """``tp_size * pp_size``: flat ranks ``pp_rank * tp_size + tp_rank``."""
         return self.tp_size * self.pp_size
+
+    def positions_per_block(self, index: int) -> int:
+        """Request positions one block id of region ``index`` covers: ``block_size``, times
+        ``dcp_size`` for a token region (vLLM's scheduler block under DCP)."""
+        r = self.regions[index]
+        return r.block_size if r.is_state else r.block_size * self.dcp_size
 
     @property
     def num_groups(self) -> int:
@@ -540,6 +583,8 @@ class EngineSpec:
 
     def __str__(self) -> str:
         pp = f", pp={self.pp_size}" if self.pp_size != 1 else ""
+        if self.dcp_size != 1:
+            pp += f", dcp={self.dcp_size} interleave {self.dcp_interleave}"
         lines = [f"EngineSpec tp={self.tp_size}{pp}, {len(self.regions)} regions"]
         lines += [f"  {i}: {r}" for i, r in enumerate(self.regions)]
         return "\n".join(lines)

@@ -481,8 +481,18 @@ def _grid(*sizes: int) -> list[np.ndarray]:
     return out
 
 
-def _fill_view(region: dict, tp: int, tp_rank: int, seed: int, buf, page, blocks) -> None:
-    """Write region's content hashes for logical ``blocks`` into ``buf`` through its view."""
+def _virtual_token(t, dcp: int, interleave: int, dcp_rank: int):
+    """Offset, in its block id's positions, of token ``t`` of a block on DCP rank
+    ``dcp_rank`` (vLLM's interleaved slot mapping, inverted); ``t`` itself without DCP."""
+    return (t // interleave) * (dcp * interleave) + dcp_rank * interleave + t % interleave
+
+
+def _fill_view(region: dict, tp: int, tp_rank: int, seed: int, buf, page, blocks,
+               cp: tuple[int, int] = (1, 1)) -> None:
+    """Write region's content hashes for logical ``blocks`` into ``buf`` through its view.
+
+    ``cp`` is the engine's ``(dcp_size, dcp_interleave)``: a token's hash names its position
+    in the block id, so DCP ranks holding different positions hold different bytes."""
     blocks = np.asarray(blocks, dtype=np.int64)
     if is_state(region):
         for p, (part, view) in enumerate(
@@ -500,7 +510,14 @@ def _fill_view(region: dict, tp: int, tp_rank: int, seed: int, buf, page, blocks
     else:
         gh = np.zeros_like(h)
     b = blocks.reshape(1, -1, 1, 1, 1, 1, 1)
-    view[:, blocks] = content_hash(region["name"], seed, s, b, j * kbs + tk, gh, f, k)
+    t = _virtual_token(j * kbs + tk, cp[0], cp[1], tp_rank % cp[0])
+    view[:, blocks] = content_hash(region["name"], seed, s, b, t, gh, f, k)
+
+
+def _cp(spec: Mapping) -> tuple[int, int]:
+    """``(dcp_size, dcp_interleave)`` of an engine (1, 1 without decode context parallelism)."""
+    dcp = spec.get("dcp_size", 1)
+    return dcp, spec.get("dcp_interleave", 1) if dcp > 1 else 1
 
 
 def _group_list(blocks, group: int) -> list[int]:
@@ -543,7 +560,8 @@ def source_buffers(
             r = regions[i]
             if r["pool"] is None:
                 buf = np.zeros(rank_region_nbytes(r, tp), dtype=np.uint8)
-                _fill_view(r, tp, tp_rank, seed, buf, None, np.arange(r["num_blocks"]))
+                _fill_view(r, tp, tp_rank, seed, buf, None, np.arange(r["num_blocks"]),
+                           _cp(spec))
                 out[(rank, i)] = buf
                 continue
             if r["pool"] not in pools:
@@ -570,7 +588,8 @@ def _source_pool(spec, regions, index, tp_rank, seed, request_blocks) -> np.ndar
     for b in np.flatnonzero(owner == -1):
         owner[b] = next(m for m in members if regions[m]["num_blocks"] > b)
     for m in members:
-        _fill_view(regions[m], tp, tp_rank, seed, buf, page, np.flatnonzero(owner == m))
+        _fill_view(regions[m], tp, tp_rank, seed, buf, page, np.flatnonzero(owner == m),
+                   _cp(spec))
     return buf
 
 
@@ -646,11 +665,13 @@ def _holders(count: int, tp_size: int) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def _candidates(count: int, src_tp: int, wanted: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _candidates(count: int, src_tp: int, wanted: list[int], dcp: int = 1,
+                dcp_rank: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """For each wanted global index: all source (TP rank, local index) holders, as two
-    ``[len(wanted), m]`` arrays (every index has the same number m of holders)."""
+    ``[len(wanted), m]`` arrays (every index has the same number m of holders). With DCP,
+    only the holders of DCP rank ``dcp_rank`` (``tp rank % dcp``): the tokens are theirs."""
     holders = _holders(count, src_tp)
-    rows = [holders[g] for g in wanted]
+    rows = [[x for x in holders[g] if x[0] % dcp == dcp_rank] for g in wanted]
     assert len({len(x) for x in rows}) == 1
     arr = np.array(rows, dtype=np.int64)
     return arr[..., 0], arr[..., 1]
@@ -675,8 +696,8 @@ def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, token
     s_page = page_nbytes(src_spec, i) if sreg["pool"] is not None else None
     d_page = page_nbytes(dst_spec, j) if dreg["pool"] is not None else None
 
-    def split_candidates(count, wanted, s_off_fn):
-        ranks, local = _candidates(count, src_tp, wanted)
+    def split_candidates(count, wanted, s_off_fn, dcp=1, dcp_rank=0):
+        ranks, local = _candidates(count, src_tp, wanted, dcp, dcp_rank)
         out = []
         for c in range(ranks.shape[1]):
             lst = []
@@ -703,7 +724,12 @@ def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, token
             yield d_off, split_candidates(part["units"], wanted, s_fn)
         return
 
-    bs_s, bs_d = sreg["block_size"], dreg["block_size"]
+    # vLLM's decode context parallelism (block_table.py's slot mapping): a block id covers
+    # block_size * dcp positions; offset o in it lives on DCP rank (o // I) % dcp (rank of the
+    # TP group mod dcp), at token (o // (dcp * I)) * I + o % I of that rank's block.
+    dcp_s, il_s = _cp(src_spec)
+    dcp_d, il_d = _cp(dst_spec)
+    bs_s, bs_d = sreg["block_size"] * dcp_s, dreg["block_size"] * dcp_d  # positions per id
     span = copied_positions(len(slist), bs_s, len(dlist), bs_d, dreg["window"], tokens)
     pos = np.arange(span.start, span.stop, dtype=np.int64)
     if not pos.size:
@@ -713,28 +739,39 @@ def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, token
     if pos[-1] // bs_s >= len(slist) or pos[-1] // bs_d - d_first >= len(dlist):
         raise ValueError(f"region {dreg['name']!r}: positions up to {span.stop} are not in the "
                          "block lists")
+    pos = pos[(pos % bs_d) // il_d % dcp_d == d_tp_rank % dcp_d]  # the ones this rank holds
     e = ELEMENT_SIZE[dreg["dtype"]]
-    # Broadcast grids: head x position x stream x feature x byte.
-    p = pos.reshape(1, -1, 1, 1, 1)
-    s = np.arange(_num_streams(dreg), dtype=np.int64).reshape(1, 1, -1, 1, 1)
-    f = np.arange(_features(dreg), dtype=np.int64).reshape(1, 1, 1, -1, 1)
-    k = np.arange(e, dtype=np.int64).reshape(1, 1, 1, 1, -1)
-    d_b, d_t = np.array(dlist, dtype=np.int64)[p // bs_d - d_first], p % bs_d
-    s_b, s_t = np.array(slist, dtype=np.int64)[p // bs_s], p % bs_s
+    for src_dcp_rank in range(dcp_s):
+        mine = pos[(pos % bs_s) // il_s % dcp_s == src_dcp_rank]
+        if not mine.size:
+            continue
+        # Broadcast grids: head x position x stream x feature x byte.
+        p = mine.reshape(1, -1, 1, 1, 1)
+        s = np.arange(_num_streams(dreg), dtype=np.int64).reshape(1, 1, -1, 1, 1)
+        f = np.arange(_features(dreg), dtype=np.int64).reshape(1, 1, 1, -1, 1)
+        k = np.arange(e, dtype=np.int64).reshape(1, 1, 1, 1, -1)
+        o_d, o_s = p % bs_d, p % bs_s
+        d_b = np.array(dlist, dtype=np.int64)[p // bs_d - d_first]
+        d_t = o_d // (dcp_d * il_d) * il_d + o_d % il_d
+        s_b = np.array(slist, dtype=np.int64)[p // bs_s]
+        s_t = o_s // (dcp_s * il_s) * il_s + o_s % il_s
 
-    def s_fn(hs):
-        return element_offset(sreg, src_tp, s, s_b, hs.reshape(-1, 1, 1, 1, 1), s_t, f, s_page) + k
+        def s_fn(hs, s=s, s_b=s_b, s_t=s_t, f=f, k=k):
+            return element_offset(sreg, src_tp, s, s_b, hs.reshape(-1, 1, 1, 1, 1), s_t, f,
+                                  s_page) + k
 
-    if is_split(dreg):
-        wanted = heads_on_rank(dreg["num_kv_heads"], dst_tp, d_tp_rank)
-        h = np.arange(len(wanted), dtype=np.int64).reshape(-1, 1, 1, 1, 1)
-        d_off = element_offset(dreg, dst_tp, s, d_b, h, d_t, f, d_page) + k
-        yield d_off, split_candidates(dreg["num_kv_heads"], wanted, s_fn)
-    else:
-        # Replicated: every source rank of the stage holds it all; each is a candidate.
-        d_off = element_offset(dreg, dst_tp, s, d_b, 0, d_t, f, d_page) + k
-        zero = np.zeros(1, dtype=np.int64)
-        yield d_off, [[(r, zero, s_fn(zero))] for r in range(src_tp)]
+        if is_split(dreg):
+            wanted = heads_on_rank(dreg["num_kv_heads"], dst_tp, d_tp_rank)
+            h = np.arange(len(wanted), dtype=np.int64).reshape(-1, 1, 1, 1, 1)
+            d_off = element_offset(dreg, dst_tp, s, d_b, h, d_t, f, d_page) + k
+            yield d_off, split_candidates(dreg["num_kv_heads"], wanted, s_fn, dcp_s,
+                                          src_dcp_rank)
+        else:
+            # Replicated: every source rank of the stage (of that DCP rank) holds it all.
+            d_off = element_offset(dreg, dst_tp, s, d_b, 0, d_t, f, d_page) + k
+            zero = np.zeros(1, dtype=np.int64)
+            yield d_off, [[(r, zero, s_fn(zero))] for r in range(src_tp)
+                          if r % dcp_s == src_dcp_rank]
 
 
 def expected_destination(
