@@ -25,8 +25,8 @@ import numpy as np
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_executor import Engines  # noqa: E402
-from kvplan.examples import llama3_70b  # noqa: E402
+from benchmarks.bench_executor import Engines
+from kvplan.examples import llama3_70b
 
 
 def main(argv=None) -> int:

@@ -265,6 +265,8 @@ def _lanes_for_dst_rank(
                 templates = tuple(build_template(s_lay, d_lay, units, ph, s_tok, d_tok, *ranks)
                                   for ph in range(phases))
                 cache[key] = templates
+            if not any(len(t.atom_length) for t in templates):
+                continue  # DCP: this source rank holds none of the tokens this rank holds
             lanes.append(Lane(s_rank, dst_rank, i, j, tuple(units), placement, dr.group,
                               dr.window, templates))
     return lanes

@@ -38,6 +38,7 @@ __all__ = [
     "ELEMENT_SIZE",
     "block_lists",
     "block_size_pairs",
+    "dcp_spec_pairs",
     "engine_pairs",
     "head_counts",
     "region_pairs",
@@ -586,3 +587,38 @@ def token_requests(
         for g, (vd,) in per_group.items():
             dst_blocks[g] = dst_blocks[g][start // vd:]
     return src_blocks, dst_blocks, (start, end), dst_from
+
+
+def _dcp_choices(spec: dict) -> list[int]:
+    """DCP sizes a spec's token regions allow: divisors ``d`` of ``tp_size`` with every token
+    region's heads ``K`` giving each head a multiple of ``d`` ranks (``K * d <= tp``)."""
+    tp = spec["tp_size"]
+    heads = [r.get("num_kv_heads", 1) if r["kind"] == "attention" else 1
+             for r in spec["regions"] if r["kind"] != "state"]
+    return [d for d in range(1, tp + 1) if tp % d == 0
+            and (d == 1 or all(k * d <= tp and (tp // k) % d == 0 for k in heads))]
+
+
+@st.composite
+def dcp_spec_pairs(draw, **kwargs) -> tuple[dict, dict]:
+    """Like :func:`spec_pairs` (same keyword arguments), with decode context parallelism.
+
+    Each side gets a ``dcp_size`` its heads allow (often > 1, 1 on one side too) and a
+    ``dcp_interleave`` dividing its token regions' block sizes; the positions one block id
+    covers (``block_size * dcp_size``) still divide one another across the pair.
+    """
+    src, dst = draw(spec_pairs(**kwargs))
+    names = {r["name"]: r for r in src["regions"]}
+    pairs = [(names[r["name"]], r) for r in dst["regions"] if r["kind"] != "state"]
+    d_dcp = draw(st.sampled_from(_dcp_choices(dst)))
+    ok = [d for d in _dcp_choices(src) if all(
+        _divides_either(a["block_size"] * d, b["block_size"] * d_dcp) for a, b in pairs)]
+    s_dcp = draw(st.sampled_from(ok))  # 1 always qualifies: spec_pairs' sizes divide
+    for spec, dcp in ((src, s_dcp), (dst, d_dcp)):
+        if dcp == 1:
+            continue
+        spec["dcp_size"] = dcp
+        sizes = [r["block_size"] for r in spec["regions"] if r["kind"] != "state"]
+        g = int(np.gcd.reduce(sizes)) if sizes else 1
+        spec["dcp_interleave"] = draw(st.sampled_from([i for i in range(1, g + 1) if g % i == 0]))
+    return src, dst
