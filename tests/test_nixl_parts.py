@@ -100,3 +100,27 @@ def test_request_refusals():
         with pytest.raises(PlanMismatchError, match="whole plan"):
             ep.request(plan.part(["layers.0.attn"]), "prefill")
         _check(pr, sb, db, None, ranks=[0])
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_dcp_pair_over_nixl(mode):
+    """vLLM PR 50611's case, over NIXL: P TP4 DCP4 -> D TP2 DCP2 (MLA and one KV head)."""
+    src = spec(4, mla("l0.mla", bs=16, nb=16), attn("l0.attn", heads=1, bs=16, nb=16))
+    dst = spec(2, mla("l0.mla", bs=16, nb=32), attn("l0.attn", heads=1, bs=16, nb=32))
+    src = src.from_dict({**src.to_dict(), "dcp_size": 4, "dcp_interleave": 4})
+    dst = dst.from_dict({**dst.to_dict(), "dcp_size": 2, "dcp_interleave": 4})
+    sb, db = [[5, 2, 9]], [[1, 7, 3, 12, 0, 6]]  # 3 x 64 positions = 6 x 32
+    tokens = (20, 185)
+    with pair(src, dst) as pr:
+        pr.connect(mode)
+        initiators, targets = (pr.d, pr.p) if mode == "pull" else (pr.p, pr.d)
+        remote = "prefill" if mode == "pull" else "decode"
+        posted = []
+        for ep in initiators:
+            plan = ep.map(remote, mode).plan(sb, db, tokens=tokens)
+            posted.append((ep.read if mode == "pull" else ep.write)(plan, remote))
+        for t in posted:
+            t.wait(30, progress=targets)
+        _check(pr, sb, db, tokens)
+        if mode == "pull":  # D0 holds the even interleave runs of a block id: P0 and P2 have them
+            assert pr.d[0].map("prefill").peers == (0, 2)
