@@ -105,6 +105,7 @@ class Lowered:
     remote: np.ndarray
     runs: int
     nbytes: int
+    pieces: np.ndarray | None = None  # descriptors of each run, in order (None: unknown)
 
 
 def run_text(
@@ -184,7 +185,7 @@ def lower(
         step = np.arange(total, dtype=np.int64)
         li = np.repeat(li - before, count) + step
         ri = np.repeat(ri - before, count) + step
-    return Lowered(li, ri, n, int(ln.sum()))
+    return Lowered(li, ri, n, int(ln.sum()), count)
 
 
 def _why(local, remote, i, lr, lo, rr, ro, ln, describe) -> str:

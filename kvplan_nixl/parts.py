@@ -18,9 +18,13 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvplan import Mode, TransferPlan
-from kvplan_nixl.errors import PlanMismatchError, nixl_call
-from kvplan_nixl.transfer import State, Transfer
+from kvplan_nixl.descriptors import Lowered, lower
+from kvplan_nixl.endpoint import _describer
+from kvplan_nixl.errors import NotConnectedError, PlanMismatchError, nixl_call
+from kvplan_nixl.transfer import State, Transfer, _Part
 
 if TYPE_CHECKING:
     from kvplan_nixl.endpoint import Endpoint
@@ -55,6 +59,40 @@ class RequestTransfer:
         self._ended = False
         self._notified = False
         self.finished: float | None = None
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Lower the whole plan once, per peer rank, so that posting a part only slices it.
+
+        A map's lanes are sorted by peer rank, so each peer's rows are one contiguous segment
+        of the plan, and a part's rows are sub-ranges of it: its descriptors are the matching
+        ranges of the peer's index arrays (a run lowers to ``pieces`` consecutive descriptors).
+        Should a peer's rows not be one segment (``self._pre`` None), each part is lowered on
+        its own when posted.
+        """
+        ep, plan, pull = self._ep, self.plan, self.mode is Mode.PULL
+        route = ep._route(self.remote, self.mode)
+        ep._check_plan(plan, route, self.remote, self.mode)
+        lanes = plan.map.lanes
+        self._peer_of = [lane.src_rank if pull else lane.dst_rank for lane in lanes]
+        b = plan.lane_bounds
+        self._cum = np.concatenate(([0], np.cumsum(plan.rows["length"])))
+        self._pre: dict[int, tuple[int, np.ndarray, Lowered]] | None = {}
+        lside, rside = ("dst", "src") if pull else ("src", "dst")
+        for peer in sorted(set(self._peer_of)):
+            ks = [k for k, p in enumerate(self._peer_of) if p == peer]
+            a, e = int(b[ks[0]]), int(b[ks[-1] + 1])
+            if ks != list(range(ks[0], ks[-1] + 1)) or peer not in route.peer_dlists:
+                self._pre = None  # not one segment, or not connected: lower per part
+                return
+            if e == a:
+                continue
+            seg = plan.rows[a:e]
+            lw = lower(route.local, route.peer_ladders[peer], seg[f"{lside}_region"],
+                       seg[f"{lside}_offset"], seg[f"{rside}_region"], seg[f"{rside}_offset"],
+                       seg["length"], describe=_describer(seg))
+            first = np.concatenate(([0], np.cumsum(lw.pieces)))  # first descriptor of a row
+            self._pre[peer] = (a, first, lw)
 
     # -- posting -----------------------------------------------------------------------------
 
@@ -88,10 +126,55 @@ class RequestTransfer:
                 "request; each region is posted once"
             )
         timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-        t = self._ep._post(part, self.remote, self.mode, notify, timeout)
+        if self._pre is None:
+            t = self._ep._post(part, self.remote, self.mode, notify, timeout)
+        else:
+            t = self._post_slice(part, regions, notify, timeout)
         for j in regions:
             self._posted[j] = len(self.transfers)
         self.transfers.append(t)
+        return t
+
+    def _post_slice(self, part: TransferPlan, regions, notify, timeout) -> Transfer:
+        """Post a part from the descriptors lowered at open: one NIXL transfer per peer."""
+        ep, whole = self._ep, self.plan
+        agent = ep._require()
+        route = ep._route(self.remote, self.mode)
+        b, lanes_of = whole.lane_bounds, whole.map.region_lanes
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        groups: dict[int, set[int]] = {}
+        for k in sorted(k for j in regions for k in lanes_of.get(j, ())):
+            a, e = int(b[k]), int(b[k + 1])
+            if e > a:
+                peer = self._peer_of[k]
+                ranges.setdefault(peer, []).append((a, e))
+                groups.setdefault(peer, set()).add(whole.map.lanes[k].group)
+        missing = [r for r in ranges if r not in route.peer_dlists]
+        if missing:
+            raise NotConnectedError(
+                f"part reads/writes ranks {missing} of engine {self.remote!r}, no longer "
+                f"connected in {self.mode.value} mode"
+            )
+        parts, lowered, dlists = [], [], []
+        for peer in sorted(ranges):
+            row0, first, lw = self._pre[peer]  # type: ignore[index]
+            spans = ranges[peer]
+            idx = np.concatenate([np.arange(first[a - row0], first[e - row0]) for a, e in spans])
+            runs = sum(e - a for a, e in spans)
+            nbytes = int(sum(self._cum[e] - self._cum[a] for a, e in spans))
+            lowered.append(Lowered(lw.local[idx], lw.remote[idx], runs, nbytes))
+            parts.append(_Part(peer, runs, nbytes))
+            dlists.append(route.peer_dlists[peer])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        t = Transfer(ep, part, self.remote, parts,
+                     {r: frozenset(g) for r, g in groups.items()}, deadline)
+        if parts:
+            t._start(agent, "READ" if self.mode is Mode.PULL else "WRITE", route.local_dlist,
+                     dlists, lowered, b"" if notify is None else bytes(notify))
+            if not t.done:
+                ep._transfers.add(t)
+        else:
+            t._settle()
         return t
 
     def end(self) -> None:
