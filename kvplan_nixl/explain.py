@@ -140,17 +140,24 @@ def _has_nhd(spec: EngineSpec) -> bool:
 
 
 def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
-            ranks: Sequence[int] | None = None) -> dict[str, Any]:
+            ranks: Sequence[int] | None = None, *, cached: int | None = None,
+            part: Sequence[str] | None = None) -> dict[str, Any]:
     """The explanation as a JSON-able dict: per destination rank its rows, and warnings.
 
+    ``cached``: positions the destination already holds (a prefix-cache hit), so the request
+    copies exactly positions ``[cached, tokens)``; ``part``: region names, to show only that
+    part of each plan (the layers a layer-wise connector posts together).
     Raises :class:`kvplan.IncompatibleLayoutError` when the two engines cannot talk.
     """
     ranks = list(range(dst.num_ranks)) if ranks is None else list(ranks)
     src_blocks, dst_blocks = request(src, tokens), request(dst, tokens)
+    rng = None if cached is None else (cached, tokens)
     out_ranks = []
     plans = []
     for d in ranks:
-        plan = kvplan.pull_map(src, dst, d).plan(src_blocks, dst_blocks)
+        plan = kvplan.pull_map(src, dst, d).plan(src_blocks, dst_blocks, tokens=rng)
+        if part:
+            plan = plan.part(part)
         plans.append(plan)
         rows = []
         for peer, peer_list in peer_rows(plan).items():
@@ -170,6 +177,8 @@ def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
         "destination": {"tp_size": dst.tp_size, "pp_size": dst.pp_size,
                         "regions": len(dst.regions)},
         "tokens": tokens,
+        **({"range": list(rng)} if rng is not None else {}),
+        **({"part": list(part)} if part else {}),
         "blocks": {"source": [len(b) for b in src_blocks],
                    "destination": [len(b) for b in dst_blocks]},
         "ranks": out_ranks,
@@ -226,8 +235,10 @@ def _console():
 
 
 def _title(args, src: EngineSpec, dst: EngineSpec) -> str:
+    scope = "" if args.cached is None else f", positions {args.cached}:{args.tokens} copied"
+    scope += f"; part: {', '.join(args.part)}" if args.part else ""
     return (f"prefill {args.prefill} TP{src.tp_size} -> decode {args.decode} TP{dst.tp_size}: "
-            f"one request of {args.tokens} tokens (non-adjacent block ids), pull")
+            f"one request of {args.tokens} tokens (non-adjacent block ids), pull{scope}")
 
 
 _COLUMNS = ("from", "regions", "placement", "streams", "offsets", "bytes", "runs")
@@ -293,8 +304,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         dst = _engine(args.decode, args.decode_tp, args, "decode", need)
         if args.rank is not None and not 0 <= args.rank < dst.num_ranks:
             raise _Usage(f"--rank {args.rank} is not a decode rank (0..{dst.num_ranks - 1})")
-        doc = explain(src, dst, args.tokens, None if args.rank is None else [args.rank])
-    except _Usage as exc:
+        doc = explain(src, dst, args.tokens, None if args.rank is None else [args.rank],
+                      cached=args.cached, part=args.part)
+    except (_Usage, kvplan.RequestError) as exc:
         print(f"kvplan: {exc}", file=sys.stderr)
         return 2
     except kvplan.IncompatibleLayoutError as exc:
@@ -414,6 +426,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-layout", choices=["HND", "NHD"], default=None)
     p.add_argument("--rank", type=int, default=None, help="only this decode rank")
     p.add_argument("--tokens", type=int, default=2048, help="request length (default 2048)")
+    p.add_argument("--cached", type=int, default=None, metavar="N",
+                   help="positions the decode engine already holds (prefix-cache hit): copy "
+                        "exactly positions N..tokens")
+    p.add_argument("--part", action="append", default=None, metavar="REGION",
+                   help="show only this region's part of each plan (repeat for several)")
     p.add_argument("--json", action="store_true", help="one JSON document")
     _model_options(p)
 

@@ -89,3 +89,17 @@ def test_summary_names_the_part():
     text = p.part([f"layers.{k}.attn" for k in range(5)]).summary()
     assert "tokens 3:50" in text
     assert "part of 32 regions: layers.0.attn, layers.1.attn, layers.2.attn, ... (5)" in text
+
+
+def test_explain_shows_the_range_and_the_part():
+    from kvplan_nixl.explain import explain
+
+    s = preset("llama-3.1-8b", tp_size=2, num_blocks=64)
+    d = preset("llama-3.1-8b", tp_size=1, num_blocks=64)
+    whole = explain(s, d, 100)
+    doc = explain(s, d, 100, cached=37, part=["layers.0.attn", "layers.1.attn"])
+    assert doc["range"] == [37, 100] and doc["part"] == ["layers.0.attn", "layers.1.attn"]
+    assert "range" not in whole and "part" not in whole
+    # 63 positions of 2 layers, 8 heads x 128 x bf16 x K+V each: exactly that, nothing else
+    assert doc["ranks"][0]["nbytes"] == 63 * 2 * 8 * 128 * 2 * 2
+    assert whole["ranks"][0]["nbytes"] == 112 * 32 * 8 * 128 * 2 * 2  # 7 whole blocks
