@@ -6,6 +6,8 @@ The whole public API::
     dst = EngineSpec.from_dict(decode_json)
     tmap = pull_map(src, dst, dst_rank)               # once per handshake (or push_map)
     plan = tmap.plan(src_blocks, dst_blocks)          # once per request: numpy only
+    plan = tmap.plan(src_blocks, dst_blocks, tokens=(start, end))  # exactly those positions
+    plan.part(["layers.3.attn"])                      # one layer's slice (layer-wise posting)
     plan.copies()                                     # read-only structured array of byte runs
     simulate(plan, src_buffers, dst_buffers)          # reference executor over numpy buffers
 
@@ -17,7 +19,14 @@ Seeing plans (notebooks, ``kvplan[view]``): ``EngineSpec.from_hf_config(config_j
 from kvplan import presets
 from kvplan.errors import IncompatibleLayoutError, KVPlanError, RequestError, SpecError
 from kvplan.layout import RankLayout, rank_layout
-from kvplan.placement import HeadSource, Placement, head_sources, held_heads, holders
+from kvplan.placement import (
+    HeadSource,
+    Placement,
+    TokenSharding,
+    head_sources,
+    held_heads,
+    holders,
+)
 from kvplan.plan import COPY_DTYPE, TransferPlan
 from kvplan.planner import Lane, Mode, TransferMap, pull_map, push_map
 from kvplan.simulate import simulate
@@ -41,6 +50,7 @@ __all__ = [
     "RegionSpec",
     "RequestError",
     "SpecError",
+    "TokenSharding",
     "TransferMap",
     "TransferPlan",
     "head_sources",
