@@ -77,7 +77,8 @@ class RequestTransfer:
         self._peer_of = [lane.src_rank if pull else lane.dst_rank for lane in lanes]
         b = plan.lane_bounds
         self._cum = np.concatenate(([0], np.cumsum(plan.rows["length"])))
-        self._pre: dict[int, tuple[int, np.ndarray, Lowered]] | None = {}
+        self._pre: dict[int, Lowered] | None = {}
+        self._lane: dict[int, tuple[int, int, int, int, int, int]] = {}
         lside, rside = ("dst", "src") if pull else ("src", "dst")
         for peer in sorted(set(self._peer_of)):
             ks = [k for k, p in enumerate(self._peer_of) if p == peer]
@@ -92,7 +93,12 @@ class RequestTransfer:
                        seg[f"{lside}_offset"], seg[f"{rside}_region"], seg[f"{rside}_offset"],
                        seg["length"], describe=_describer(seg))
             first = np.concatenate(([0], np.cumsum(lw.pieces)))  # first descriptor of a row
-            self._pre[peer] = (a, first, lw)
+            self._pre[peer] = lw
+            for k in ks:  # per lane, as Python ints: its descriptors, runs, bytes, group
+                ka, ke = int(b[k]), int(b[k + 1])
+                if ke > ka:
+                    self._lane[k] = (peer, int(first[ka - a]), int(first[ke - a]), ke - ka,
+                                     int(self._cum[ke] - self._cum[ka]), lanes[k].group)
 
     # -- posting -----------------------------------------------------------------------------
 
@@ -140,34 +146,32 @@ class RequestTransfer:
         ep, whole = self._ep, self.plan
         agent = ep._require()
         route = ep._route(self.remote, self.mode)
-        b, lanes_of = whole.lane_bounds, whole.map.region_lanes
-        ranges: dict[int, list[tuple[int, int]]] = {}
-        groups: dict[int, set[int]] = {}
-        for k in sorted(k for j in regions for k in lanes_of.get(j, ())):
-            a, e = int(b[k]), int(b[k + 1])
-            if e > a:
-                peer = self._peer_of[k]
-                ranges.setdefault(peer, []).append((a, e))
-                groups.setdefault(peer, set()).add(whole.map.lanes[k].group)
-        missing = [r for r in ranges if r not in route.peer_dlists]
+        lanes_of, info = whole.map.region_lanes, self._lane
+        by_peer: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
+        for k in sorted(k for j in regions for k in lanes_of.get(j, ()) if k in info):
+            by_peer.setdefault(info[k][0], []).append(info[k])
+        missing = [r for r in by_peer if r not in route.peer_dlists]
         if missing:
             raise NotConnectedError(
                 f"part reads/writes ranks {missing} of engine {self.remote!r}, no longer "
                 f"connected in {self.mode.value} mode"
             )
-        parts, lowered, dlists = [], [], []
-        for peer in sorted(ranges):
-            row0, first, lw = self._pre[peer]  # type: ignore[index]
-            spans = ranges[peer]
-            idx = np.concatenate([np.arange(first[a - row0], first[e - row0]) for a, e in spans])
-            runs = sum(e - a for a, e in spans)
-            nbytes = int(sum(self._cum[e] - self._cum[a] for a, e in spans))
-            lowered.append(Lowered(lw.local[idx], lw.remote[idx], runs, nbytes))
+        parts, lowered, dlists, groups = [], [], [], {}
+        for peer in sorted(by_peer):
+            lw, spans = self._pre[peer], by_peer[peer]  # type: ignore[index]
+            if len(spans) == 1:  # one lane (one region, this peer): views, no copy
+                d0, d1 = spans[0][1], spans[0][2]
+                li, ri = lw.local[d0:d1], lw.remote[d0:d1]
+            else:
+                idx = np.concatenate([np.arange(x[1], x[2]) for x in spans])
+                li, ri = lw.local[idx], lw.remote[idx]
+            runs, nbytes = sum(x[3] for x in spans), sum(x[4] for x in spans)
+            lowered.append(Lowered(li, ri, runs, nbytes))
             parts.append(_Part(peer, runs, nbytes))
             dlists.append(route.peer_dlists[peer])
+            groups[peer] = frozenset(x[5] for x in spans)
         deadline = None if timeout is None else time.monotonic() + timeout
-        t = Transfer(ep, part, self.remote, parts,
-                     {r: frozenset(g) for r, g in groups.items()}, deadline)
+        t = Transfer(ep, part, self.remote, parts, groups, deadline)
         if parts:
             t._start(agent, "READ" if self.mode is Mode.PULL else "WRITE", route.local_dlist,
                      dlists, lowered, b"" if notify is None else bytes(notify))
