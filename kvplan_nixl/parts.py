@@ -107,23 +107,35 @@ class RequestTransfer:
         """Post one part now: a ``plan.part(...)`` of this request's plan, or region names.
 
         ``notify`` is delivered to each peer rank of this part when its share completes.
-        Raises :class:`PlanMismatchError` for a part of another plan, a region already posted,
-        or a post after :meth:`end`; nothing is posted then.
+        Given names, no part plan is built (the descriptors are sliced from those lowered at
+        open) and the returned Transfer's ``plan`` is the request's plan. Raises
+        :class:`PlanMismatchError` for a part of another plan, a region already posted, or a
+        post after :meth:`end`; nothing is posted then.
         """
         if self._ended:
             raise PlanMismatchError("request already ended: no part can be posted after end()")
-        if not isinstance(part, TransferPlan):
-            part = self.plan.part(part)
         whole = self.plan
-        if part.map is not whole.map or part.src_blocks is not whole.src_blocks or (
-            part.dst_blocks is not whole.dst_blocks or part.tokens != whole.tokens
-        ):
-            raise PlanMismatchError(
-                "part is not a slice of this request's plan: make it with plan.part(names) "
-                "of the plan the request was opened with"
-            )
-        regions = part.regions if part.regions is not None else tuple(
-            range(len(whole.map.dst.regions)))
+        if isinstance(part, TransferPlan):
+            if part.map is not whole.map or part.src_blocks is not whole.src_blocks or (
+                part.dst_blocks is not whole.dst_blocks or part.tokens != whole.tokens
+            ):
+                raise PlanMismatchError(
+                    "part is not a slice of this request's plan: make it with plan.part(names) "
+                    "of the plan the request was opened with"
+                )
+            regions = part.regions if part.regions is not None else tuple(
+                range(len(whole.map.dst.regions)))
+        elif self._pre is None:
+            part = whole.part(part)
+            regions = part.regions
+        else:  # names: descriptors are sliced from the whole plan's, no part plan is built
+            ids = whole.map.region_ids
+            names = (part,) if isinstance(part, str) else tuple(part)
+            unknown = [n for n in names if n not in ids]
+            if unknown:
+                whole.part(unknown)  # raises RequestError naming the region
+            regions = tuple(sorted({ids[n] for n in names}))
+            part = whole  # what the Transfer reports as its plan: the request's
         again = [j for j in regions if j in self._posted]
         if again:
             names = [whole.map.dst.regions[j].name for j in again]
