@@ -134,3 +134,20 @@ def test_spec_round_trip_and_str():
     assert s.to_dict()["dcp_size"] == 4 and s.to_dict()["dcp_interleave"] == 8
     assert "dcp=4 interleave 8" in str(s)
     assert "dcp_size" not in EngineSpec.from_dict(spec(4, mla())).to_dict()
+
+
+def test_oracle_fills_dcp_ranks_by_vllms_slot_mapping():
+    """Third derivation: vLLM's slot mapping, written out here, against the oracle's buffers."""
+    from tests import oracle
+
+    bs, dcp, il, nb = 4, 4, 2, 3
+    region = {**mla(bs=bs, nb=nb), "dim": 2, "dtype": "uint8"}
+    s = spec(4, region, dcp=dcp, il=il)
+    bufs = oracle.source_buffers(s, seed=9)
+    for b in range(nb):
+        for p in range(bs * dcp):  # offset in block id b
+            rank = (p // il) % dcp
+            slot = b * bs + (p // (dcp * il)) * il + p % il  # block_numbers * bs + offset
+            got = bufs[(rank, 0)].reshape(-1, 2)[slot]
+            want = oracle.content_hash("l0.mla", 9, 0, b, p, 0, np.arange(2), 0)
+            assert np.array_equal(got, want), (b, p)

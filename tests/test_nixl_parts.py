@@ -124,3 +124,27 @@ def test_dcp_pair_over_nixl(mode):
         _check(pr, sb, db, tokens)
         if mode == "pull":  # D0 holds the even interleave runs of a block id: P0 and P2 have them
             assert pr.d[0].map("prefill").peers == (0, 2)
+
+
+def test_request_opened_before_every_peer_is_connected_lowers_each_part():
+    """A peer connected after request() gets its part lowered at post (the slow path)."""
+    src, dst = _engines()
+    sb, db = [[0, 1, 2, 3]], [[0, 1]]
+    with pair(src, dst) as pr:
+        ep = pr.d[0]
+        metas = [p.metadata() for p in pr.p]
+        ep.connect(metas[1])  # a rank this one never reads from: the map, not its peer
+        plan = ep.map("prefill").plan(sb, db)
+        assert plan.peers == (0,)
+        req = ep.request(plan, "prefill", notify=b"late")
+        assert req._pre is None  # its peer was not connected yet
+        ep.connect(metas[0])
+        for name in [r.name for r in src.regions]:
+            req.post([name])
+        req.end()
+        req.wait(30, progress=pr.p)
+        assert req.ok
+        _check(pr, sb, db, None, ranks=[0])
+        got = notifications(pr.p, len(plan.peers))
+        assert [r for r, _ in got] == [0]
+        assert sorted(n.message for _, n in got) == [b"late"] * len(plan.peers)
