@@ -362,13 +362,24 @@ class TransferMap:
             f"destination tp {self.dst.tp_size}, {len(self.dst.regions)} regions, "
             f"peers {list(self.peers)}"
         ]
+        dcp = (self.src.dcp_size, self.dst.dcp_size)
+        if dcp != (1, 1):
+            lines[0] += (f"; DCP source {dcp[0]} (interleave {self.src.dcp_interleave}), "
+                         f"destination {dcp[1]} (interleave {self.dst.dcp_interleave})")
         for lane in self.lanes:
             r = self.dst.regions[lane.dst_region]
-            tpl = lane.templates[0]
+            tpls = lane.templates
             unit = "slot" if r.is_state else f"block of {r.block_size}"
+            share = ""
+            if dcp != (1, 1) and not r.is_state:  # phases differ: the mean per block id
+                unit = f"block id ({tpls[0].dst_bs} positions)"
+                share = (f", tokens of p-DCP rank {lane.src_rank % self.src.tp_size % dcp[0]}"
+                         f" held by d-DCP rank {lane.dst_rank % self.dst.tp_size % dcp[1]}")
+            nbytes = sum(int(t.length.sum()) for t in tpls) / len(tpls)
+            runs = sum(len(t.length) for t in tpls) / len(tpls)
             lines.append(
                 f"  p{lane.src_rank} -> d{lane.dst_rank}  {r.name}: {lane.describe(self.dst)}, "
-                f"{_streams(r)}, {int(tpl.length.sum())} B and {len(tpl.length)} runs per {unit}"
+                f"{_streams(r)}, {nbytes:g} B and {runs:g} runs per {unit}{share}"
             )
         return "\n".join(lines)
 

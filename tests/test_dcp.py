@@ -151,3 +151,13 @@ def test_oracle_fills_dcp_ranks_by_vllms_slot_mapping():
             got = bufs[(rank, 0)].reshape(-1, 2)[slot]
             want = oracle.content_hash("l0.mla", 9, 0, b, p, 0, np.arange(2), 0)
             assert np.array_equal(got, want), (b, p)
+
+
+def test_map_summary_names_the_token_share():
+    src = EngineSpec.from_dict(spec(4, mla(), dcp=4))
+    dst = EngineSpec.from_dict(spec(2, mla(), dcp=2))
+    text = pull_map(src, dst, 1).summary()
+    assert "DCP source 4 (interleave 1), destination 2 (interleave 1)" in text
+    # D1 holds 16 of a block id's 32 positions; P3 holds 8 of those: 8 x 576 x 2 bytes
+    assert ("p3 -> d1  l0.mla: R, K, 9216 B and 8 runs per block id (32 positions), tokens of "
+            "p-DCP rank 3 held by d-DCP rank 1") in text
