@@ -610,10 +610,10 @@ def dcp_spec_pairs(draw, **kwargs) -> tuple[dict, dict]:
     src, dst = draw(spec_pairs(**kwargs))
     names = {r["name"]: r for r in src["regions"]}
     pairs = [(names[r["name"]], r) for r in dst["regions"] if r["kind"] != "state"]
-    d_dcp = draw(st.sampled_from(_dcp_choices(dst)))
-    ok = [d for d in _dcp_choices(src) if all(
-        _divides_either(a["block_size"] * d, b["block_size"] * d_dcp) for a, b in pairs)]
-    s_dcp = draw(st.sampled_from(ok))  # 1 always qualifies: spec_pairs' sizes divide
+    combos = [(a, b) for a in _dcp_choices(src) for b in _dcp_choices(dst) if all(
+        _divides_either(x["block_size"] * a, y["block_size"] * b) for x, y in pairs)]
+    sharded = [c for c in combos if c != (1, 1)]  # (1, 1) always qualifies; prefer others
+    s_dcp, d_dcp = draw(st.sampled_from(sharded if sharded and draw(st.booleans()) else combos))
     for spec, dcp in ((src, s_dcp), (dst, d_dcp)):
         if dcp == 1:
             continue
