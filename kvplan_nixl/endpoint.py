@@ -339,6 +339,8 @@ class Endpoint:
         """
         from kvplan_nixl.parts import RequestTransfer
 
+        if not isinstance(plan, TransferPlan):
+            raise TypeError(f"expected a kvplan.TransferPlan, got {type(plan).__name__}")
         self._route(remote, plan.map.mode)  # connected in that mode, or NotConnectedError
         deadline = None if timeout is None else time.monotonic() + timeout
         return RequestTransfer(self, plan, remote, notify, deadline)
