@@ -21,7 +21,7 @@ SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[Healt
 
 @st.composite
 def partitioned(draw):
-    src_d, dst_d = draw(ks.spec_pairs())
+    src_d, dst_d = draw(ks.dcp_spec_pairs())  # DCP on either side, or none
     sb, db, tokens, dst_from = draw(ks.token_requests(src_d, dst_d))
     names = [r["name"] for r in dst_d["regions"]]
     labels = draw(st.lists(st.integers(0, 3), min_size=len(names), max_size=len(names)))
