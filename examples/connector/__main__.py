@@ -30,8 +30,8 @@ def _engine(role: str, url: str, tp: int, other: int, blocks: int) -> subprocess
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return subprocess.Popen(
-        [sys.executable, "-m", "examples.connector.engine", role, "--etcd", url, "--tp",
-         str(tp), "--other-tp", str(other), "--num-blocks", str(blocks)],
+        [sys.executable, "-m", "examples.connector.engine", role, "--etcd", url, "--tp", str(tp),
+         "--other-tp", str(other), "--num-blocks", str(blocks)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
 
 

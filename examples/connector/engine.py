@@ -15,13 +15,13 @@ import json
 import queue
 import sys
 import threading
-import time
 
 import numpy as np
 
 from examples.connector.etcd import Etcd
 from kvplan import EngineSpec, pull_map, simulate
 from kvplan.examples import gqa_with_mla_draft
+from kvplan_nixl import Endpoint
 
 NS = "/kvplan/example"
 
@@ -37,10 +37,10 @@ def fill(req: int, spec: EngineSpec, rank: int, region: int, n: int) -> np.ndarr
     as an (n, block bytes) array with no zero byte; the same on every rank of a replicated
     region (MLA), since replicas hold the same data."""
     who = 0 if spec.regions[region].is_replicated else rank + 1
-    x = np.arange(n * spec.rank_block_nbytes(region), dtype=np.uint64)
-    x = x * np.uint64(0x9E3779B97F4A7C15) + np.uint64((req * 1009 + who) * 1013 + region)
-    x ^= x >> np.uint64(29)
-    return (x % np.uint64(255) + np.uint64(1)).astype(np.uint8).reshape(n, -1)
+    key = (((req * 1009 + who) * 1013 + region) * 40503 + 1) & 0xFFFFFFFF
+    x = np.arange(n * spec.rank_block_nbytes(region), dtype=np.uint32) * np.uint32(2654435761)
+    x += np.uint32(key)  # a Weyl sequence per key; its top byte, made odd, is never 0
+    return (x >> np.uint32(24) | np.uint32(1)).astype(np.uint8).reshape(n, -1)
 
 
 class Rank(threading.Thread):
@@ -55,10 +55,10 @@ class Rank(threading.Thread):
                      for i in range(len(spec.regions))]
         self.blocks = [b.reshape(spec.regions[i].num_blocks, -1) for i, b in enumerate(self.bufs)]
         self.inflight: dict = {}
+        self.src: dict = {}  # decode: (prefill rank, region) -> what it holds, recomputed
+        self.want = {(rank, i): np.zeros_like(b) for i, b in enumerate(self.bufs)}
 
     def run(self) -> None:
-        from kvplan_nixl import Endpoint
-
         with Endpoint(self.role, self.spec, self.rank, self.bufs) as ep:
             self.ep = ep
             key = f"{NS}/{self.role}/rank/{self.rank}"
@@ -75,8 +75,8 @@ class Rank(threading.Thread):
             self.etcd.delete(key)
 
     def step(self) -> bool:
-        try:
-            cmd = self.inbox.get(timeout=0.001)
+        try:  # block briefly only when idle; a target must still be progressed regularly
+            cmd = self.inbox.get(timeout=0.001) if not self.inflight else self.inbox.get_nowait()
         except queue.Empty:
             cmd = None
         if cmd == "quit":
@@ -92,37 +92,38 @@ class Rank(threading.Thread):
                 blk[dst] = 0  # so that a byte the read misses shows up as 0
             plan = self.ep.map("prefill").plan([src], [dst])
             t = self.ep.read(plan, "prefill", notify=str(req).encode(), timeout=30.0)
-            self.inflight[req] = (t, time.perf_counter())
+            self.inflight[req] = t
         for n in self.ep.notifications():  # progresses the agent (prefill: learn the frees)
             self.events.put(("notified", int(n.message), self.rank, n.rank))
-        for req, (t, t0) in list(self.inflight.items()):
+        for req, t in list(self.inflight.items()):
             t.poll()
             if t.done:
                 del self.inflight[req]
                 self.events.put(("loaded", req, self.rank, *self.verify(req, t), t.plan.nbytes,
-                                 (time.perf_counter() - t0) * 1e3))
+                                 (t.seconds or 0.0) * 1e3))
         return True
 
     def verify(self, req: int, t) -> tuple[bool, str, str]:
-        """(ok, sha256 of the request's blocks, error): the bytes equal what kvplan.simulate
-        moves from the prefill ranks' ``fill`` (rebuilt here), and no byte was missed."""
+        """(ok, sha256 of the request's blocks, error): no byte was missed, and the bytes equal
+        what kvplan.simulate moves from the prefill ranks' ``fill`` rebuilt here (into
+        ``src``, the prefill ranks' buffers as this rank can recompute them, and ``want``)."""
         if not t.ok:
             return False, "", str(t.error())
-        plan, src_spec = t.plan, t.plan.map.src
+        plan, pspec = t.plan, t.plan.map.src
         src_ids, dst_ids = plan.src_blocks[0], plan.dst_blocks[0]
-        src = {}
         for r, i in {(int(a), int(b)) for a, b in plan.copies()[["src_rank", "src_region"]]}:
-            buf = np.zeros(src_spec.rank_region_nbytes(i), np.uint8)
-            buf.reshape(src_spec.regions[i].num_blocks, -1)[src_ids] = fill(
-                req, src_spec, r, i, len(src_ids))
-            src[(r, i)] = buf
-        want = {(self.rank, i): np.zeros_like(b) for i, b in enumerate(self.bufs)}
-        simulate(plan, src, want)
+            if (r, i) not in self.src:
+                self.src[(r, i)] = np.zeros(pspec.rank_region_nbytes(i), np.uint8)
+            blocks = self.src[(r, i)].reshape(pspec.regions[i].num_blocks, -1)
+            blocks[src_ids] = fill(req, pspec, r, i, len(src_ids))
+        for i, blk in enumerate(self.blocks):
+            self.want[(self.rank, i)].reshape(blk.shape)[dst_ids] = 0
+        simulate(plan, self.src, self.want)
         sha = hashlib.sha256()
         for i, blk in enumerate(self.blocks):
             got = blk[dst_ids]
             sha.update(got.tobytes())
-            exp = want[(self.rank, i)].reshape(blk.shape)[dst_ids]
+            exp = self.want[(self.rank, i)].reshape(blk.shape)[dst_ids]
             if not got.all() or not np.array_equal(got, exp):
                 return False, sha.hexdigest(), f"region {self.spec.regions[i].name}: bytes differ"
         return True, sha.hexdigest(), ""
@@ -216,7 +217,7 @@ def main() -> int:
             if len(st["acks"]) == a.tp:  # every rank has the request: "decode" it, free
                 sched.release(live.pop(ev[0])["ids"])
                 res = [st["acks"][r] for r in range(a.tp)]
-                say(op="done", id=ev[0], ok=all(x[0] for x in res), dst=st["ids"],
+                say(op="done", id=ev[0], ok=all(x[0] for x in res), src=st["src"], dst=st["ids"],
                     sha256=[x[1] for x in res], errors=[x[2] for x in res if x[2]],
                     bytes=sum(x[3] for x in res), ms=max(x[4] for x in res))
         admit()
