@@ -71,6 +71,7 @@ def _reader(e: subprocess.Popen, events: queue.Queue) -> None:
 
 
 def _proxy(a, p: subprocess.Popen, d: subprocess.Popen, lengths: list[int]) -> int:
+    start = time.perf_counter()
     events: queue.Queue = queue.Queue()
     for e in (p, d):
         threading.Thread(target=_reader, args=(e, events), daemon=True).start()
@@ -88,6 +89,8 @@ def _proxy(a, p: subprocess.Popen, d: subprocess.Popen, lengths: list[int]) -> i
     for _ in range(2):  # both engines registered, published in etcd, decode connected
         if (m := get())["op"] != "ready":
             raise RuntimeError(f"expected 'ready' from the engines, got {m}")
+    print(f"engines ready (registered, published, connected) in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     for i, n in enumerate(lengths):
         send(p, op="prefill", id=i, tokens=n)

@@ -21,7 +21,6 @@ import numpy as np
 from examples.connector.etcd import Etcd
 from kvplan import EngineSpec, pull_map, simulate
 from kvplan.examples import gqa_with_mla_draft
-from kvplan_nixl import Endpoint
 
 NS = "/kvplan/example"
 
@@ -59,6 +58,8 @@ class Rank(threading.Thread):
         self.want = {(rank, i): np.zeros_like(b) for i, b in enumerate(self.bufs)}
 
     def run(self) -> None:
+        from kvplan_nixl import Endpoint  # imported by main() already, before the threads
+
         with Endpoint(self.role, self.spec, self.rank, self.bufs) as ep:
             self.ep = ep
             key = f"{NS}/{self.role}/rank/{self.rank}"
@@ -161,6 +162,8 @@ def main() -> int:
     ap.add_argument("--other-tp", type=int, required=True)
     ap.add_argument("--num-blocks", type=int, default=128)
     a = ap.parse_args()
+    import kvplan_nixl.endpoint  # noqa: F401  (loads NIXL once, before the rank threads)
+
     etcd, spec, events = Etcd(a.etcd), model(a.tp, a.num_blocks), queue.Queue()
     etcd.put(f"{NS}/{a.role}/spec", json.dumps(spec.to_dict()).encode())
     ranks = [Rank(a.role, spec, r, etcd, a.other_tp, events) for r in range(a.tp)]
