@@ -20,7 +20,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from examples.connector.engine import fill, model
+from examples.connector.engine import BLOCKS, fill, model
 from tests import oracle
 
 if not shutil.which("etcd"):
@@ -28,7 +28,7 @@ if not shutil.which("etcd"):
                 "connector example needs a real etcd server", allow_module_level=True)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REQUESTS, MAX_TOKENS, P_TP, D_TP, BLOCKS = 300, 128, 4, 2, 128
+REQUESTS, MAX_TOKENS, P_TP, D_TP = 300, 128, 4, 2
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def run():
     proc = subprocess.run(
         [sys.executable, "-m", "examples.connector", "--requests", str(REQUESTS),
          "--max-tokens", str(MAX_TOKENS), "--prefill-tp", str(P_TP), "--decode-tp", str(D_TP),
-         "--num-blocks", str(BLOCKS), "--json"],
+         "--json"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
     )
     leftover = set(glob.glob(os.path.join(tmp, "kvplan-etcd-*"))) - before
@@ -62,7 +62,7 @@ def test_every_request_arrives_verified_and_every_block_is_freed(run):
 
 def test_byte_counts_match_the_specs(run):
     _, results, _ = run
-    dspec = model(D_TP, BLOCKS)
+    dspec = model(D_TP)
     # every decode rank receives each of its blocks whole, in every region
     per_block = sum(dspec.rank_block_nbytes(i) for i in range(len(dspec.regions))) * D_TP
     for m in results:
@@ -73,7 +73,7 @@ def test_byte_counts_match_the_specs(run):
 
 def _oracle_digests(m) -> list[str]:
     """sha256 of the request's destination blocks per decode rank, from the oracle."""
-    pspec, dspec = model(P_TP, BLOCKS), model(D_TP, BLOCKS)
+    pspec, dspec = model(P_TP), model(D_TP)
     src = {}
     for r in range(P_TP):
         for i in range(len(pspec.regions)):

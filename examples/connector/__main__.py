@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -23,44 +24,35 @@ import numpy as np
 from examples.connector.etcd import EtcdServer
 
 MiB = 1 << 20
-
-
-def _engine(role: str, url: str, tp: int, other: int, blocks: int) -> subprocess.Popen:
-    env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return subprocess.Popen(
-        [sys.executable, "-m", "examples.connector.engine", role, "--etcd", url, "--tp", str(tp),
-         "--other-tp", str(other), "--num-blocks", str(blocks)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m examples.connector", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m examples.connector", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=100, help="requests to run (default 100)")
     ap.add_argument("--prefill-tp", type=int, default=4, help="prefill ranks (default 4)")
     ap.add_argument("--decode-tp", type=int, default=2, help="decode ranks (default 2)")
-    ap.add_argument("--num-blocks", type=int, default=128, help="blocks per engine (default 128)")
     ap.add_argument("--max-tokens", type=int, default=512, help="longest prompt (default 512)")
-    ap.add_argument("--seed", type=int, default=0, help="prompt lengths' seed (default 0)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per request")
     a = ap.parse_args(argv)
-    if EtcdServer.binary() is None:
-        print("etcd is not installed (Debian/Ubuntu: apt-get install etcd-server)",
-              file=sys.stderr)
-        return 2
-    lengths = np.random.default_rng(a.seed).integers(1, a.max_tokens + 1, a.requests).tolist()
+    if shutil.which("etcd") is None:
+        sys.exit("etcd is not installed (Debian/Ubuntu: apt-get install etcd-server)")
+    lengths = np.random.default_rng(0).integers(1, a.max_tokens + 1, a.requests).tolist()
+    env = {"NIXL_LOG_LEVEL": "WARN", **os.environ, "PYTHONPATH": ROOT}
+    print("starting etcd, then the engines (importing NIXL takes seconds)", file=sys.stderr)
     with EtcdServer() as url:
-        print(f"etcd at {url}; starting prefill TP{a.prefill_tp} and decode TP{a.decode_tp}",
-              file=sys.stderr, flush=True)
-        p = _engine("prefill", url, a.prefill_tp, a.decode_tp, a.num_blocks)
-        d = _engine("decode", url, a.decode_tp, a.prefill_tp, a.num_blocks)
+        engines = [subprocess.Popen(
+            [sys.executable, "-m", "examples.connector.engine", json.dumps(
+                {"role": role, "etcd": url, "tp": tp, "peers": other})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+            for role, tp, other in (("prefill", a.prefill_tp, a.decode_tp),
+                                    ("decode", a.decode_tp, a.prefill_tp))]
         try:
-            return _proxy(a, p, d, lengths)
+            return _proxy(a, *engines, lengths)
         finally:
-            for e in (p, d):
-                if e.poll() is None:
-                    e.kill()
+            for e in engines:
+                e.kill()
                 e.wait()
 
 
@@ -71,8 +63,8 @@ def _reader(e: subprocess.Popen, events: queue.Queue) -> None:
 
 
 def _proxy(a, p: subprocess.Popen, d: subprocess.Popen, lengths: list[int]) -> int:
-    start = time.perf_counter()
-    events: queue.Queue = queue.Queue()
+    """The disaggregated server's proxy: prompt to prefill, its block ids to decode."""
+    start, events = time.perf_counter(), queue.Queue()
     for e in (p, d):
         threading.Thread(target=_reader, args=(e, events), daemon=True).start()
 
@@ -81,48 +73,43 @@ def _proxy(a, p: subprocess.Popen, d: subprocess.Popen, lengths: list[int]) -> i
         e.stdin.flush()
 
     def get() -> dict:
-        msg = events.get(timeout=120)
+        msg = events.get(timeout=120)  # queue.Empty: no word from the engines for 2 minutes
         if msg["op"] == "exit":
-            raise RuntimeError("an engine process exited early (its error is above)")
+            raise RuntimeError("an engine exited early (its error is above)")
         return msg
 
-    for _ in range(2):  # both engines registered, published in etcd, decode connected
-        if (m := get())["op"] != "ready":
-            raise RuntimeError(f"expected 'ready' from the engines, got {m}")
-    print(f"engines ready (registered, published, connected) in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    get(), get()  # "ready" from each: ranks registered, published in etcd, decode connected
     t0 = time.perf_counter()
+    print(f"prefill TP{a.prefill_tp} and decode TP{a.decode_tp} ready in {t0 - start:.1f} s",
+          file=sys.stderr, flush=True)
     for i, n in enumerate(lengths):
         send(p, op="prefill", id=i, tokens=n)
-    done: dict[int, dict] = {}
-    freed: set[int] = set()
+    done, freed = {}, set()
     while len(done) < len(lengths) or len(freed) < len(lengths):
         m = get()
         if m["op"] == "prefilled":  # the kv_transfer_params: prefill's block ids
             send(d, op="decode", id=m["id"], tokens=lengths[m["id"]], src=m["blocks"])
-        elif m["op"] == "done":
-            done[m["id"]] = m
-            if not m["ok"]:  # no notification will come: tell prefill to free
-                send(p, op="free", id=m["id"])
-                freed.add(m["id"])
-            m["tokens"] = lengths[m["id"]]
-            print(json.dumps(m) if a.json else
-                  f"req {m['id']:4d}  {m['tokens']:4d} tokens  {len(m['dst']):3d} blocks  "
-                  f"{m['bytes'] / MiB:7.3f} MiB  {m['ms']:7.2f} ms  "
-                  f"{'ok' if m['ok'] else 'FAILED ' + '; '.join(m['errors'])}", flush=True)
         elif m["op"] == "freed":
             freed.add(m["id"])
+        elif m["op"] == "done":
+            done[m["id"]] = m | {"tokens": lengths[m["id"]]}
+            if not m["ok"]:  # some notification may never come: prefill frees on our word
+                send(p, op="free", id=m["id"])
+                freed.add(m["id"])
+            print(json.dumps(done[m["id"]]) if a.json else
+                  f"req {m['id']:4d}  {lengths[m['id']]:4d} tokens  {len(m['dst']):3d} blocks  "
+                  f"{m['bytes'] / MiB:7.3f} MiB  {m['ms']:7.2f} ms  "
+                  f"{'ok' if m['ok'] else 'FAILED ' + '; '.join(m['errors'])}", flush=True)
     wall = time.perf_counter() - t0
     for e in (p, d):
         send(e, op="quit")
-    byes = [get(), get()]
+    byes = [get(), get()]  # "bye": each engine's free blocks
     ok = sum(m["ok"] for m in done.values())
-    total = sum(m["bytes"] for m in done.values())
-    clean = all(b["free"] == b["blocks"] and b["live"] == 0 for b in byes)
-    print(f"{ok}/{len(lengths)} requests verified, {total / MiB:.1f} MiB in {wall:.2f} s; "
+    print(f"{ok}/{len(lengths)} requests verified, "
+          f"{sum(m['bytes'] for m in done.values()) / MiB:.1f} MiB in {wall:.2f} s; "
           + ", ".join(f"{b['role']} {b['free']}/{b['blocks']} blocks free" for b in byes),
           file=sys.stderr, flush=True)
-    return 0 if ok == len(lengths) and clean else 1
+    return 0 if ok == len(lengths) and all(b["free"] == b["blocks"] for b in byes) else 1
 
 
 if __name__ == "__main__":

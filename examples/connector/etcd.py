@@ -1,12 +1,13 @@
 """A throw-away etcd server and a tiny client over etcd's v3 JSON gateway (urllib, no deps).
 
-The gateway takes POSTs of JSON to ``/v3/kv/put``, ``/v3/kv/range`` and
-``/v3/kv/deleterange``, with keys and values base64-encoded.
+The gateway takes POSTs of JSON to ``/v3/kv/put`` and ``/v3/kv/range``, with keys and values
+base64-encoded.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import shutil
 import socket
@@ -41,9 +42,6 @@ class Etcd:
     def put(self, key: str, value: bytes) -> None:
         self._call("put", {"key": _b64(key.encode()), "value": _b64(value)})
 
-    def delete(self, key: str) -> None:
-        self._call("deleterange", {"key": _b64(key.encode())})
-
     def prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key under ``prefix`` (the range [prefix, prefix with its last byte + 1))."""
         p = prefix.encode()
@@ -53,48 +51,39 @@ class Etcd:
                 for kv in kvs}
 
     def wait(self, prefix: str, count: int, timeout: float = 60.0) -> dict[str, bytes]:
-        """Poll until ``count`` keys lie under ``prefix``; TimeoutError names what is missing."""
+        """Poll until ``count`` keys lie under ``prefix`` (through a server still starting)."""
         deadline = time.monotonic() + timeout
-        while len(got := self.prefix(prefix)) < count:
+        while True:
+            with contextlib.suppress(OSError):
+                if len(got := self.prefix(prefix)) >= count:
+                    return got
             if time.monotonic() > deadline:
-                raise TimeoutError(f"etcd {self.url}: {len(got)}/{count} keys under {prefix!r}")
+                raise TimeoutError(f"etcd {self.url}: no {count} keys under {prefix!r}")
             time.sleep(0.02)
-        return got
 
 
 class EtcdServer:
-    """``with EtcdServer() as url:`` runs etcd on free loopback ports in a temporary data dir;
-    on exit kills it and removes the dir. ``EtcdServer.binary()`` is None without etcd."""
-
-    @staticmethod
-    def binary() -> str | None:
-        return shutil.which("etcd")
+    """``with EtcdServer() as url:`` runs etcd (``shutil.which("etcd")``) on free loopback
+    ports in a temporary data dir; on exit kills it and removes the dir."""
 
     def __enter__(self) -> str:
         self.dir = tempfile.mkdtemp(prefix="kvplan-etcd-")
         client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
-        self.log = open(f"{self.dir}/etcd.log", "w+b")  # closed in __exit__
-        self.proc = subprocess.Popen(
-            [self.binary() or "etcd", "--name", "kvplan", "--data-dir", f"{self.dir}/data",
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"kvplan={peer}", "--logger", "zap", "--log-level", "warn"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:  # ready once a read succeeds
-            try:
-                Etcd(client).prefix("/")
-                return client
-            except OSError as exc:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.log.seek(0)
-                    tail = self.log.read()[-2000:].decode(errors="replace")
-                    self.__exit__()
-                    raise RuntimeError(f"etcd did not start at {client}:\n{tail}") from exc
-                time.sleep(0.05)
+        with open(f"{self.dir}/etcd.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                ["etcd", "--name", "kvplan", "--data-dir", f"{self.dir}/data",
+                 "--listen-client-urls", client, "--advertise-client-urls", client,
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"kvplan={peer}", "--logger", "zap", "--log-level", "warn"],
+                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            Etcd(client).wait("/", 0, timeout=30)
+        except TimeoutError:
+            self.proc.kill()  # the data dir stays, for its log
+            raise RuntimeError(f"etcd did not start; see {self.dir}/etcd.log") from None
+        return client
 
     def __exit__(self, *exc: object) -> None:
         self.proc.kill()
         self.proc.wait()
-        self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
