@@ -101,3 +101,20 @@ def test_bytes_equal_the_oracle_on_a_sample(run):
         assert m["sha256"] == _oracle_digests(m), f"request {m['id']}"
     # and the digests do depend on the bytes: two requests' data differ
     assert sample[0]["sha256"] != sample[1]["sha256"]
+
+
+def test_etcd_helper_round_trip_and_cleanup():
+    from examples.connector.etcd import Etcd, EtcdServer
+
+    server = EtcdServer()
+    with server as url:
+        assert url.startswith("http://127.0.0.1:")
+        etcd = Etcd(url)
+        etcd.put("/a/rank/0", b"\x00\xff metadata")
+        etcd.put("/a/rank/1", b"")
+        etcd.put("/b/rank/0", b"other engine")
+        assert etcd.prefix("/a/rank/") == {"/a/rank/0": b"\x00\xff metadata", "/a/rank/1": b""}
+        assert etcd.wait("/b/", 1) == {"/b/rank/0": b"other engine"}
+        with pytest.raises(TimeoutError, match="no 2 keys under '/b/'"):
+            etcd.wait("/b/", 2, timeout=0.1)
+    assert server.proc.poll() is not None and not os.path.exists(server.dir)

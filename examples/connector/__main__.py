@@ -1,8 +1,8 @@
-"""``python -m examples.connector``: etcd, a prefill and a decode engine, requests P -> D.
+"""python -m examples.connector: etcd, a prefill and a decode engine, requests P -> D.
 
-Starts etcd on loopback, starts the two engine processes (``engine.py``), then acts as the
+Starts etcd on loopback, starts the two engine processes (engine.py), then acts as the
 proxy of a disaggregated server: each request goes to prefill, its block ids (the
-``kv_transfer_params``) go to decode, which pulls the KV over NIXL and verifies it. Prints one
+kv_transfer_params) go to decode, which pulls the KV over NIXL and verifies it. Prints one
 line per request (bytes, transfer time, result) and a summary; exits 0 only if every request
 was verified and both engines ended with every block free.
 """
