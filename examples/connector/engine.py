@@ -121,7 +121,10 @@ def main() -> int:
     ranks = [Rank(a, spec, r, etcd, events) for r in range(a.tp)]
     for r in ranks:
         r.start()
-    expect: set = set()  # prefill: the (prefill rank, decode rank) pairs notifying per request
+    # prefill: the (prefill rank, decode rank) pairs notifying per request (each decode rank
+    # notifies the ranks its plan reads; every plan of this one-group model reads all of the
+    # map's peers, otherwise take the peers of each request's plans)
+    expect: set = set()
     if a.role == "prefill":
         dspec = EngineSpec.from_dict(json.loads(etcd.wait(f"{NS}/decode/spec", 1).popitem()[1]))
         expect = {(p, d) for d in range(dspec.num_ranks) for p in pull_map(spec, dspec, d).peers}
