@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
+from examples.connector.engine import BLOCKS
 from examples.connector.etcd import EtcdServer
 
-MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=512, help="longest prompt (default 512)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per request")
     a = ap.parse_args(argv)
+    if not 0 < a.max_tokens <= 16 * BLOCKS:  # a longer prompt would never fit an engine
+        ap.error(f"--max-tokens must be in 1..{16 * BLOCKS} ({BLOCKS} blocks of 16 tokens)")
     if shutil.which("etcd") is None:
         sys.exit("etcd is not installed (Debian/Ubuntu: apt-get install etcd-server)")
     lengths = np.random.default_rng(0).integers(1, a.max_tokens + 1, a.requests).tolist()
@@ -98,15 +100,14 @@ def _proxy(a, p: subprocess.Popen, d: subprocess.Popen, lengths: list[int]) -> i
                 freed.add(m["id"])
             print(json.dumps(done[m["id"]]) if a.json else
                   f"req {m['id']:4d}  {lengths[m['id']]:4d} tokens  {len(m['dst']):3d} blocks  "
-                  f"{m['bytes'] / MiB:7.3f} MiB  {m['ms']:7.2f} ms  "
+                  f"{m['bytes'] / 2**20:7.3f} MiB  {m['ms']:7.2f} ms  "
                   f"{'ok' if m['ok'] else 'FAILED ' + '; '.join(m['errors'])}", flush=True)
     wall = time.perf_counter() - t0
-    for e in (p, d):
-        send(e, op="quit")
+    send(p, op="quit"), send(d, op="quit")
     byes = [get(), get()]  # "bye": each engine's free blocks
     ok = sum(m["ok"] for m in done.values())
     print(f"{ok}/{len(lengths)} requests verified, "
-          f"{sum(m['bytes'] for m in done.values()) / MiB:.1f} MiB in {wall:.2f} s; "
+          f"{sum(m['bytes'] for m in done.values()) / 2**20:.1f} MiB in {wall:.2f} s; "
           + ", ".join(f"{b['role']} {b['free']}/{b['blocks']} blocks free" for b in byes),
           file=sys.stderr, flush=True)
     return 0 if ok == len(lengths) and all(b["free"] == b["blocks"] for b in byes) else 1

@@ -133,8 +133,7 @@ def main() -> int:
     threading.Thread(target=_stdin, args=(events,), daemon=True).start()
     # the toy scheduler: a free list of block ids shared by the ranks, requests waiting FIFO
     free = np.random.default_rng(len(a.role)).permutation(BLOCKS).tolist()
-    bs = spec.regions[0].block_size
-    waiting, live = [], {}  # live: request id -> its blocks and what its ranks reported
+    fifo, live = [], {}  # waiting requests; live: request id -> its blocks, its ranks' reports
     while True:
         kind, *ev = events.get()
         st = live.get(ev[0]) if kind != "in" else None
@@ -143,7 +142,7 @@ def main() -> int:
         if kind == "in" and ev[0]["op"] == "free":  # the proxy gave up on this request
             free += live.pop(ev[0]["id"], {}).get("ids", [])
         elif kind == "in":
-            waiting.append(ev[0])
+            fifo.append(ev[0])
         elif st and kind == "notified":
             st["acks"][(ev[1], ev[2])] = True
             if expect <= st["acks"].keys():  # every decode rank read it: free its blocks
@@ -157,8 +156,8 @@ def main() -> int:
                 say(op="done", id=ev[0], ok=all(x[0] for x in res), src=st["src"], dst=st["ids"],
                     sha256=[x[1] for x in res], errors=[x[2] for x in res if x[2]],
                     bytes=sum(x[3] for x in res), ms=max(x[4] for x in res))
-        while waiting and (n := -(-waiting[0]["tokens"] // bs)) <= len(free):
-            m = waiting.pop(0)  # admit: allocate its blocks
+        while fifo and (n := -(-fifo[0]["tokens"] // spec.regions[0].block_size)) <= len(free):
+            m = fifo.pop(0)  # admit: allocate its blocks
             ids, free = free[:n], free[n:]
             live[m["id"]] = {**m, "ids": ids, "acks": {}}
             if a.role == "prefill":  # the "forward pass" writes its KV into every rank's blocks
