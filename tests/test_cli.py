@@ -241,3 +241,7 @@ def test_explain_of_a_128k_nhd_request_fits_in_1_gib():
     assert [x["runs"] for x in doc["ranks"]] == [83886080, 83886080]
     assert any("167772160 runs per request" in w and "(16.0x more)" in w
                for w in doc["warnings"])
+
+
+def test_the_legend_is_documented_as_printed():
+    assert explain.LEGEND in (ROOT / "docs" / "concepts.md").read_text(encoding="utf-8")
