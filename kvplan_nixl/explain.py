@@ -184,22 +184,31 @@ def _blocks_needed(tokens: int, block_size: int) -> int:
 def request(spec: EngineSpec, tokens: int) -> list[list[int]]:
     """Block ids of one request of ``tokens`` tokens: per token group non-adjacent ids
     ``0, 2, 4, ...`` (consecutive when the regions are too small); per state group one slot,
-    counted down from the last block so that views of a shared pool use distinct pages."""
-    out = []
-    states = 0
-    for g in range(spec.num_groups):
-        regions = [r for r in spec.regions if r.group == g]
-        if regions[0].is_state:
-            states += 1
-            out.append([max(0, min(r.num_blocks for r in regions) - states)])
-            continue
-        need = -(-tokens // max(r.block_size for r in regions))
+    the highest free id. Groups viewing a shared pool get distinct pages (a page belongs to one
+    group's view at a time)."""
+    groups = [[r for r in spec.regions if r.group == g] for g in range(spec.num_groups)]
+    taken: dict[str, set[int]] = {}  # pool -> pages earlier groups use
+    out: list[list[int]] = [[] for _ in groups]
+    # token groups first (they need the most pages), then one slot per state group
+    for g in sorted(range(len(groups)), key=lambda g: groups[g][0].is_state):
+        regions = groups[g]
         limit = min(r.num_blocks for r in regions)
-        if need > limit:
-            raise _Usage(f"{tokens} tokens need {need} blocks in group {g}, but its regions hold "
-                         f"{limit}; lower --tokens or raise --num-blocks")
-        step = 2 if 2 * need - 1 <= limit else 1
-        out.append(list(range(0, step * need, step)))
+        pools = {r.pool for r in regions if r.pool is not None}
+        used = set().union(*(taken.get(p, set()) for p in pools))
+        if regions[0].is_state:
+            need, ids = 1, (b for b in range(limit - 1, -1, -1) if b not in used)
+        else:
+            need = -(-tokens // max(r.block_size for r in regions))
+            step = 2 if 2 * need - 1 <= limit - len(used) else 1
+            ids = (b for b in range(0, limit, step) if b not in used)
+        out[g] = [b for _, b in zip(range(need), ids)]
+        if len(out[g]) < need:
+            what = "a state slot" if regions[0].is_state else f"{tokens} tokens"
+            raise _Usage(f"{what} need(s) {need} blocks in group {g}, but its regions hold "
+                         f"{limit} ({len(used)} used by groups sharing a pool); lower --tokens "
+                         "or raise --num-blocks")
+        for p in pools:
+            taken.setdefault(p, set()).update(out[g])
     return out
 
 

@@ -245,3 +245,13 @@ def test_explain_of_a_128k_nhd_request_fits_in_1_gib():
 
 def test_the_legend_is_documented_as_printed():
     assert explain.LEGEND in (ROOT / "docs" / "concepts.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", [n for n in presets.names() if "eagle3" not in n])
+def test_explain_answers_for_every_preset_at_128k_tokens(capsys, name):
+    # NHD under TP8 -> TP2: the most runs; pooled hybrids need distinct pages per group
+    assert cli.main(["explain", "--prefill", name, "--prefill-tp", "8", "--decode", name,
+                     "--decode-tp", "2", "--rank", "1", "--layout", "NHD", "--tokens",
+                     "131072", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ranks"][0]["runs"] > 0 and doc["ranks"][0]["nbytes"] > 0
