@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvplan
 from kvplan import presets
@@ -255,3 +257,33 @@ def test_explain_answers_for_every_preset_at_128k_tokens(capsys, name):
                      "131072", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ranks"][0]["runs"] > 0 and doc["ranks"][0]["nbytes"] > 0
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12,
+)
+_spec_keys = st.fixed_dictionaries({"tp_size": _json_values, "regions": st.lists(
+    st.dictionaries(st.sampled_from(["name", "kind", "num_blocks", "block_size", "dtype",
+                                     "num_kv_heads", "head_dim", "dim", "group", "layout"]),
+                    _json_values, max_size=8), max_size=3)})
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=st.binary(max_size=64) | _json_values.map(json.dumps).map(str.encode)
+       | _spec_keys.map(json.dumps).map(str.encode))
+def test_any_file_gives_an_answer_or_one_line_never_a_traceback(capsys, tmp_path, content):
+    f = tmp_path / "x.json"
+    f.write_bytes(content)
+    for argv in (["check", str(f), str(f)],
+                 ["explain", "--prefill", str(f), "--prefill-tp", "2", "--decode", str(f),
+                  "--decode-tp", "2", "--tokens", "16"]):
+        rc = cli.main(argv)
+        out, err = capsys.readouterr()
+        assert rc in (0, 1, 2, 3), (argv, rc)
+        if rc:
+            assert len(err.strip().splitlines()) == 1 and err.startswith("kvplan: "), err
+            assert "Traceback" not in err + out
