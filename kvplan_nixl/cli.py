@@ -9,6 +9,11 @@ Hybrid examples work the same way: ``--example kimi-linear`` (MLA and KDA state 
 pools), ``--example nemotron-h`` (Mamba2 state and attention), with ``--slots`` state slots per
 request and ``--prefill-pp`` / ``--decode-pp`` pipeline stages (any example's regions cut into
 contiguous stages); each initiator rank connects only the peer ranks its map names.
+``--example`` also takes any preset name (``kvplan presets``): the real model's cache.
+
+Errors: :func:`main` prints one ``kvplan: ...`` line and returns the exit status (EPILOG);
+options are typed with bounds (:mod:`kvplan_nixl.cliargs`), so a user's value is used or
+refused, never replaced by a default.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import kvplan
 from kvplan import EngineSpec, TransferPlan, presets
 from kvplan.examples import EXAMPLES, request_blocks
 from kvplan.views import human_bytes
-from kvplan_nixl.explain import (
+from kvplan_nixl.cliargs import (
     LEGEND,
     MAX_BLOCK_SIZE,
     MAX_BLOCKS,
