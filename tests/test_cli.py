@@ -287,3 +287,17 @@ def test_any_file_gives_an_answer_or_one_line_never_a_traceback(capsys, tmp_path
         if rc:
             assert len(err.strip().splitlines()) == 1 and err.startswith("kvplan: "), err
             assert "Traceback" not in err + out
+
+
+def test_plan_summary_folds_alike_layers():
+    src, dst = presets.spec("llama-3.1-70b", 4), presets.spec("llama-3.1-70b", 2)
+    plan = kvplan.pull_map(src, dst, 1).plan([[0, 2, 4]], [[1, 3, 5]])
+    lines = plan.summary().splitlines()
+    assert lines[0] == ("TransferPlan pull d1: 7.5 MiB in 960 runs, 3 destination blocks in "
+                        "1 group(s)")
+    assert lines[1:] == [
+        "  p2: 3.8 MiB, 480 runs",
+        "    layers.[0-79].attn x80: S(heads 4:6) K+V, 3.8 MiB in 480 runs",
+        "  p3: 3.8 MiB, 480 runs",
+        "    layers.[0-79].attn x80: S(heads 6:8) K+V, 3.8 MiB in 480 runs",
+    ]
