@@ -15,7 +15,9 @@
 
 ``--json`` prints one JSON document for machines; otherwise ``rich`` tables (plain text when
 rich is not installed). Requests use non-adjacent block ids (0, 2, 4, ...), the worst case for
-merging: real allocators rarely hand out neighbours.
+merging: real allocators rarely hand out neighbours. Runs are counted (:func:`count`) one set of
+alike lanes at a time, never materialised as a rank's whole plan, so memory does not grow with
+the layer count or the number of ranks.
 """
 
 from __future__ import annotations
