@@ -324,8 +324,7 @@ def _title(args, src: EngineSpec, dst: EngineSpec) -> str:
             f"one request of {args.tokens} tokens (non-adjacent block ids), pull")
 
 
-OFFSETS = ("+a -> +b: the first run's byte offset inside the source block and inside the "
-           "destination block")
+OFFSETS = "+a -> +b = where the first run starts in the source block and in the destination block"
 _COLUMNS = ("from", "regions", "placement", "streams", "offsets", "bytes", "runs")
 
 
