@@ -23,9 +23,10 @@ from kvplan.layout import buffer_offsets
 from kvplan.spec import EngineSpec
 
 
-def _shared(spec: EngineSpec, index: int) -> bool:
-    """True when region ``index``'s buffer holds other regions too (slots, a pool's views)."""
-    return len(spec.buffer_regions(spec.buffer_of(index))) > 1
+def _multi_slot(spec: EngineSpec, index: int) -> bool:
+    """True when region ``index`` is one of several layer slots of its allocation. (The views
+    of one pool are one slot: their runs stay per region, as each belongs to its group.)"""
+    return spec.slot_of(index)[1] > 1
 
 
 def finish(
@@ -39,7 +40,8 @@ def finish(
     rows of one (source rank, destination rank) are contiguous on both sides within the same
     two buffers.
     """
-    if any(_shared(src, x.src_region) and _shared(dst, x.dst_region) for x in lanes):
+    if any(_multi_slot(src, x.src_region) and _multi_slot(dst, x.dst_region)
+           for x in lanes):
         rows, bounds = _merge_across_lanes(src, dst, len(lanes), rows, bounds)
     for side, spec in (("src", src), ("dst", dst)):
         buf, off = buffer_offsets(spec, rows[f"{side}_region"], rows[f"{side}_offset"])

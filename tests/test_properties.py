@@ -108,9 +108,15 @@ def test_push_equals_pull_and_plans_are_deterministic(case):
 def test_runs_are_maximal(case):
     src_d, dst_d, src_blocks, dst_blocks = case
     src, dst = EngineSpec.from_dict(src_d), EngineSpec.from_dict(dst_d)
+    # Runs are maximal within a region pair, and across the layer slots of one allocation.
+    s_slots = np.array([src.slot_of(i)[1] > 1 for i in range(len(src.regions))])
+    d_slots = np.array([dst.slot_of(i)[1] > 1 for i in range(len(dst.regions))])
     for r in range(dst.num_ranks):
         c = pull_map(src, dst, r).plan(src_blocks, dst_blocks).copies()
-        key = _lane_key(c)
+        across = s_slots[c["src_region"]] & d_slots[c["dst_region"]]
+        key = np.stack([c["src_rank"], np.where(across, -1, c["src_region"]), c["src_buffer"],
+                        c["dst_rank"], np.where(across, -1, c["dst_region"]), c["dst_buffer"]],
+                       axis=1)
         o = np.lexsort((c["dst_offset"], *key.T[::-1]))
         c, key = c[o], key[o]
         same = (key[1:] == key[:-1]).all(axis=1)
