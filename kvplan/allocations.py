@@ -42,35 +42,57 @@ def finish(
     """
     if any(_multi_slot(src, x.src_region) and _multi_slot(dst, x.dst_region)
            for x in lanes):
-        rows, bounds = _merge_across_lanes(src, dst, len(lanes), rows, bounds)
+        rows, bounds = _merge_across_lanes(src, dst, lanes, rows, bounds)
+    counts = np.diff(bounds)
     for side, spec in (("src", src), ("dst", dst)):
-        buf, off = buffer_offsets(spec, rows[f"{side}_region"], rows[f"{side}_offset"])
-        rows[f"{side}_buffer"] = buf
-        rows[f"{side}_offset"] = off
+        regions = np.array([getattr(x, f"{side}_region") for x in lanes], dtype=np.int64)
+        k = np.array([spec.buffer_of(i) for i in range(len(spec.regions))], dtype=np.int64)
+        rows[f"{side}_buffer"] = np.repeat(k[regions], counts)  # a lane's regions are fixed
+        for lane in np.flatnonzero([spec.regions[i].separate_kv for i in regions]).tolist():
+            at, end = int(bounds[lane]), int(bounds[lane + 1])  # K/V pairs: V past the split
+            buf, off = buffer_offsets(spec, rows[f"{side}_region"][at:end],
+                                      rows[f"{side}_offset"][at:end])
+            rows[f"{side}_buffer"][at:end] = buf
+            rows[f"{side}_offset"][at:end] = off
     return rows, bounds
 
 
 def _merge_across_lanes(
-    src: EngineSpec, dst: EngineSpec, n_lanes: int, rows: np.ndarray, bounds: np.ndarray
+    src: EngineSpec, dst: EngineSpec, lanes: Sequence, rows: np.ndarray, bounds: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    lane = np.repeat(np.arange(n_lanes, dtype=np.int64), np.diff(bounds))
+    n_lanes = len(lanes)
+    counts = np.diff(bounds)
+    lane = np.repeat(np.arange(n_lanes, dtype=np.int64), counts)
+    # lanes come sorted by (source rank, destination rank): number those pairs
+    pair = np.array([(x.src_rank, x.dst_rank) for x in lanes], dtype=np.int64).reshape(-1, 2)
+    peer = np.cumsum(np.concatenate(([0], (pair[1:] != pair[:-1]).any(axis=1)))).astype(np.int64)
     s_alloc = np.array([src.buffer_of(i) for i in range(len(src.regions))], dtype=np.int64)
     d_alloc = np.array([dst.buffer_of(i) for i in range(len(dst.regions))], dtype=np.int64)
-    sa, da = s_alloc[rows["src_region"]], d_alloc[rows["dst_region"]]
-    o = np.lexsort((rows["dst_offset"], da, sa, rows["dst_rank"], rows["src_rank"]))
-    r, lane, sa, da = rows[o], lane[o], sa[o], da[o]
-    ln = r["length"]
+    lane_sa = s_alloc[[x.src_region for x in lanes]]
+    lane_da = d_alloc[[x.dst_region for x in lanes]]
+    so, do, ln = rows["src_offset"], rows["dst_offset"], rows["length"]
+    # One int64 key: (peer pair, destination buffer) above the offset bits. Within one key
+    # destination ranges are disjoint, so a run's successor on both sides is the next row.
+    shift = max(1, int(do.max()).bit_length()) if len(do) else 1
+    group = peer * len(dst.buffers) + lane_da
+    if int(group.max()).bit_length() + shift > 62:  # would not fit one int64: sort by columns
+        o = np.lexsort((do, np.repeat(group, counts)))
+    else:
+        group = group << shift
+        o = np.argsort(np.repeat(group, counts) + do, kind="stable")
+    so, do, ln, lane = so[o], do[o], ln[o], lane[o]
+    sa = lane_sa[lane]
+    key = np.repeat(group, counts)[o]
     joins = (
-        (r["src_offset"][1:] == r["src_offset"][:-1] + ln[:-1])
-        & (r["dst_offset"][1:] == r["dst_offset"][:-1] + ln[:-1])
-        & (sa[1:] == sa[:-1]) & (da[1:] == da[:-1])
-        & (r["src_rank"][1:] == r["src_rank"][:-1]) & (r["dst_rank"][1:] == r["dst_rank"][:-1])
+        (so[1:] == so[:-1] + ln[:-1]) & (do[1:] == do[:-1] + ln[:-1])
+        & (sa[1:] == sa[:-1]) & (key[1:] == key[:-1])
     )
     if not joins.any():
         return rows, bounds
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    merged = r[starts]
-    merged["length"] = np.add.reduceat(ln, starts)
+    lengths = np.add.reduceat(ln, starts)
     lane = lane[starts]
     back = np.argsort(lane, kind="stable")  # lane order again, destination offset within
-    return merged[back], np.searchsorted(lane[back], np.arange(n_lanes + 1)).astype(np.int64)
+    merged = rows[o[starts[back]]]
+    merged["length"] = lengths[back]
+    return merged, np.searchsorted(lane[back], np.arange(n_lanes + 1)).astype(np.int64)
