@@ -268,7 +268,8 @@ class TransferPlan(ReadOnlyArrays):
             f"{sum(len(b) for b in self.dst_blocks)} destination blocks in "
             f"{len(self.dst_blocks)} group(s)"
         ]
-        lengths = np.add.reduceat(self.rows["length"], self.lane_bounds[:-1]) if len(self) else None
+        starts = np.minimum(self.lane_bounds[:-1], len(self) - 1)  # a lane may be empty
+        lengths = np.add.reduceat(self.rows["length"], starts) if len(self) else None
         per_lane = [
             (int(lengths[k]) if lengths is not None and end > at else 0, int(end - at))
             for k, (at, end) in enumerate(zip(self.lane_bounds[:-1], self.lane_bounds[1:]))

@@ -809,6 +809,35 @@ class EngineSpec:
                               num_blocks=num_blocks, dtype=dtype, pp_size=pp_size, draft=draft,
                               **kwargs)
 
+    def with_layout(self, layout: str, kv: str = "split") -> EngineSpec:
+        """This engine with every region laid out by ``layout``.
+
+        ``HND``/``NHD`` (with ``kv``) set attention regions' layout with one allocation per
+        region, as before. An axis order (``BLHNC``, ``LBSHND``...) applies to every region
+        and packs the regions of a group that size a slot alike (same kind, shape, blocks and
+        stage) into one allocation ``kv.{k}`` in spec order, as vLLM allocates each KV-cache
+        group's layers in one buffer; pooled regions keep their pool.
+        """
+        legacy = layout in ("HND", "NHD")
+        if not legacy:
+            layout_order(layout)  # refuse a bad name before touching the regions
+        regions = []
+        keys: dict[tuple, str] = {}
+        for i, r in enumerate(self.regions):
+            d = {k: v for k, v in r.to_dict().items() if k not in ("layout", "kv", "allocation")}
+            if legacy:
+                if r.kind is Kind.ATTENTION:
+                    d.update(layout=layout, kv=kv)
+                regions.append(d)
+                continue
+            d["layout"] = layout
+            if r.pool is None:
+                shape = (self.stage_of(i), *sorted((k, str(v)) for k, v in d.items()
+                                                   if k != "name"))
+                d["allocation"] = keys.setdefault(shape, f"kv.{len(keys)}")
+            regions.append(d)
+        return EngineSpec.from_dict({**self.to_dict(), "regions": regions})
+
     def _repr_html_(self) -> str:
         """The regions as an HTML table for notebooks (layers alike on one row)."""
         from kvplan.views import spec_html

@@ -24,9 +24,11 @@ import numpy as np
 import kvplan
 from kvplan import EngineSpec, TransferPlan
 from kvplan.examples import EXAMPLES, request_blocks
+from kvplan_nixl.explain import layout_arg as explain_layout
 
 
-def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None) -> EngineSpec:
+def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None,
+          side: str | None = None) -> EngineSpec:
     kwargs: dict = {"num_blocks": args.num_blocks}
     if block_size is not None:
         kwargs["block_size"] = block_size
@@ -41,7 +43,8 @@ def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None) ->
         ) from None
     if pp != 1:  # any example: its regions cut into pp contiguous stages
         spec = EngineSpec.from_dict({**spec.to_dict(), "pp_size": pp})
-    return spec
+    own = getattr(args, f"{side}_layout", None) if side else None
+    return spec if own is None else spec.with_layout(own, args.kv or "split")
 
 
 def _request(args, src: EngineSpec, dst: EngineSpec) -> tuple[list, list]:
@@ -68,8 +71,8 @@ def _plans(args, src: EngineSpec, dst: EngineSpec) -> list[TransferPlan]:
 
 def _engines(args) -> tuple[EngineSpec, EngineSpec]:
     return (
-        _spec(args, args.prefill_tp, args.prefill_pp, args.prefill_block_size),
-        _spec(args, args.decode_tp, args.decode_pp, args.decode_block_size),
+        _spec(args, args.prefill_tp, args.prefill_pp, args.prefill_block_size, "prefill"),
+        _spec(args, args.decode_tp, args.decode_pp, args.decode_block_size, "decode"),
     )
 
 
@@ -232,6 +235,10 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--prefill-block-size", type=int, default=None)
         s.add_argument("--decode-block-size", type=int, default=None)
         s.add_argument("--layout", choices=["HND", "NHD"], default=None)
+        s.add_argument("--prefill-layout", type=explain_layout, default=None,
+                       help="prefill's layout: HND, NHD, vLLM's BLHNC... or an order of LBSHND")
+        s.add_argument("--decode-layout", type=explain_layout, default=None,
+                       help="decode's layout (as --prefill-layout)")
         s.add_argument("--kv", choices=["split", "joint"], default=None)
         s.add_argument("--seed", type=int, default=0)
     from kvplan_nixl import explain  # explain, check, spec, presets (pure, no NIXL)

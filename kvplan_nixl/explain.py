@@ -42,6 +42,33 @@ class _Usage(Exception):
     """A command-line mistake: printed as ``kvplan: ...``, exit status 2."""
 
 
+def layout_arg(value: str) -> str:
+    """An argparse type: ``HND``, ``NHD``, vLLM's ``BLHNC``..., or any order of ``LBSHND``."""
+    try:
+        kvplan.spec.layout_order(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+#: The layouts ``explain`` compares: today's per-layer HND split and vLLM's six orders.
+COMPARED_LAYOUTS = ("HND", *kvplan.spec.VLLM_ORDERS)
+
+
+def runs_by_layout(src: EngineSpec, dst: EngineSpec, tokens: int,
+                   ranks: Sequence[int] | None = None) -> dict[str, int]:
+    """Runs (NIXL descriptors) per request on ``ranks`` with each of :data:`COMPARED_LAYOUTS`
+    on both sides (``EngineSpec.with_layout``: an order packs a group's layers in one buffer)."""
+    ranks = list(range(dst.num_ranks)) if ranks is None else list(ranks)
+    src_blocks, dst_blocks = request(src, tokens), request(dst, tokens)
+    out = {}
+    for name in COMPARED_LAYOUTS:
+        s, d = src.with_layout(name), dst.with_layout(name)
+        out[name] = sum(len(kvplan.pull_map(s, d, r).plan(src_blocks, dst_blocks))
+                        for r in ranks)
+    return out
+
+
 def _load_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -127,6 +154,8 @@ def request(spec: EngineSpec, tokens: int) -> list[list[int]]:
 
 
 def _with_layout(spec: EngineSpec, layout: str) -> EngineSpec:
+    if any(r.allocation is not None for r in spec.regions):
+        return spec.with_layout(layout)  # one allocation per layer again
     regions = tuple(
         attrs.evolve(r, layout=kvplan.Layout(layout)) if r.kind is kvplan.Kind.ATTENTION else r
         for r in spec.regions
@@ -300,10 +329,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except kvplan.IncompatibleLayoutError as exc:
         return _refused(args, exc)
     doc["source"]["model"], doc["destination"]["model"] = args.prefill, args.decode
+    doc["runs_by_layout"] = runs_by_layout(src, dst, args.tokens,
+                                           None if args.rank is None else [args.rank])
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
         _print_text(doc, _title(args, src, dst))
+        print("\nruns per request with one layout on both sides (decode ranks shown): "
+              + ", ".join(f"{k} {v:,}" for k, v in doc["runs_by_layout"].items()))
     return 0
 
 
@@ -390,8 +423,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="blocks per region (default: enough for the request)")
     p.add_argument("--dtype", default=None, help="KV dtype (default: the config's torch_dtype)")
-    p.add_argument("--layout", choices=["HND", "NHD"], default="HND",
-                   help="attention layout on both sides (default HND)")
+    p.add_argument("--layout", type=layout_arg, default="HND",
+                   help="layout on both sides: HND, NHD (with --kv), vLLM's LBHNC, BLHNC... "
+                        "or any order of LBSHND (default HND)")
     p.add_argument("--kv", choices=["split", "joint"], default="split")
     p.add_argument("--draft", default=None, help="an Eagle-3 draft: preset or config.json")
 
@@ -410,8 +444,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-pp", type=int, default=1)
     p.add_argument("--prefill-block-size", type=int, default=None)
     p.add_argument("--decode-block-size", type=int, default=None)
-    p.add_argument("--prefill-layout", choices=["HND", "NHD"], default=None)
-    p.add_argument("--decode-layout", choices=["HND", "NHD"], default=None)
+    p.add_argument("--prefill-layout", type=layout_arg, default=None)
+    p.add_argument("--decode-layout", type=layout_arg, default=None)
     p.add_argument("--rank", type=int, default=None, help="only this decode rank")
     p.add_argument("--tokens", type=int, default=2048, help="request length (default 2048)")
     p.add_argument("--json", action="store_true", help="one JSON document")
