@@ -71,19 +71,23 @@ def layout_order(layout: str, kv: str = "split") -> str:
     """The six-letter axis order (a permutation of :data:`AXES`, ``D`` last) a layout names.
 
     ``layout`` is ``"HND"``/``"NHD"`` (with ``kv``: ``"split"`` puts S outermost, ``"joint"``
-    right after B), a permutation of ``LBSHN`` followed by ``D``, or one of ``L B H N``
-    permuted followed by ``C`` (= ``SD``; vLLM's six names are such). Raises ``ValueError``
-    naming the letters otherwise.
+    right after B), a permutation of ``LBSHN`` followed by ``D``, one of ``LBHN`` followed by
+    ``D`` (no S: a buffer of one stream, read as S outermost), or one of ``LBHN`` followed by
+    ``C`` (= ``SD``; vLLM's six names are such). Raises ``ValueError`` naming the letters
+    otherwise.
     """
     if (layout, kv) in LEGACY_ORDERS:
         return LEGACY_ORDERS[(layout, kv)]
     if not isinstance(layout, str):
         raise ValueError(f"a layout is a string, got {layout!r}")
     order = layout.replace("C", "SD") if layout.endswith("C") else layout
+    if sorted(order) == sorted("LBHND") and order.endswith("D"):
+        order = "S" + order  # no S: one stream per buffer (separate K/V, or MLA / state)
     if sorted(order) != sorted(AXES) or not order.endswith("D"):
         raise ValueError(
-            f"layout {layout!r} is not HND/NHD, a permutation of {AXES[:-1]!r} followed by 'D', "
-            f"nor of 'LBHN' followed by 'C' (e.g. {', '.join(VLLM_ORDERS)})"
+            f"layout {layout!r} is not HND/NHD, a permutation of {AXES[:-1]!r} (or of 'LBHN' "
+            f"without S) followed by 'D', nor of 'LBHN' followed by 'C' "
+            f"(e.g. {', '.join(VLLM_ORDERS)})"
         )
     return order
 
@@ -265,6 +269,12 @@ class RegionSpec:
         except ValueError as e:
             raise SpecError(f"region {name!r}: {e}") from None
         a = self.allocation
+        if (self.kind is Kind.ATTENTION and "S" not in self.layout_name.replace("C", "SD")
+                and not isinstance(a, tuple) and not isinstance(self.layout, Layout)):
+            raise SpecError(
+                f"region {name!r}: layout {self.layout_name!r} has no S axis, which only a "
+                "region keeping K and V in separate buffers (allocation [k, v]) may omit"
+            )
         if a is not None:
             pair = isinstance(a, tuple)
             names = a if pair else (a,)

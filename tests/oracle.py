@@ -96,6 +96,8 @@ def axis_order(region: Mapping) -> str:
     if "kv" in region and region["kv"] != "split":
         raise ValueError(f"region {region['name']!r}: kv with an axis order")
     order = lay[:-1] + "SD" if lay.endswith("C") else lay
+    if len(order) == 5 and "S" not in order:
+        order = "S" + order  # one stream per buffer
     if sorted(order) != sorted("LBSHND") or order[-1] != "D":
         raise ValueError(f"region {region['name']!r}: bad layout {lay!r}")
     return order

@@ -36,7 +36,7 @@ def model(tp, style, layers=3, **kw):
         elif style == "trt":
             extra = {"layout": "BLSHND", "allocation": "pool"}
         elif style == "sglang":
-            extra = {"layout": "LBNHD".replace("B", "SB"), "allocation": [f"k{i}", f"v{i}"]}
+            extra = {"layout": "LBNHD", "allocation": [f"k{i}", f"v{i}"]}
         else:
             extra = {"layout": style, "allocation": "kv"}
         regions.append(region(f"layers.{i}", **{**extra, **kw}))
@@ -143,7 +143,8 @@ def test_legacy_names_keep_their_exact_bytes(layout, kv, order):
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"layout": "LBHND"}, ["'LBHND'", "permutation"]),
+    ({"layout": "LBHND"}, ["'LBHND'", "no S axis", "allocation [k, v]"]),
+    ({"layout": "LBHNS"}, ["'LBHNS'", "permutation"]),
     ({"layout": "LBSHDN"}, ["followed by 'D'"]),
     ({"layout": "BLHNC", "kv": "joint"}, ["kv 'joint'", "HND or NHD"]),
     ({"layout": "blhnc"}, ["'blhnc'"]),
