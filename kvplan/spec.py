@@ -826,7 +826,9 @@ class EngineSpec:
         region, as before. An axis order (``BLHNC``, ``LBSHND``...) applies to every region
         and packs the regions of a group that size a slot alike (same kind, shape, blocks and
         stage) into one allocation ``kv.{k}`` in spec order, as vLLM allocates each KV-cache
-        group's layers in one buffer; pooled regions keep their pool.
+        group's layers in one buffer; an order without ``S`` (``LBNHD``) keeps attention's K
+        and V in two buffers ``kv.{k}.k`` / ``kv.{k}.v``, as SGLang does; pooled regions keep
+        their pool.
         """
         legacy = layout in ("HND", "NHD")
         if not legacy:
@@ -844,7 +846,9 @@ class EngineSpec:
             if r.pool is None:
                 shape = (self.stage_of(i), *sorted((k, str(v)) for k, v in d.items()
                                                    if k != "name"))
-                d["allocation"] = keys.setdefault(shape, f"kv.{len(keys)}")
+                name = keys.setdefault(shape, f"kv.{len(keys)}")
+                apart = r.kind is Kind.ATTENTION and "S" not in layout.replace("C", "SD")
+                d["allocation"] = [f"{name}.k", f"{name}.v"] if apart else name
             regions.append(d)
         return EngineSpec.from_dict({**self.to_dict(), "regions": regions})
 

@@ -84,16 +84,17 @@ def cmd_plan(args) -> int:
 
 
 def _buffers(spec: EngineSpec, rank: int, fill: int | None, rng) -> dict[int, object]:
-    """One CPU tensor (numpy when torch is absent) per allocation ``rank`` holds (a region, or
-    a pool shared by its regions), keyed by the allocation's first region, with known bytes."""
+    """One CPU tensor (numpy when torch is absent) per buffer ``rank`` holds (a region, a pool
+    or an allocation shared by its regions, a K or V buffer), keyed by its index in
+    ``spec.buffers``, with known bytes."""
     torch = None
     try:
         import torch
     except ImportError:
         pass
     out = {}
-    for a in sorted({spec.allocation_of(i) for i in spec.regions_on(rank)}):
-        n = spec.rank_region_nbytes(a)
+    for a in sorted({spec.buffer_of(i, s) for i in spec.regions_on(rank) for s in (0, 1)}):
+        n = spec.rank_buffer_nbytes(a)
         data = (
             rng.integers(0, 256, n, dtype=np.uint8) if fill is None else np.full(n, fill, np.uint8)
         )
@@ -102,11 +103,9 @@ def _buffers(spec: EngineSpec, rank: int, fill: int | None, rng) -> dict[int, ob
 
 
 def _views(spec: EngineSpec, allocs: list[dict[int, object]]) -> dict[tuple[int, int], object]:
-    """``{(rank, region): buffer}`` over every region each rank holds: what kvplan.simulate
-    takes (the regions of one pool map to the pool's one buffer)."""
-    return {
-        (r, i): a[spec.allocation_of(i)] for r, a in enumerate(allocs) for i in spec.regions_on(r)
-    }
+    """``{(rank, buffer name): buffer}`` over every buffer each rank holds: what
+    kvplan.simulate takes."""
+    return {(r, spec.buffers[b]): buf for r, a in enumerate(allocs) for b, buf in a.items()}
 
 
 def _as_numpy(buf) -> np.ndarray:
@@ -143,10 +142,10 @@ def cmd_demo(args) -> int:
     print(f"kvplan demo: {args.example}, prefill {shape(src)} -> decode {shape(dst)}, "
           f"{mode}, {args.tokens} tokens")
     t0 = time.perf_counter()
-    # one buffer per allocation, by the name of its first region (a pool's: any of its names)
-    prefill = [Endpoint("prefill", src, r, {src.regions[a].name: b for a, b in bs.items()})
+    # one buffer per buffer of the spec, by its name (a region's, pool's, allocation's...)
+    prefill = [Endpoint("prefill", src, r, {src.buffers[a]: b for a, b in bs.items()})
                for r, bs in enumerate(p_bufs)]
-    decode = [Endpoint("decode", dst, r, {dst.regions[a].name: b for a, b in bs.items()})
+    decode = [Endpoint("decode", dst, r, {dst.buffers[a]: b for a, b in bs.items()})
               for r, bs in enumerate(d_bufs)]
     try:
         initiators, targets = (prefill, decode) if args.push else (decode, prefill)
@@ -202,8 +201,7 @@ def cmd_demo(args) -> int:
         r, a = bad[0]
         got, want = _as_numpy(d_bufs[r][a]), ref_allocs[r][a]
         off = int(np.flatnonzero(got != want)[0])
-        pool = dst.regions[a].pool
-        where = f"pool {pool!r}" if pool is not None else f"region {dst.regions[a].name!r}"
+        where = f"buffer {dst.buffers[a]!r}"
         print(f"MISMATCH: decode rank {r} {where} byte {off}: got {got[off]}, expected "
               f"{want[off]} ({len(bad)} allocations differ)")
         return 1
