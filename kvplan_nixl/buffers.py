@@ -121,13 +121,16 @@ def resolve_buffers(
                 )
             else:
                 raise BufferSizeError(
-                    f"buffers: {key!r} is neither a region nor a buffer of the spec "
+                    f"buffers: {key!r} is neither a region nor a pool nor a buffer of the spec "
                     f"(rank {rank} needs {', '.join(labels)})"
                 )
             if b not in allocs:
                 i = spec.buffer_regions(b)[0]
+                short = _alloc_label(spec, b).split(" (")[0]  # without its regions
+                if key in by_name:
+                    short = f"region {key!r}"
                 raise BufferSizeError(
-                    f"buffers: {_alloc_label(spec, b)} lies on "
+                    f"buffers: {short} lies on "
                     f"{_stage_text(spec, spec.stage_of(i))}, not on rank {rank}'s "
                     f"{_stage_text(spec, rank // spec.tp_size)}; give buffers only for what "
                     f"rank {rank} holds: {', '.join(labels)}"
@@ -149,7 +152,7 @@ def resolve_buffers(
             )
             raise BufferSizeError(
                 f"{len(bufs)} buffers for rank {rank}, which holds {len(allocs)} "
-                f"buffer(s){per_region}: {', '.join(labels)}; pass them in spec order, or "
+                f"allocation(s){per_region}: {', '.join(labels)}; pass them in spec order, or "
                 "a mapping by region, pool, allocation or buffer name"
             )
     got: dict[int, tuple[str, Any, tuple[int, int, int, str]]] = {}
