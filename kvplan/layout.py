@@ -8,11 +8,16 @@ token)::
     offset = base[c] + s*stream[c] + b*block + (t // kernel_size)*kernel
              + (t % kernel_size)*token[c] + (u - first_unit[c])*unit[c]
 
-Each layout of domain.md section 4 is a choice of these strides: HND/NHD swap the unit and token
-strides, split/joint swap the stream and kernel-block strides, MLA and indexer are one stream of
-one unit, a state slot is one token whose parts sit side by side (``base``). Kernel blocks
-(``kernel_block_size`` < ``block_size``) make a logical block ``n`` consecutive kernel blocks;
-a pooled region steps its blocks by the pool's page instead of its own size.
+The strides come from the region's axis order (``RegionSpec.order``: a permutation of
+``LBSHND``, layer slot, kernel block, stream, head, token, bytes of one head) over the dense
+tensor of its allocation: :func:`dense_strides`. The legacy layouts are four such orders
+(HND/NHD swap the unit and token strides, split/joint the stream and kernel-block strides),
+vLLM's ``BLHNC``... and TensorRT-LLM's ``BLSHND`` are others; ``base`` holds the layer slot's
+offset (and a state part's place in its slot). MLA and indexer are one stream of one unit, a
+state slot is one token whose parts sit side by side. Kernel blocks (``kernel_block_size`` <
+``block_size``) make a logical block ``n`` consecutive kernel blocks; a pooled region steps its
+blocks by the pool's page instead of its own size. With K and V in separate buffers, stream 1
+lies past the K buffer (:func:`kv_split`) and :func:`buffer_offsets` maps offsets back.
 """
 
 from __future__ import annotations

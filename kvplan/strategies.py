@@ -21,6 +21,11 @@ to exercise default handling.
 
 A request is ``(src_blocks, dst_blocks)``: two lists indexed by group id, each a list of
 unique block ids of that group on that side.
+
+:func:`layout_spec_pairs` (and :func:`layouts_and_allocations` on one spec) adds axis-order
+layouts (:data:`LAYOUTS`: vLLM's six, TensorRT-LLM's ``BLSHND``, others), the legacy names,
+``"allocation"`` (regions of one shape as layer slots of one buffer) and separate K/V buffers
+(``"allocation": [k, v]``) on each side independently.
 """
 
 from __future__ import annotations
