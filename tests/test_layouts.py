@@ -253,3 +253,51 @@ def test_runs_never_cross_from_a_k_buffer_into_a_v_buffer():
         assert row["dst_offset"] + row["length"] <= s.rank_buffer_nbytes(int(row["dst_buffer"]))
         assert row["src_offset"] + row["length"] <= s.rank_buffer_nbytes(int(row["src_buffer"]))
     check_pull(d, d, [[4, 0]], [[4, 0]])
+
+
+def _hybrid(tp, layout, allocation):
+    """Two KimiLinear-like pools (an MLA view and a state view each), as layer slots."""
+    regions = []
+    for p in range(2):
+        extra = {"pool": f"pool.{p}", "layout": layout}
+        if allocation:
+            extra["allocation"] = "hyb"
+        regions.append(region(f"layers.{2 * p}.mla", kind="mla", group=0, num_blocks=6, **extra))
+        regions.append({"name": f"layers.{2 * p + 1}.kda", "kind": "state", "group": 1,
+                        "num_blocks": 6, "dtype": "bfloat16", **extra,
+                        "parts": [{"name": "conv", "units": 4, "unit_bytes": 6},
+                                  {"name": "ssm", "units": 4, "unit_bytes": 10}]})
+    return {"tp_size": tp, "regions": regions}
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "LBHNC", "BLSHND"])
+def test_pools_as_layer_slots_of_one_allocation(layout):
+    # a pool is one slot: both views of pool p live in slot p of allocation "hyb"
+    s = EngineSpec.from_dict(_hybrid(2, layout, True))
+    assert s.buffers == ("hyb",) and [s.slot_of(i) for i in range(4)] == [(0, 2), (0, 2),
+                                                                          (1, 2), (1, 2)]
+    assert s.rank_buffer_nbytes(0) == 2 * 6 * s.rank_page_nbytes(0)
+    src_blocks, dst_blocks = [[4, 1], [3]], [[0, 5], [2]]
+    for a, b in ((_hybrid(2, layout, True), _hybrid(4, "LBHNC", False)),
+                 (_hybrid(4, "LBHNC", False), _hybrid(2, layout, True))):
+        sbuf = oracle.source_buffers(a, seed=5, request_blocks=src_blocks)
+        src, dst = EngineSpec.from_dict(a), EngineSpec.from_dict(b)
+        for rank in range(dst.num_ranks):
+            plan = pull_map(src, dst, rank).plan(src_blocks, dst_blocks)
+            before = oracle.destination_buffers(b, seed=6)
+            expected, _ = oracle.expected_buffers(a, b, src_blocks, dst_blocks, rank, sbuf,
+                                                  before)
+            got = oracle.clone_buffers(before, rank)
+            simulate(plan, sbuf, got)
+            for name, exp in expected.items():
+                b_index = dst.buffers.index(name)
+                j = dst.buffer_regions(b_index)[0]
+                assert np.array_equal(got[(rank, j)], exp), (layout, name, rank)
+
+
+def test_pool_regions_must_name_one_allocation():
+    d = _hybrid(2, "BLHNC", True)
+    d["regions"][1]["allocation"] = "other"
+    with pytest.raises(SpecError, match=r"pool 'pool.0': regions 'layers.0.mla' and "
+                                        r"'layers.1.kda' name different allocations"):
+        EngineSpec.from_dict(d)
