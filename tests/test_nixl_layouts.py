@@ -124,3 +124,24 @@ def test_k_and_v_buffers_are_given_by_name():
         Endpoint("x", s, 0, {"k.0": bufs["k.0"], "draft.0.mla": bufs["draft.0.mla"]})
     ep = Endpoint("x", s, 0, [bufs["k.0"], bufs["v.0"], bufs["draft.0.mla"]])  # spec order
     ep.close()
+
+
+def test_metadata_carries_v_bases_and_refuses_their_absence():
+    import attrs
+
+    from kvplan_nixl import MetadataError
+    from kvplan_nixl import metadata as md
+
+    s = model(2, "sglang", layers=2)
+    n = len(s.regions)
+    info = md.PeerInfo(
+        engine="decode", rank=1, agent="decode#1#abc", spec=s, mem_type="DRAM",
+        bases=tuple(4096 * (i + 1) for i in range(n)),
+        nbytes=tuple(s.rank_region_nbytes(i) for i in range(n)), devices=(0,) * n,
+        agent_metadata=b"nixl", v_bases=(1 << 20, 2 << 20, 0),
+    )
+    assert md.decode(md.encode(info)) == info
+    with pytest.raises(MetadataError, match=r"regions \['layers.0.attn', 'layers.1.attn'\] keep "
+                                            r"K and V in separate buffers, but the metadata "
+                                            r"carries no V buffer base"):
+        md.decode(md.encode(attrs.evolve(info, v_bases=())))
