@@ -217,9 +217,10 @@ class TransferPlan(ReadOnlyArrays):
 
     Post-conditions (tested against an independent oracle): every destination byte of the
     covered positions of the requested blocks is written exactly once with the source's value;
-    no other destination byte is touched; every run lies inside its two regions; rows are
+    no other destination byte is touched; every run lies inside its two buffers; rows are
     grouped by (source rank, destination rank, destination region) in the map's lane order, and
-    within that sorted by destination offset, with no two rows mergeable.
+    within that sorted by destination offset, with no two rows mergeable (across the layer
+    slots of an allocation too: such a run is listed under the lane of its first byte).
     """
 
     map: TransferMap
