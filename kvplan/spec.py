@@ -617,14 +617,18 @@ class EngineSpec:
     def _assign_buffers(self) -> Buffers:
         """Name every buffer, give each region its buffer(s), slot and slot count, and check
         that an allocation's slots agree on everything sizing a slot."""
+        def key_of(r: RegionSpec) -> tuple:  # what a region's buffer is: allocation, pool, own
+            if r.allocation is not None:
+                return ("alloc", r.allocation)
+            return ("pool", r.pool) if r.pool else ("region", r.name)
+
         names: list[str] = []
         owner: dict[str, str] = {}  # buffer name -> what names it, for clash messages
         slots: list[tuple[int, int, int, int]] = []
-        slot_keys: dict[Any, list[Any]] = {}
+        slot_keys: dict[Any, list[Any]] = {}  # buffer key -> its slots in order of appearance
         for i, r in enumerate(self.regions):
             a = r.allocation
-            key: Any = ("alloc", a) if a is not None else ("pool", r.pool) if r.pool \
-                else ("region", r.name)
+            key = key_of(r)
             bufs = a if isinstance(a, tuple) else (a,) if a is not None else (r.pool or r.name,)
             what = (f"allocation {a!r}" if a is not None else
                     f"pool {r.pool!r}" if r.pool else f"region {r.name!r}")
@@ -638,8 +642,7 @@ class EngineSpec:
                     owner[b] = what
                     names.append(b)
             if r.pool is not None:
-                first = next(m for m in range(i) if self.regions[m].pool == r.pool) \
-                    if any(x.pool == r.pool for x in self.regions[:i]) else i
+                first = next(m for m, x in enumerate(self.regions) if x.pool == r.pool)
                 if self.regions[first].allocation != a:
                     raise SpecError(
                         f"pool {r.pool!r}: regions {self.regions[first].name!r} and {r.name!r} "
@@ -674,10 +677,7 @@ class EngineSpec:
         count = {k: len(v) for k, v in slot_keys.items()}
         full = []
         for i, r in enumerate(self.regions):
-            a = r.allocation
-            key = ("alloc", a) if a is not None else ("pool", r.pool) if r.pool \
-                else ("region", r.name)
-            full.append((*slots[i][:3], count[key]))
+            full.append((*slots[i][:3], count[key_of(r)]))
         sizes = [0] * len(names)
         for i, (bk, bv, _, n) in enumerate(full):
             r = self.regions[i]
