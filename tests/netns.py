@@ -73,12 +73,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def namespaces() -> list[str]:
+    """Names of the network namespaces ``ip netns`` knows (all of them, not only ours)."""
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.split()]
+
+
 def remove_stale() -> list[str]:
     """Delete namespaces of this prefix whose creating process is gone; returns their names."""
-    out = _ip("netns", "list", check=False).stdout
     gone = []
-    for line in out.splitlines():
-        name = line.split()[0] if line.split() else ""
+    for name in namespaces():
         fields = name[len(PREFIX):].split("-")
         if name.startswith(PREFIX) and fields[0].isdigit() and not _alive(int(fields[0])):
             _ip("netns", "del", name, check=False)
@@ -181,26 +185,35 @@ class TwoHosts:
 class HostProc:
     """A ``tests/netns_host.py`` process (one engine's ranks) on one host, driven by JSON lines.
 
+    Started processes print their metadata when ready; ``wait=False`` returns at once (start
+    several, then call :meth:`ready` on each: they import NIXL in parallel).
     ``call(op, **args)`` sends one command and returns its reply (a dict); a reply with
     ``ok: false`` raises AssertionError with the remote traceback, unless ``check=False``.
     """
 
     def __init__(self, hosts: TwoHosts, host: str, engine: str, spec, ranks: Sequence[int], *,
                  fill: str, seed: int = 0, peer_spec=None, peer_seed: int = 0,
-                 ready_timeout: float = 120.0, env: dict[str, str] | None = None,
-                 stderr=None) -> None:
+                 ready_timeout: float = 120.0, poll: float = 1e-3,
+                 env: dict[str, str] | None = None, stderr=None, wait: bool = True) -> None:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns_host.py")
         cmd = [sys.executable, script, "--engine", engine, "--spec", json.dumps(spec.to_dict()),
                "--ranks", ",".join(map(str, ranks)), "--fill", fill, "--seed", str(seed),
-               "--peer-seed", str(peer_seed),
+               "--peer-seed", str(peer_seed), "--poll", str(poll),
                "--peer-spec", json.dumps(None if peer_spec is None else peer_spec.to_dict())]
         self.engine, self.ranks = engine, list(ranks)
         self.proc = hosts.spawn(host, cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True, env={**ucx_env(), **(env or {})}, stderr=stderr)
-        first = self._line(ready_timeout)
+        self.metadata: dict[str, str] = {}
+        if wait:
+            self.ready(ready_timeout)
+
+    def ready(self, timeout: float = 120.0) -> HostProc:
+        """Wait for the process's first line (its endpoints made); keeps its metadata."""
+        first = self._line(timeout)
         assert first.get("ready"), first
         assert first["pid"] == self.proc.pid  # `ip netns exec` execs: signals reach the peer
-        self.metadata: dict[str, str] = first["metadata"]
+        self.metadata = first["metadata"]
+        return self
 
     @property
     def pid(self) -> int:

@@ -184,10 +184,10 @@ class Host:
         rss, handles = [], []
         start = time.perf_counter()
         i = 0
+        nap = 1e-5
         while done < requests:
-            while i < requests and len(live) < inflight:
+            while i < requests and len(live) < inflight and len(free) >= max_blocks:
                 k = int(rng.integers(1, max_blocks + 1))
-                k = min(k, len(free))
                 dst = [int(free.pop()) for _ in range(k)]
                 sb = [rng.choice(n_src, k, replace=False).tolist()]
                 ts = []
@@ -224,6 +224,11 @@ class Host:
                 if done % max(1, requests // 10) == 0:
                     rss.append(_rss())
                     handles.append(self.handles())
+            if len(still) == len(live):  # nothing finished: let the peers have the CPU
+                time.sleep(nap)
+                nap = min(2 * nap, 1e-3)
+            else:
+                nap = 1e-5
             live = still
         seconds = time.perf_counter() - start
         whole = all(np.array_equal(self.bufs[k], v) for k, v in ref.items())
@@ -247,11 +252,13 @@ def main() -> int:
     ap.add_argument("--fill", choices=["oracle", "sentinel", "zeros"], default="oracle")
     ap.add_argument("--peer-spec", default="null", help="the other engine's spec (for soak)")
     ap.add_argument("--peer-seed", type=int, default=0)
+    ap.add_argument("--poll", type=float, default=1e-3,
+                    help="seconds between progress calls while idle (a target's reply latency)")
     host = Host(ap.parse_args())
     print(json.dumps({"ready": True, "pid": os.getpid(), "metadata": host.metadata()}),
           file=out, flush=True)
     while True:
-        ready, _, _ = select.select([sys.stdin], [], [], 0.001)
+        ready, _, _ = select.select([sys.stdin], [], [], host.args.poll)
         if not ready:
             host.idle()
             continue
