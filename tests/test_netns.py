@@ -201,7 +201,9 @@ def test_link_down_mid_transfer_fails_every_request_at_its_deadline(world):
     hosts.link("up", "a")
     if shaped:
         hosts.shape(None)
+    start = time.monotonic()
     world.exact_pull()  # UCX's TCP connections survived the cut: no reconnect needed
+    print(f"link up again: exact pull after {time.monotonic() - start:.2f} s")
 
 
 def test_killed_peer_fails_fast_and_a_restarted_one_with_new_metadata_replaces_it(world):
