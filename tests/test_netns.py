@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -111,6 +112,29 @@ def _failed(outcome: dict, cls: str, peers: list[int]) -> None:
     assert outcome["peer_ranks"] == peers, outcome
     assert outcome["blocks"] == DST_BLOCKS, outcome  # names every block of the request
     assert "destination blocks that may not have arrived: group 0 [0 2 4" in outcome["message"]
+
+
+def test_namespaces_are_isolated_and_removed():
+    with netns.TwoHosts() as hosts:
+        names = set(hosts.ns.values())
+        assert names <= set(netns.namespaces())
+        for host, ns in hosts.ns.items():
+            shown = hosts.exec(host, "ip", "-o", "addr", "show", "dev", netns.IFACE).stdout
+            assert f"{netns.ADDRS[host]}/24" in shown, (ns, shown)
+        # nothing of it in the machine's own namespace
+        mine = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+        assert "10.213.7." not in mine and netns.IFACE not in mine
+    assert not names & set(netns.namespaces())
+    # what a run killed outright leaves (its pid is gone) is removed by the next run
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"{netns.PREFIX}{gone.pid}-test-a"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        assert stale in netns.remove_stale()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+    assert stale not in netns.namespaces()
 
 
 def test_pull_is_exact_and_tcp_only(world):
