@@ -1,6 +1,6 @@
 """Two network namespaces joined by a veth pair: two "hosts" on one machine, for the e2e tests.
 
-    with TwoHosts() as hosts:                    # or the ``two_hosts`` fixture of the tests
+    with TwoHosts() as hosts:                    # tests/test_netns.py's ``world`` uses it
         p = hosts.spawn("a", ["python", ...])     # a process on host A (10.213.7.1)
         hosts.link("down")                        # cut the wire (from inside host A)
 
@@ -12,7 +12,8 @@ namespaces are deleted on exit, also after a failure (deleting a namespace delet
 the veth, which deletes the pair); every process spawned is killed first (SIGCONT, then SIGKILL,
 so a stopped one dies too). Namespaces left by a run that was itself killed (``kill -9`` of
 pytest) are removed by the next run: their names carry the pid of the run that made them, and a
-namespace of this prefix whose pid is no longer alive is deleted.
+namespace of this prefix whose pid is no longer alive is deleted, after killing whatever still
+runs inside it.
 
 Processes see UCX over TCP on the veth only (:func:`ucx_env`): ``UCX_TLS=tcp`` keeps UCX off
 shared memory and off CMA (``process_vm_readv``, which would otherwise work across network
@@ -80,11 +81,19 @@ def namespaces() -> list[str]:
 
 
 def remove_stale() -> list[str]:
-    """Delete namespaces of this prefix whose creating process is gone; returns their names."""
+    """Delete namespaces of this prefix whose creating process is gone, killing what still runs
+    inside them first (a peer left stopped by a killed test); returns their names."""
     gone = []
     for name in namespaces():
         fields = name[len(PREFIX):].split("-")
         if name.startswith(PREFIX) and fields[0].isdigit() and not _alive(int(fields[0])):
+            pids = _ip("netns", "pids", name, check=False).stdout.split()
+            for pid in map(int, pids):
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        break
             _ip("netns", "del", name, check=False)
             gone.append(name)
     return gone
@@ -137,23 +146,20 @@ class TwoHosts:
 
     def link(self, state: str, host: str = "a") -> None:
         """``ip link set IFACE up|down`` inside ``host``: the wire between the hosts cut/mended."""
-        _ip("link", "set", IFACE, state, ns=self.ns[host])
-        if state == "up":  # the address's route comes back with the link; nothing else to redo
-            pass
+        _ip("link", "set", IFACE, state, ns=self.ns[host])  # the address and route come back
 
     def shape(self, rate: str | None, host: str = "a") -> bool:
         """Slow ``host``'s egress on the veth to ``rate`` (e.g. ``"20mbit"``, a tc token bucket)
         so that a transfer stays in flight long enough to be cut; ``None`` removes it. Returns
         False where the kernel has no tbf qdisc (the caller then holds transfers otherwise)."""
-        ns = self.ns[host]
+        if shutil.which("tc") is None:
+            return False
         if rate is None:
             cmd = ["tc", "qdisc", "del", "dev", IFACE, "root"]
         else:
             cmd = ["tc", "qdisc", "add", "dev", IFACE, "root", "tbf", "rate", rate,
                    "burst", "32kbit", "latency", "400ms"]
-        if shutil.which("tc") is None:
-            return False
-        return self.exec(host, *cmd).returncode == 0 if ns else False
+        return self.exec(host, *cmd).returncode == 0
 
     def exec(self, host: str, *cmd: str) -> subprocess.CompletedProcess:
         """Run a short command inside ``host`` (for checks such as ``ping``)."""

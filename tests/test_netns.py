@@ -130,9 +130,19 @@ def test_namespaces_are_isolated_and_removed():
     gone.wait()
     stale = f"{netns.PREFIX}{gone.pid}-test-a"
     subprocess.run(["ip", "netns", "add", stale], check=True)
+    left = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"])
     try:
+        deadline = time.monotonic() + 10
+        while str(left.pid) not in subprocess.run(["ip", "netns", "pids", stale],
+                                                  capture_output=True, text=True).stdout.split():
+            assert time.monotonic() < deadline, "sleep never entered the namespace"
+            time.sleep(0.01)
+        left.send_signal(signal.SIGSTOP)  # a peer the killed run had stopped
         assert stale in netns.remove_stale()
+        assert left.wait(10) == -signal.SIGKILL
     finally:
+        if left.poll() is None:
+            left.kill()
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
     assert stale not in netns.namespaces()
 
