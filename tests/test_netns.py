@@ -197,7 +197,7 @@ def test_stalled_peer_fails_its_part_at_the_deadline(world):
     assert outcomes[0]["ok"]
     _failed(outcomes[1], "TransferTimeout", [2, 3])
     assert set(outcomes[1]["reasons"].values()) == {"deadline passed before completion"}
-    assert 1.0 <= outcomes[1]["seconds"] < 1.5 and took < 5
+    assert 1.0 <= outcomes[1]["seconds"] < 2.0 and took < 5  # slack: a loaded 2-core CI
     print(f"stalled peer: TransferTimeout after {outcomes[1]['seconds']:.2f} s (deadline 1 s)")
     world.assert_no_handles()
     world.exact_pull()  # the same connections work again once the peer runs
@@ -223,7 +223,7 @@ def test_link_down_mid_transfer_fails_every_request_at_its_deadline(world):
             p.signal(signal.SIGCONT)
     for outcome, peers in zip(outcomes, ([0, 1], [2, 3]), strict=True):
         _failed(outcome, "TransferTimeout", peers)
-        assert 2.0 <= outcome["seconds"] < 2.5, outcome["seconds"]
+        assert 2.0 <= outcome["seconds"] < 3.0, outcome["seconds"]
         print(f"link down: TransferTimeout after {outcome['seconds']:.2f} s (deadline 2 s)")
     world.assert_no_handles()
     # while the link is down, a new request fails too, at its deadline, naming its blocks
