@@ -10,7 +10,8 @@ destination, untouched bytes included.
 
 The tests share one set of processes and run in file order: exact pull and push, then the
 faults (stalled peer, link down mid-transfer, killed peer replaced by a restarted one with new
-metadata), each followed by an exact transfer, then a short load run. Skipped, with the reason,
+metadata), each followed by an exact transfer, a short load run, then the stalled, killed and
+restarted target seen from the writer's side (push). Skipped, with the reason,
 where network namespaces cannot be created (needs root and iproute2's ``ip``).
 """
 
@@ -297,6 +298,58 @@ def test_load_across_the_link(world):
     assert growth < 16 << 20, f"decode RSS grew {growth / 2**20:.1f} MiB (from {rss0})"
     print(f"two hosts: {out['requests'] / out['seconds']:.0f} requests/s, "
           f"{out['bytes'] / out['seconds'] / 1e9:.2f} GB/s")
+
+
+def test_push_to_a_stalled_then_killed_decode_and_to_its_restart(world):
+    """The faults seen from the writer's side: prefill pushes into decode."""
+    d_meta = list(world.d.metadata.values())
+    for p in world.p:  # a no-op for the first process; the restarted second one needs it
+        p.call("connect", metas=d_meta, mode="push")
+
+    def push(deadline: float, **post) -> list[dict]:
+        for p in world.p:
+            p.call("post", mode="push", remote="decode", src_blocks=SRC_BLOCKS,
+                   dst_blocks=DST_BLOCKS, deadline=deadline, **post)
+        return [t for p in world.p for t in p.call("wait")["transfers"]]
+
+    def no_handles() -> None:
+        for p in world.p:
+            for h in p.call("handles")["handles"].values():
+                assert {k: h[k] for k in ZERO_XFER} == ZERO_XFER, h
+
+    world.d.signal(signal.SIGSTOP)
+    try:
+        outcomes = push(1.0)  # over TCP a write, too, waits for the target's UCX
+    finally:
+        world.d.signal(signal.SIGCONT)
+    # each prefill rank writes its heads into one decode rank: 0, 1 -> 0 and 2, 3 -> 1
+    for t in outcomes:
+        assert t["error"] == "TransferTimeout" and t["peer_ranks"] == [t["rank"] // 2], t
+        assert t["blocks"] == DST_BLOCKS and 1.0 <= t["seconds"] < 2.0
+    no_handles()
+    world.d.signal(signal.SIGSTOP)  # hold the writes in flight, then kill the target
+    for p in world.p:
+        p.call("post", mode="push", remote="decode", src_blocks=SRC_BLOCKS,
+               dst_blocks=DST_BLOCKS, deadline=20.0)
+    time.sleep(0.2)
+    world.d.signal(signal.SIGKILL)
+    world.d.proc.wait(30)
+    outcomes = [t for p in world.p for t in p.call("wait")["transfers"]]
+    for t in outcomes:
+        assert t["error"] == "TransferFailed" and t["blocks"] == DST_BLOCKS, t
+        assert all("NIXL_ERR_REMOTE_DISCONNECT" in r for r in t["reasons"].values()), t
+        assert t["seconds"] < 5, t
+    no_handles()
+    # decode restarts (new agents, new metadata); prefill connects it afresh and pushes exactly
+    world.d = netns.HostProc(world.hosts, "b", "decode", DST, [0, 1], fill="zeros",
+                             peer_spec=SRC, peer_seed=SEED)
+    fresh = list(world.d.metadata.values())
+    assert not set(fresh) & set(d_meta)
+    for p in world.p:
+        p.call("connect", metas=fresh, mode="push")
+    assert all(t["ok"] for t in push(20.0))
+    assert world.d.call("digest")["sha256"] == EXPECTED
+    no_handles()
 
 
 def test_every_process_closes_with_no_handle_left(world):
