@@ -1,0 +1,748 @@
+"""Staged transfers: a registered pool of staging slots, a notification protocol, torch legs.
+
+Theory of operation. ``kvplan.staging.stage`` turns a plan into gather -> bulk -> scatter, in
+chunks of one slot each. Both endpoints of a peer pair run a :class:`Stager` (one pool of
+``pool_bytes`` in ``slot_bytes`` slots, registered with NIXL once, before the endpoint's
+metadata is handed out). The side that planned (the *initiator*: the destination for pull,
+the source for push) always posts the bulk NIXL transfer; the other side (the *server*) derives
+the same legs for the pair from the block ids (push and pull plans agree on them) and runs its
+local leg. Messages are NIXL notifications beginning with ``kvs1``:
+
+push (initiator = source)               pull (initiator = destination)
+  I -> S  OPEN rid, block ids             I -> S  OPEN rid, block ids
+  S -> I  ACK rid, its pool               S -> I  ACK rid, its pool
+  S -> I  GRANT rid k slot (a credit)     S       gathers chunk k into a slot
+  I       gathers chunk k, WRITEs it      S -> I  READY rid k slot
+          with notification DATA rid k    I       READs it with notification TAKEN rid k,
+  S       scatters chunk k, frees slot            scatters it, frees its slot
+  S -> I  DONE rid (all scattered)        S       frees its slot on TAKEN
+  I -> S  ABORT rid reason / S -> I FAIL rid reason: free all the request holds
+
+Credits. A slot is a credit. A side takes a slot only for a step that finishes on its own (a
+posted transfer, a local copy), never while waiting for the other side, and the server hands
+out at most ``window`` chunks of one request at a time, so requests interleave and queue
+FIFO for slots, and no cycle of waits can form: a full pool delays, never deadlocks. With
+``window`` 2 the gather of chunk k+1 runs while chunk k is in flight.
+
+Failures. Every request ends DONE or FAILED per peer, naming the destination blocks. A NIXL
+error, the deadline, ``cancel`` or ``close`` frees the request's slots and handles on this side
+and sends FAIL to the other; a server also drops a request whose own deadline (the
+initiator's timeout, or :data:`SERVE_TIMEOUT`) passes, so a dead initiator cannot hold its
+slots.
+
+Not thread-safe: drive a Stager (``poll``, or a transfer's ``wait``) from its endpoint's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvplan import Mode, TransferPlan
+from kvplan.staging import Costs, StagedPlan, prefer_staged, stage
+from kvplan_nixl import legs
+from kvplan_nixl._nixl import NIXL_LOCAL
+from kvplan_nixl.descriptors import Ladder, lower
+from kvplan_nixl.errors import (
+    NotConnectedError,
+    TransferFailed,
+    TransferTimeout,
+    is_nixl_error,
+    nixl_call,
+    nixl_code,
+)
+from kvplan_nixl.transfer import MAX_SLEEP_SECONDS, SPIN_SECONDS, State
+
+if TYPE_CHECKING:
+    from kvplan_nixl.endpoint import Endpoint
+
+__all__ = ["DEFAULT_COSTS", "SERVE_TIMEOUT", "StagedTransfer", "Stager"]
+
+#: Protocol tag: the first five bytes of every staged message.
+TAG = b"kvs1 "
+#: Bulk transfers are whole multiples of this many bytes (slots are too): one NIXL piece size
+#: serves every chunk, so each chunk posts as exactly one descriptor.
+PIECE = 4096
+#: How long a server keeps a request whose initiator gave no timeout (seconds).
+SERVE_TIMEOUT = 60.0
+#: Costs assumed before any measurement: UCX over CMA on one host (2.5 us per descriptor,
+#: 10 GB/s), local index copies at 4 GB/s, 100 us per chunk (notifications, posting).
+DEFAULT_COSTS = Costs(per_descriptor=2.5e-6, per_byte=1e-10, local_per_byte=2.5e-10,
+                      per_chunk=100e-6)
+
+
+def _encode(*fields: object, body: bytes = b"") -> bytes:
+    return TAG + " ".join(str(f) for f in fields).encode() + (b"\n" + body if body else b"")
+
+
+class _Pool:
+    """Slots of a registered staging tensor, handed out FIFO (a slot is a credit)."""
+
+    def __init__(self, tensor: torch.Tensor, slot_bytes: int) -> None:
+        self.tensor = tensor
+        self.slot_bytes = slot_bytes
+        self.nslots = tensor.numel() // slot_bytes
+        self.free: collections.deque[int] = collections.deque(range(self.nslots))
+        self.waiters: collections.deque[tuple[Any, Callable[[int], None]]] = collections.deque()
+        self._pumping = False
+
+    def slot(self, i: int) -> torch.Tensor:
+        return self.tensor[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+
+    @property
+    def in_use(self) -> int:
+        return self.nslots - len(self.free)
+
+    def acquire(self, owner: Any, then: Callable[[int], None]) -> None:
+        """Queue ``then(slot)``; it runs as soon as a slot is free and earlier waiters are
+        served (now, if one is)."""
+        self.waiters.append((owner, then))
+        self.pump()
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+        self.pump()
+
+    def forget(self, owner: Any) -> None:
+        """Drop the waits of ``owner`` (a failed request)."""
+        self.waiters = collections.deque(w for w in self.waiters if w[0] is not owner)
+
+    def pump(self) -> None:
+        if self._pumping:  # a callback that releases a slot must not recurse
+            return
+        self._pumping = True
+        try:
+            while self.free and self.waiters:
+                _, then = self.waiters.popleft()
+                then(self.free.popleft())
+        finally:
+            self._pumping = False
+
+
+class _Job:
+    """One peer rank's part of a staged request, on either side (internal, mutable)."""
+
+    def __init__(self, rid: str, agent: str, peer: int, sp: StagedPlan, mode: Mode,
+                 deadline: float | None) -> None:
+        self.rid, self.agent, self.peer, self.sp, self.mode = rid, agent, peer, sp, mode
+        self.chunks = sp.peer_chunks(peer)
+        self.deadline = deadline
+        self.state = State.PENDING
+        self.reason, self.kind = "", ""
+        self.slots: dict[int, int] = {}  # chunk -> local slot held
+        self.xfers: dict[int, Any] = {}  # chunk -> NIXL handle in flight
+        self.finished = 0  # chunks through their local leg on this side
+        self.next = 0  # next chunk to grant (push server) or gather (pull server)
+        self.remote_done = False  # push initiator: DONE received
+        self.posted = 0  # bulk descriptors posted
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.chunks["nbytes"].sum())
+
+
+class StagedTransfer:
+    """One staged request to or from every peer rank of its plan (from :meth:`Stager.read` /
+    :meth:`Stager.write`); the same surface as :class:`kvplan_nixl.Transfer`: ``poll``,
+    ``wait``, ``cancel``, ``ok``, ``error``, plus ``chunks`` and ``descriptors``."""
+
+    def __init__(self, stager: Stager, sp: StagedPlan, remote: str, jobs: list[_Job]) -> None:
+        self._st = stager
+        self.staged = sp
+        self.plan = sp.plan
+        self.remote = remote
+        self._jobs = {j.peer: j for j in jobs}
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Peer ranks of this transfer, ascending."""
+        return tuple(sorted(self._jobs))
+
+    @property
+    def done(self) -> bool:
+        """True once no peer part is PENDING."""
+        return all(j.state is not State.PENDING for j in self._jobs.values())
+
+    @property
+    def ok(self) -> bool:
+        """True once every peer part is DONE."""
+        return all(j.state is State.DONE for j in self._jobs.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this transfer moves, over all peer ranks."""
+        return self.staged.nbytes
+
+    @property
+    def chunks(self) -> int:
+        """Chunks (= staging slots filled, = bulk descriptors) over all peer ranks."""
+        return len(self.staged.chunks)
+
+    @property
+    def descriptors(self) -> int:
+        """NIXL descriptors posted so far by this side (one per chunk)."""
+        return sum(j.posted for j in self._jobs.values())
+
+    @property
+    def seconds(self) -> float | None:
+        """From posting to the last part leaving PENDING, once done."""
+        return None if self.finished is None else self.finished - self.started
+
+    def states(self) -> dict[int, State]:
+        """``{peer_rank: State}`` as of the last poll."""
+        return {r: self._jobs[r].state for r in self.peers}
+
+    def poll(self) -> dict[int, State]:
+        """Drive the stager once (messages, transfers, deadlines) and report. Never blocks."""
+        self._st.poll()
+        return self.states()
+
+    def wait(self, timeout: float | None = None, *, progress: Iterable[Any] = ()
+             ) -> dict[int, State]:
+        """Block until every part is DONE; raise :class:`TransferFailed` /
+        :class:`TransferTimeout` otherwise. ``progress`` lists other Stagers (polled) or
+        Endpoints (progressed) of this process to drive while waiting."""
+        if timeout is not None:
+            limit = time.monotonic() + timeout
+            for j in self._jobs.values():
+                if j.deadline is None or limit < j.deadline:
+                    j.deadline = limit
+        others = tuple(progress)
+        spin_until = time.monotonic() + SPIN_SECONDS
+        nap = 10e-6
+        while True:
+            for o in others:
+                (o.poll if isinstance(o, Stager) else o.progress)()
+            self._st.poll()
+            if self.done:
+                break
+            if time.monotonic() > spin_until:
+                time.sleep(nap)
+                nap = min(nap * 2, MAX_SLEEP_SECONDS)
+        err = self.error()
+        if err is not None:
+            raise err
+        return self.states()
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Fail the pending parts now: their slots and handles are freed, the peer told."""
+        for j in self._jobs.values():
+            self._st._fail(j, reason, "cancelled")
+
+    def error(self) -> TransferFailed | None:
+        """The exception ``wait`` raises, or None while pending or when every part is DONE."""
+        failed = {r: j for r, j in self._jobs.items() if j.state is State.FAILED}
+        if not failed or not self.done:
+            return None
+        m = self.plan.map
+        rows = self.plan.copies()
+        col = "src_rank" if m.mode is Mode.PULL else "dst_rank"
+        groups = np.unique(
+            np.array([r.group for r in m.dst.regions])[rows["dst_region"][
+                np.isin(rows[col], list(failed))]])
+        blocks = tuple(np.asarray(b) if g in groups else np.zeros(0, dtype=np.int64)
+                       for g, b in enumerate(self.plan.dst_blocks))
+        way = "from" if m.mode is Mode.PULL else "to"
+        what = (f"staged {m.mode.value} by {self._st.ep.engine!r} rank {self._st.ep.rank} "
+                f"{way} {self.remote!r} failed")
+        cls = TransferTimeout if all(j.kind == "timeout" for j in failed.values()) else (
+            TransferFailed)
+        return cls(what, {r: j.reason for r, j in failed.items()}, blocks)
+
+    def __repr__(self) -> str:
+        st = ", ".join(f"{r}: {s.value}" for r, s in self.states().items())
+        return (f"StagedTransfer({self.plan.map.mode.value} {self.remote!r}, "
+                f"{self.chunks} chunks, {{{st}}})")
+
+
+class Stager:
+    """Staged transfers for one :class:`~kvplan_nixl.Endpoint` (see the module doc).
+
+    ``pool_bytes`` of staging memory (on the device of the endpoint's buffers) are allocated
+    and registered now, in slots of ``slot_bytes`` (a multiple of 4096 dividing
+    ``pool_bytes``); create the Stager before handing out ``endpoint.metadata()`` (a peer's
+    NIXL metadata must include the pool). Both sides of a peer pair need a Stager with the same
+    ``slot_bytes`` and must be connected to each other (each ``connect``s the other's
+    metadata: the initiator in its mode, the server in the other). ``window`` bounds the chunks
+    of one request in flight per peer. ``close()`` before the endpoint's.
+    """
+
+    def __init__(self, endpoint: Endpoint, *, pool_bytes: int = 64 << 20,
+                 slot_bytes: int = 16 << 20, window: int = 2) -> None:
+        if slot_bytes <= 0 or slot_bytes % PIECE or pool_bytes < slot_bytes or (
+                pool_bytes % slot_bytes):
+            raise ValueError(
+                f"slot_bytes ({slot_bytes}) must be a positive multiple of {PIECE} dividing "
+                f"pool_bytes ({pool_bytes})")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.ep = endpoint
+        agent = endpoint._require()
+        self.window = window
+        self.slot_bytes = slot_bytes
+        # the engine's regions as flat byte tensors, by region index (pooled regions share)
+        by_addr = {}
+        for buf in endpoint._buffers:
+            t = legs.byte_tensor(buf)
+            by_addr[t.data_ptr()] = t
+        self._regions = {i: by_addr[endpoint._bases[i]] for i in endpoint.spec.regions_on(
+            endpoint.rank)}
+        device = next(iter(self._regions.values())).device if self._regions else torch.device(
+            "cpu")
+        self.pool = _Pool(torch.empty(pool_bytes, dtype=torch.uint8, device=device), slot_bytes)
+        t = self.pool.tensor
+        self._mem = endpoint.mem_type
+        self._dev = t.device.index or 0 if t.device.type == "cuda" else 0
+        with nixl_call("register_memory", f"staging pool of {pool_bytes} bytes"):
+            self._reg = agent.register_memory([(t.data_ptr(), pool_bytes, self._dev, "")],
+                                              self._mem)
+        self._ladder = Ladder.build(["staging"], [pool_bytes], [PIECE])
+        self._live = collections.Counter({"registrations": 1})
+        try:
+            self._local_dlist = self._prep(agent, NIXL_LOCAL, self._ladder.rows(
+                [t.data_ptr()], self._dev), self._mem)
+        except BaseException:
+            agent.deregister_memory(self._reg)
+            raise
+        self._remote: dict[str, tuple[Ladder, Any]] = {}  # agent -> its pool's ladder, dlist
+        self._ids = itertools.count()
+        self._inbox: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._mine: dict[str, tuple[StagedTransfer, dict[int, _Job]]] = {}  # rid -> request
+        self._served: dict[tuple[str, str], _Job] = {}  # (agent, rid) -> server job
+        self.costs: dict[str, Costs] = {}
+        endpoint._notif_hooks[TAG] = lambda agent_name, msg: self._inbox.append(
+            (agent_name, msg))
+
+    # -- public ------------------------------------------------------------------------------
+
+    def read(self, plan: TransferPlan, remote: str, *, timeout: float | None = None
+             ) -> StagedTransfer:
+        """Pull ``plan`` (from this rank's pull map for ``remote``) through staging."""
+        return self._start(plan, remote, Mode.PULL, timeout)
+
+    def write(self, plan: TransferPlan, remote: str, *, timeout: float | None = None
+              ) -> StagedTransfer:
+        """Push ``plan`` (from this rank's push map for ``remote``) through staging."""
+        return self._start(plan, remote, Mode.PUSH, timeout)
+
+    def post(self, plan: TransferPlan, remote: str, *, how: str = "auto",
+             timeout: float | None = None):
+        """Read (pull plan) or write (push plan) ``plan`` directly or staged.
+
+        ``how``: ``"direct"``, ``"staged"`` or ``"auto"``, which asks :meth:`prefer` with the
+        costs of ``remote`` (measured by :meth:`calibrate`, else :data:`DEFAULT_COSTS`).
+        Returns a :class:`~kvplan_nixl.Transfer` or a :class:`StagedTransfer`.
+        """
+        if how not in ("auto", "direct", "staged"):
+            raise ValueError(f"how must be 'auto', 'direct' or 'staged', got {how!r}")
+        if how == "auto":
+            how = "staged" if self.prefer(plan, remote) else "direct"
+        pull = plan.map.mode is Mode.PULL
+        if how == "direct":
+            post = self.ep.read if pull else self.ep.write
+            return post(plan, remote, timeout=timeout)
+        return self._start(plan, remote, plan.map.mode, timeout)
+
+    def prefer(self, plan: TransferPlan, remote: str) -> bool:
+        """True when the cost model predicts staging ``plan`` beats posting it directly.
+
+        Decided per peer rank (each peer's runs and bytes); the plan is staged when most of
+        its bytes go to peers where staging wins. Plans with at most one run per chunk stay
+        direct (``kvplan.staging.prefer_staged``).
+        """
+        costs = self.costs.get(remote, DEFAULT_COSTS)
+        rows = plan.copies()
+        col = "src_rank" if plan.map.mode is Mode.PULL else "dst_rank"
+        won = total = 0
+        for peer in np.unique(rows[col]).tolist():
+            sel = rows["length"][rows[col] == peer]
+            nbytes = int(sel.sum())
+            chunks = -(-nbytes // self.slot_bytes)
+            total += nbytes
+            if prefer_staged(len(sel), nbytes, chunks, costs, overlap=self.pool.tensor.is_cuda):
+                won += nbytes
+        return total > 0 and 2 * won > total
+
+    def poll(self) -> None:
+        """Progress the endpoint, handle protocol messages, advance transfers, enforce
+        deadlines. Never blocks; the initiator and the server both call it (or a ``wait``)."""
+        if self.ep.closed:
+            return
+        self.ep.progress()
+        while self._inbox:
+            agent_name, msg = self._inbox.popleft()
+            self._handle(agent_name, msg)
+        now = time.monotonic()
+        for t, jobs in list(self._mine.values()):
+            for j in list(jobs.values()):
+                self._advance(j)
+                if j.state is State.PENDING and j.deadline is not None and now > j.deadline:
+                    self._fail(j, "deadline passed before completion", "timeout")
+            self._settle(t)
+        for j in list(self._served.values()):
+            if now > j.deadline:
+                self._drop_served(j, "server deadline passed", tell=True)
+
+    def handles(self) -> dict[str, int]:
+        """What this stager holds: slots in use, NIXL transfers in flight, descriptor lists
+        (its own pool's and one per peer pool it learnt), requests (as initiator and as
+        server), registrations. Idle: no slot, transfer or request; after close: all 0."""
+        return {"slots_in_use": self.pool.in_use, "xfer": self._live["xfer"],
+                "dlist": self._live["dlist"], "requests": len(self._mine),
+                "serving": len(self._served), "registrations": self._live["registrations"]}
+
+    def close(self) -> None:
+        """Fail every request (telling peers), release lists, deregister the pool."""
+        agent = self.ep._agent_or_none()
+        for t, _ in list(self._mine.values()):
+            t.cancel("stager closed")
+        for j in list(self._served.values()):
+            self._drop_served(j, "stager closed", tell=True)
+        self.ep._notif_hooks.pop(TAG, None)
+        if agent is None:  # the endpoint went first: NIXL freed everything with the agent
+            self._live.clear()
+            return
+        for _, dl in self._remote.values():
+            self._release_dlist(dl)
+        self._remote.clear()
+        if self._local_dlist is not None:
+            self._release_dlist(self._local_dlist)
+            self._local_dlist = None
+        if self._live["registrations"]:
+            with nixl_call("deregister_memory", "staging pool"):
+                agent.deregister_memory(self._reg)
+            self._live["registrations"] -= 1
+
+    def __enter__(self) -> Stager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- initiator ---------------------------------------------------------------------------
+
+    def _start(self, plan: TransferPlan, remote: str, mode: Mode, timeout: float | None
+               ) -> StagedTransfer:
+        route = self.ep._route(remote, mode)
+        self.ep._check_plan(plan, route, remote, mode)
+        sp = stage(plan, self.slot_bytes)
+        rid = f"{next(self._ids)}"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        agents = {p.rank: p.agent for p in self.ep.peers() if p.engine == remote}
+        missing = [r for r in sp.peers if r not in agents]
+        if missing:
+            raise NotConnectedError(
+                f"staged {mode.value}: ranks {missing} of engine {remote!r} are not connected")
+        jobs = [_Job(rid, agents[r], r, sp, mode, deadline) for r in sp.peers]
+        t = StagedTransfer(self, sp, remote, jobs)
+        self._mine[rid] = (t, t._jobs)
+        body = np.concatenate([*plan.src_blocks, *plan.dst_blocks]).astype("<i8").tobytes()
+        lens = [len(b) for b in plan.src_blocks] + [len(b) for b in plan.dst_blocks]
+        tmo = 0 if timeout is None else max(1, int(timeout * 1000))
+        for j in jobs:
+            msg = _encode("OPEN", rid, mode.value, self.slot_bytes, tmo, j.nbytes,
+                          len(j.chunks), len(plan.src_blocks), *lens, body=body)
+            if not self._send(j.agent, msg):
+                self._fail(j, "peer unreachable (OPEN not sent)", "error", tell=False)
+        self._settle(t)
+        return t
+
+    def _advance(self, j: _Job) -> None:
+        """Poll the job's transfers in flight; finish what completed."""
+        if j.state is not State.PENDING:
+            return
+        agent = self.ep._agent_or_none()
+        for k, h in list(j.xfers.items()):
+            try:
+                s = agent.check_xfer_state(h)
+            except Exception as exc:
+                if not is_nixl_error(exc):
+                    raise
+                self._fail(j, f"{nixl_code(exc)} while chunk {k} in flight", "error")
+                return
+            if s == "PROC":
+                continue
+            if s != "DONE":
+                self._fail(j, f"NIXL state {s} for chunk {k}", "error")
+                return
+            del j.xfers[k]
+            self._release_xfer(h)
+            slot = j.slots.pop(k)
+            if j.mode is Mode.PULL:  # the chunk landed: scatter it, then free the slot
+                self._local_leg(j, k, slot, "scatter")
+                j.finished += 1
+            self.pool.release(slot)
+        if j.state is State.PENDING and not j.xfers and (
+            (j.mode is Mode.PULL and j.finished == len(j.chunks))
+            or (j.mode is Mode.PUSH and j.remote_done)
+        ):
+            j.state = State.DONE
+
+    def _on_credit(self, j: _Job, k: int, rslot: int) -> None:
+        """GRANT (push) or READY (pull) of chunk k in remote slot ``rslot``: take a local slot,
+        then gather + WRITE (push) or READ (pull)."""
+
+        def go(slot: int) -> None:
+            if j.state is not State.PENDING:
+                self.pool.release(slot)
+                return
+            j.slots[k] = slot
+            if j.mode is Mode.PUSH:
+                self._local_leg(j, k, slot, "gather")
+            self._post(j, k, slot, rslot)
+
+        self.pool.acquire(j, go)
+
+    def _post(self, j: _Job, k: int, slot: int, rslot: int) -> None:
+        agent = self.ep._agent_or_none()
+        if j.agent not in self._remote:
+            self._fail(j, f"protocol: credit for chunk {k} before the peer's pool", "error")
+            return
+        ladder, dlist = self._remote[j.agent]
+        n = int(j.chunks["nbytes"][k])
+        padded = min(-(-n // PIECE) * PIECE, self.slot_bytes)
+        lw = lower(self._ladder, ladder, np.zeros(1), np.array([slot * self.slot_bytes]),
+                   np.zeros(1), np.array([rslot * self.slot_bytes]), np.array([padded]))
+        op, note = ("WRITE", "DATA") if j.mode is Mode.PUSH else ("READ", "TAKEN")
+        try:
+            h = agent.make_prepped_xfer(op, self._local_dlist, lw.local, dlist, lw.remote,
+                                        _encode(note, j.rid, k))
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            self._fail(j, f"{nixl_code(exc)} making chunk {k}", "error")
+            return
+        self._live["xfer"] += 1
+        j.xfers[k] = h
+        j.posted += 1
+        try:
+            agent.transfer(h)
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            self._fail(j, f"{nixl_code(exc)} posting chunk {k}", "error")
+
+    def _fail(self, j: _Job, reason: str, kind: str, *, tell: bool = True) -> None:
+        """Leave PENDING once: release handles and slots, drop slot waits, tell the peer."""
+        if j.state is not State.PENDING:
+            return
+        j.state, j.reason, j.kind = State.FAILED, reason, kind
+        for h in j.xfers.values():
+            self._release_xfer(h)
+        j.xfers.clear()
+        self.pool.forget(j)
+        for slot in j.slots.values():
+            self.pool.release(slot)
+        j.slots.clear()
+        if tell:
+            self._send(j.agent, _encode("ABORT", j.rid, reason))
+
+    def _settle(self, t: StagedTransfer) -> None:
+        if t.done:
+            if t.finished is None:
+                t.finished = time.perf_counter()
+            rid = next(iter(t._jobs.values())).rid if t._jobs else None
+            self._mine.pop(rid, None)
+
+    # -- server ------------------------------------------------------------------------------
+
+    def _serve_open(self, agent_name: str, f: list[str], body: bytes) -> None:
+        from kvplan_nixl.endpoint import _parse_agent
+
+        rid = f[1]
+        mode = Mode(f[2])
+        chunk, tmo, nbytes, nchunks, ng = (int(x) for x in f[3:8])
+        lens = [int(x) for x in f[8:8 + 2 * ng]]
+        engine, rank = _parse_agent(agent_name)
+        if chunk != self.slot_bytes:
+            raise _Refuse(f"slot sizes differ: initiator {chunk} bytes, this side "
+                          f"{self.slot_bytes}")
+        ids = np.frombuffer(body, dtype="<i8")
+        if len(ids) != sum(lens) or len(lens) != 2 * ng:
+            raise _Refuse(f"block id lists malformed: {len(ids)} ids for lengths {lens}")
+        cuts = np.cumsum([0, *lens])
+        lists = [ids[a:b].tolist() for a, b in itertools.pairwise(cuts)]
+        mine = Mode.PULL if mode is Mode.PUSH else Mode.PUSH  # this side's map to them
+        try:
+            tmap = self.ep.map(engine, mine)
+        except NotConnectedError as exc:
+            raise _Refuse(str(exc)) from exc
+        sp = stage(tmap.plan(lists[:ng], lists[ng:]), self.slot_bytes)
+        deadline = time.monotonic() + (tmo / 1000 if tmo else SERVE_TIMEOUT)
+        j = _Job(rid, agent_name, rank, sp, mine, deadline)
+        if j.nbytes != nbytes or len(j.chunks) != nchunks:
+            raise _Refuse(f"plans disagree: initiator {nbytes} bytes in {nchunks} chunks, this "
+                          f"side {j.nbytes} bytes in {len(j.chunks)} chunks")
+        t = self.pool.tensor
+        self._served[(agent_name, rid)] = j
+        self._send(agent_name, _encode("ACK", rid, t.data_ptr(), t.numel(), self.slot_bytes,
+                                       self._dev, self._mem))
+        self._serve_pump(j)
+
+    def _serve_pump(self, j: _Job) -> None:
+        """Hand out the next chunks of a served request, at most ``window`` in flight."""
+        while j.state is State.PENDING and j.next < len(j.chunks) and (
+                j.next - j.finished < self.window):
+            k = j.next
+            j.next += 1
+
+            def go(slot: int, k: int = k) -> None:
+                if j.state is not State.PENDING:
+                    self.pool.release(slot)
+                    return
+                j.slots[k] = slot
+                if j.mode is Mode.PUSH:  # pull initiator: this side gathers, then says READY
+                    self._local_leg(j, k, slot, "gather")
+                    note = "READY"
+                else:
+                    note = "GRANT"
+                if not self._send(j.agent, _encode(note, j.rid, k, slot)):
+                    self._drop_served(j, "initiator unreachable", tell=False)
+
+            self.pool.acquire(j, go)
+
+    def _serve_step(self, j: _Job, k: int) -> None:
+        """DATA (push: scatter) or TAKEN (pull: nothing to copy) of chunk k: free its slot."""
+        slot = j.slots.pop(k, None)
+        if slot is None:
+            return
+        if j.mode is Mode.PULL:
+            self._local_leg(j, k, slot, "scatter")
+        self.pool.release(slot)
+        j.finished += 1
+        if j.finished == len(j.chunks):
+            j.state = State.DONE
+            del self._served[(j.agent, j.rid)]
+            if j.mode is Mode.PULL:
+                self._send(j.agent, _encode("DONE", j.rid))
+        else:
+            self._serve_pump(j)
+
+    def _drop_served(self, j: _Job, reason: str, *, tell: bool) -> None:
+        if self._served.pop((j.agent, j.rid), None) is None:
+            return
+        j.state, j.reason = State.FAILED, reason
+        self.pool.forget(j)
+        for slot in j.slots.values():
+            self.pool.release(slot)
+        j.slots.clear()
+        if tell:
+            self._send(j.agent, _encode("FAIL", j.rid, reason))
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _handle(self, agent_name: str, msg: bytes) -> None:
+        head, _, body = msg[len(TAG):].partition(b"\n")
+        f = head.decode(errors="replace").split(" ")
+        op = f[0]
+        try:
+            if op == "OPEN":
+                try:
+                    self._serve_open(agent_name, f, body)
+                except _Refuse as exc:
+                    self._send(agent_name, _encode("FAIL", f[1], f"refused: {exc}"))
+                return
+            rid = f[1]
+            if op in ("DATA", "TAKEN"):
+                j = self._served.get((agent_name, rid))
+                if j is not None:
+                    self._serve_step(j, int(f[2]))
+                return
+            if op == "ABORT":
+                j = self._served.get((agent_name, rid))
+                if j is not None:
+                    self._drop_served(j, "initiator aborted: " + " ".join(f[2:]), tell=False)
+                return
+            entry = self._mine.get(rid)
+            j = entry[1].get(self._peer_of(entry[0], agent_name)) if entry else None
+            if j is None or j.state is not State.PENDING:
+                return
+            if op == "FAIL":
+                self._fail(j, "peer failed: " + " ".join(f[2:]), "error", tell=False)
+            elif op == "ACK":
+                self._learn_pool(agent_name, int(f[2]), int(f[3]), int(f[5]), f[6])
+            elif op in ("GRANT", "READY"):
+                self._on_credit(j, int(f[2]), int(f[3]))
+            elif op == "DONE":
+                j.remote_done = True
+                self._advance(j)
+            self._settle(entry[0])
+        except (IndexError, ValueError) as exc:  # a malformed message: refuse, never crash
+            if len(f) > 1:  # answer on the channel of the request it names
+                back = "FAIL" if op in ("OPEN", "DATA", "TAKEN", "ABORT") else "ABORT"
+                self._send(agent_name, _encode(back, f[1], f"malformed {op}: {exc}"))
+
+    @staticmethod
+    def _peer_of(t: StagedTransfer, agent_name: str) -> int | None:
+        for r, j in t._jobs.items():
+            if j.agent == agent_name:
+                return r
+        return None
+
+    def _learn_pool(self, agent_name: str, addr: int, nbytes: int, dev: int, mem: str) -> None:
+        if agent_name in self._remote:
+            return
+        ladder = Ladder.build(["staging"], [nbytes], [PIECE])
+        dl = self._prep(self.ep._agent_or_none(), agent_name, ladder.rows([addr], dev), mem)
+        self._remote[agent_name] = (ladder, dl)
+
+    def _send(self, agent_name: str, msg: bytes) -> bool:
+        agent = self.ep._agent_or_none()
+        if agent is None:
+            return False
+        try:
+            agent.send_notif(agent_name, msg)
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            return False
+        return True
+
+    # -- local legs and NIXL objects ---------------------------------------------------------
+
+    def _local_leg(self, j: _Job, k: int, slot: int, which: str) -> None:
+        sp = j.sp
+        chunk = j.chunks[k]
+        ops = legs.chunk_ops(sp.gather.copies() if which == "gather" else sp.scatter.copies(),
+                             chunk, sp.granule, "src" if which == "gather" else "dst")
+        dest = self.pool.slot(slot)
+        (legs.gather if which == "gather" else legs.scatter)(ops, self._regions, dest,
+                                                               sp.granule)
+        legs.synchronize(dest)
+
+    def _prep(self, agent, name: str, rows: np.ndarray, mem: str):
+        with nixl_call("prep_xfer_dlist", f"staging pool of {name}"):
+            h = agent.prep_xfer_dlist(name, rows, mem)
+        self._live["dlist"] += 1
+        return h
+
+    def _release_dlist(self, h) -> None:
+        try:
+            h.release()
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            return
+        self._live["dlist"] -= 1
+
+    def _release_xfer(self, h) -> None:
+        try:
+            h.release()
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            return
+        self._live["xfer"] -= 1
+
+
+class _Refuse(Exception):
+    """An OPEN this server cannot serve; its text goes back in a FAIL."""
+
