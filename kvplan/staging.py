@@ -141,6 +141,19 @@ def _split(start: np.ndarray, length: np.ndarray, chunk: int) -> tuple[np.ndarra
     return row, delta
 
 
+def _ascending(*keys: np.ndarray) -> bool:
+    """True when rows are in ascending lexicographic order of ``keys`` (most significant
+    first), with no two rows equal in all keys."""
+    if len(keys[0]) < 2:
+        return True
+    gt = np.zeros(len(keys[0]) - 1, dtype=bool)  # decided: strictly greater so far
+    eq = np.ones(len(keys[0]) - 1, dtype=bool)  # undecided: equal so far
+    for k in keys:
+        gt |= eq & (k[1:] > k[:-1])
+        eq &= k[1:] == k[:-1]
+    return bool(gt.all())
+
+
 def stage(plan: TransferPlan, chunk_bytes: int) -> StagedPlan:
     """Derive the three legs of ``plan`` with chunks of at most ``chunk_bytes`` bytes.
 
@@ -158,32 +171,36 @@ def stage(plan: TransferPlan, chunk_bytes: int) -> StagedPlan:
     rows = plan.copies()
     pull = plan.map.mode is Mode.PULL
     peer_col = "src_rank" if pull else "dst_rank"
-    order = np.lexsort((rows["dst_offset"], rows["dst_region"], rows[peer_col]))
-    r = rows[order]
-    peer, length = r[peer_col], r["length"]
+    cols = {k: np.ascontiguousarray(rows[k]) for k in rows.dtype.names}  # fast columns
+    key = (cols[peer_col], cols["dst_region"], cols["dst_offset"])
+    if not _ascending(*key):  # plans usually come in canonical order already: no sort then
+        order = np.lexsort(key[::-1])
+        cols = {k: v[order] for k, v in cols.items()}
+    peer, length = cols[peer_col], cols["length"]
     # each peer's span: packed runs, starting on a chunk boundary
-    starts = np.flatnonzero(np.concatenate(([True], peer[1:] != peer[:-1]))) if len(r) else (
+    starts = np.flatnonzero(np.concatenate(([True], peer[1:] != peer[:-1]))) if len(rows) else (
         np.zeros(0, dtype=np.int64))
-    ends = np.append(starts[1:], len(r))
+    ends = np.append(starts[1:], len(rows))
     csum = np.cumsum(length) - length  # request-wide exclusive sum
-    peer_bytes = np.add.reduceat(length, starts) if len(r) else np.zeros(0, dtype=np.int64)
+    peer_bytes = np.add.reduceat(length, starts) if len(rows) else np.zeros(0, dtype=np.int64)
     peer_chunks = -(-peer_bytes // chunk)
     peer_base = (np.cumsum(peer_chunks) - peer_chunks) * chunk
     seg = np.repeat(np.arange(len(starts)), ends - starts)
-    local = csum - csum[starts][seg] if len(r) else csum  # offset inside the peer's span
+    local = csum - csum[starts][seg] if len(rows) else csum  # offset inside the peer's span
     row, delta = _split(local, length, chunk)
     piece_local = local[row] + delta
     piece_end = np.minimum(local[row] + length[row], (piece_local // chunk + 1) * chunk)
     piece_len = piece_end - piece_local
     stage_off = peer_base[seg[row]] + piece_local
-    pr = r[row]
+    split = len(row) != len(length)
+    pr = {k: v[row] for k, v in cols.items()} if split else cols
     src_rank, dst_rank = pr["src_rank"], pr["dst_rank"]
-    gather = np.empty(len(pr), dtype=COPY_DTYPE)
+    gather = np.empty(len(row), dtype=COPY_DTYPE)
     gather["src_rank"], gather["src_region"] = src_rank, pr["src_region"]
     gather["src_offset"] = pr["src_offset"] + delta
     gather["dst_rank"], gather["dst_region"], gather["dst_offset"] = src_rank, STAGING, stage_off
     gather["length"] = piece_len
-    scatter = np.empty(len(pr), dtype=COPY_DTYPE)
+    scatter = np.empty(len(row), dtype=COPY_DTYPE)
     scatter["src_rank"], scatter["src_region"], scatter["src_offset"] = dst_rank, STAGING, stage_off
     scatter["dst_rank"], scatter["dst_region"] = dst_rank, pr["dst_region"]
     scatter["dst_offset"] = pr["dst_offset"] + delta
@@ -200,7 +217,7 @@ def stage(plan: TransferPlan, chunk_bytes: int) -> StagedPlan:
     chunks["nbytes"] = np.minimum(chunk, peer_bytes[cpeer_idx] - cindex * chunk)
     bounds = np.searchsorted(stage_off, chunks["offset"])
     chunks["row_start"] = bounds
-    chunks["row_end"] = np.append(bounds[1:], len(pr))
+    chunks["row_end"] = np.append(bounds[1:], len(row))
     bulk = np.empty(n_chunks, dtype=COPY_DTYPE)
     me = plan.map.rank
     bulk["src_rank"] = chunks["peer"] if pull else me

@@ -272,11 +272,14 @@ class Stager:
     NIXL metadata must include the pool). Both sides of a peer pair need a Stager with the same
     ``slot_bytes`` and must be connected to each other (each ``connect``s the other's
     metadata: the initiator in its mode, the server in the other). ``window`` bounds the chunks
-    of one request in flight per peer. ``close()`` before the endpoint's.
+    of one request in flight per peer. ``cpu_threads``: torch intra-op threads of the local
+    legs on CPU memory (``None``: torch's setting; see ``legs.cpu_threads``). ``close()``
+    before the endpoint's.
     """
 
     def __init__(self, endpoint: Endpoint, *, pool_bytes: int = 64 << 20,
-                 slot_bytes: int = 16 << 20, window: int = 2) -> None:
+                 slot_bytes: int = 16 << 20, window: int = 2,
+                 cpu_threads: int | None = 1) -> None:
         if slot_bytes <= 0 or slot_bytes % PIECE or pool_bytes < slot_bytes or (
                 pool_bytes % slot_bytes):
             raise ValueError(
@@ -287,6 +290,7 @@ class Stager:
         self.ep = endpoint
         agent = endpoint._require()
         self.window = window
+        self.cpu_threads = cpu_threads
         self.slot_bytes = slot_bytes
         # the engine's regions as flat byte tensors, by region index (pooled regions share)
         by_addr = {}
@@ -297,7 +301,8 @@ class Stager:
             endpoint.rank)}
         device = next(iter(self._regions.values())).device if self._regions else torch.device(
             "cpu")
-        self.pool = _Pool(torch.empty(pool_bytes, dtype=torch.uint8, device=device), slot_bytes)
+        # zeroed now: the pool's pages are faulted in once, not during the first requests
+        self.pool = _Pool(torch.zeros(pool_bytes, dtype=torch.uint8, device=device), slot_bytes)
         t = self.pool.tensor
         self._mem = endpoint.mem_type
         self._dev = t.device.index or 0 if t.device.type == "cuda" else 0
@@ -714,8 +719,9 @@ class Stager:
         ops = legs.chunk_ops(sp.gather.copies() if which == "gather" else sp.scatter.copies(),
                              chunk, sp.granule, "src" if which == "gather" else "dst")
         dest = self.pool.slot(slot)
-        (legs.gather if which == "gather" else legs.scatter)(ops, self._regions, dest,
-                                                               sp.granule)
+        with legs.cpu_threads(self.cpu_threads, dest):
+            (legs.gather if which == "gather" else legs.scatter)(ops, self._regions, dest,
+                                                                   sp.granule)
         legs.synchronize(dest)
 
     def _prep(self, agent, name: str, rows: np.ndarray, mem: str):

@@ -20,7 +20,7 @@ from kvplan.examples import llama3_70b
 from kvplan.staging import STAGING, Costs, prefer_staged, stage
 from tests import oracle
 
-SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
