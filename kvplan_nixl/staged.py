@@ -50,6 +50,7 @@ from kvplan_nixl import legs
 from kvplan_nixl._nixl import NIXL_LOCAL
 from kvplan_nixl.descriptors import Ladder, lower
 from kvplan_nixl.errors import (
+    NixlError,
     NotConnectedError,
     TransferFailed,
     TransferTimeout,
@@ -220,7 +221,7 @@ class StagedTransfer:
         nap = 10e-6
         while True:
             for o in others:
-                (o.poll if isinstance(o, Stager) else o.progress)()
+                o.progress()
             self._st.poll()
             if self.done:
                 break
@@ -323,6 +324,7 @@ class Stager:
         self._mine: dict[str, tuple[StagedTransfer, dict[int, _Job]]] = {}  # rid -> request
         self._served: dict[tuple[str, str], _Job] = {}  # (agent, rid) -> server job
         self.costs: dict[str, Costs] = {}
+        self._hello: set[str] = set()  # calibration requests awaiting POOL
         endpoint._notif_hooks[TAG] = lambda agent_name, msg: self._inbox.append(
             (agent_name, msg))
 
@@ -376,6 +378,84 @@ class Stager:
                 won += nbytes
         return total > 0 and 2 * won > total
 
+    def calibrate(self, remote: str, *, progress: Iterable[Any] = (), timeout: float = 10.0
+                  ) -> Costs:
+        """Measure the costs :meth:`prefer` weighs against one connected peer rank of
+        ``remote`` (its Stager must be polled meanwhile: ``progress`` lists other Stagers of this
+        process): a notification round trip (``per_chunk``), one READ of a whole slot
+        (``per_byte``), a READ of half its bytes as unmergeable 4 KiB descriptors
+        (``per_descriptor``), best of three each, and a local 4 KiB-granule gather
+        (``local_per_byte``). Reads
+        only the peer's pool, into a free slot of this one. Stored in ``self.costs[remote]``.
+        """
+        agent = self.ep._require()
+        peer = next((p for p in self.ep.peers() if p.engine == remote), None)
+        if peer is None:
+            raise NotConnectedError(f"calibrate: no rank of engine {remote!r} is connected")
+        if not self.pool.free:
+            raise RuntimeError("calibrate: every staging slot is in use")
+        others = tuple(progress)
+        nonce = f"h{next(self._ids)}"
+        self._hello.add(nonce)
+        t0 = time.perf_counter()
+        if not self._send(peer.agent, _encode("HELLO", nonce)):
+            raise NixlError("send_notif", "unreachable", f"{remote} rank {peer.rank}")
+        deadline = time.monotonic() + timeout
+        while nonce in self._hello:
+            for o in others:
+                o.poll()
+            self.poll()
+            if time.monotonic() > deadline:
+                self._hello.discard(nonce)
+                raise TimeoutError(f"calibrate: {remote} rank {peer.rank} did not answer")
+        rtt = time.perf_counter() - t0
+        slot = self.pool.free.popleft()
+        try:
+            ladder, dlist = self._remote[peer.agent]
+            base, s = slot * self.slot_bytes, self.slot_bytes
+            n = s // (2 * PIECE)  # every other 4 KiB piece: nothing merges
+            offs = np.arange(n, dtype=np.int64) * 2 * PIECE
+            # best of three, after a first read that sets up the connection
+            self._timed_read(agent, ladder, dlist, [base], [0], [s], others)
+            one = min(self._timed_read(agent, ladder, dlist, [base], [0], [s], others)
+                      for _ in range(3))
+            many = min(self._timed_read(agent, ladder, dlist, base + offs, offs,
+                                        np.full(n, PIECE), others) for _ in range(3))
+            half = self.pool.slot(slot).view(-1, PIECE)
+            idx = torch.from_numpy(np.random.default_rng(0).permutation(len(half) // 2)).to(
+                half.device)
+            with legs.cpu_threads(self.cpu_threads, half):
+                t = time.perf_counter()
+                torch.index_select(half[: len(half) // 2], 0, idx, out=half[len(half) // 2:])
+                legs.synchronize(half)
+                local = time.perf_counter() - t
+        finally:
+            self.pool.release(slot)
+        per_byte = one / s
+        costs = Costs(per_descriptor=max(0.0, (many - n * PIECE * per_byte) / n),
+                      per_byte=per_byte, local_per_byte=local / (s // 2), per_chunk=rtt)
+        self.costs[remote] = costs
+        return costs
+
+    def _timed_read(self, agent, ladder, dlist, local, remote, length, others) -> float:
+        lw = lower(self._ladder, ladder, np.zeros(len(length)), np.asarray(local),
+                   np.zeros(len(length)), np.asarray(remote), np.asarray(length))
+        with nixl_call("calibration transfer"):
+            h = agent.make_prepped_xfer("READ", self._local_dlist, lw.local, dlist, lw.remote,
+                                        b"")
+        self._live["xfer"] += 1
+        try:
+            t = time.perf_counter()
+            with nixl_call("calibration transfer"):
+                state = agent.transfer(h)
+                while state == "PROC":
+                    for o in others:
+                        o.poll()
+                    state = agent.check_xfer_state(h)
+            return time.perf_counter() - t
+        finally:
+            self._release_xfer(h)
+
     def poll(self) -> None:
         """Progress the endpoint, handle protocol messages, advance transfers, enforce
         deadlines. Never blocks; the initiator and the server both call it (or a ``wait``)."""
@@ -395,6 +475,12 @@ class Stager:
         for j in list(self._served.values()):
             if now > j.deadline:
                 self._drop_served(j, "server deadline passed", tell=True)
+
+    def progress(self) -> int:
+        """:meth:`poll`, under the name ``Transfer.wait(progress=...)`` calls on endpoints, so a
+        Stager can be passed where an Endpoint is expected. Returns 0."""
+        self.poll()
+        return 0
 
     def handles(self) -> dict[str, int]:
         """What this stager holds: slots in use, NIXL transfers in flight, descriptor lists
@@ -654,6 +740,15 @@ class Stager:
                     self._serve_open(agent_name, f, body)
                 except _Refuse as exc:
                     self._send(agent_name, _encode("FAIL", f[1], f"refused: {exc}"))
+                return
+            if op == "HELLO":  # calibration: tell the asker where this pool is
+                t = self.pool.tensor
+                self._send(agent_name, _encode("POOL", f[1], t.data_ptr(), t.numel(),
+                                               self.slot_bytes, self._dev, self._mem))
+                return
+            if op == "POOL":
+                self._learn_pool(agent_name, int(f[2]), int(f[3]), int(f[5]), f[6])
+                self._hello.discard(f[1])
                 return
             rid = f[1]
             if op in ("DATA", "TAKEN"):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvplan import pull_map
-from kvplan_nixl import State, TransferFailed, TransferTimeout
+from kvplan_nixl import NotConnectedError, State, TransferFailed, TransferTimeout
 from kvplan_nixl.staged import Stager
 from tests import oracle
 from tests.nixl_util import ZERO, attn, blocks, mla, pair, spec
@@ -203,3 +203,24 @@ def test_refused_when_slot_sizes_differ():
             for s in sts:
                 s.close()
     assert ZERO  # the pair context checked every endpoint released everything
+
+
+def test_calibrate_measures_costs_the_chooser_then_uses():
+    rng = np.random.default_rng(11)
+    sb, db = blocks(rng, SRC, 24), blocks(rng, DST, 24)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        others = [s for s in pr.stagers.values() if s is not st]
+        costs = st.calibrate("prefill", progress=others)
+        assert st.costs["prefill"] is costs
+        assert costs.per_byte > 0 and costs.per_descriptor > 0 and costs.local_per_byte > 0
+        assert costs.per_chunk > 0
+        # a 4 KiB descriptor costs more than moving its 4 KiB inside a big one
+        assert costs.per_descriptor > 4096 * costs.per_byte / 10
+        plan = d.map("prefill").plan(sb, db)
+        t = st.post(plan, "prefill")  # auto, with the measured costs
+        t.wait(30, progress=list(pr.stagers.values()))
+        pr.check(sb, db, plans=[plan])
+        with pytest.raises(NotConnectedError, match="no rank of engine"):
+            st.calibrate("nobody")
