@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
+
+#: Serialises changes of torch's (process-wide) intra-op thread count by :func:`cpu_threads`.
+_THREADS = threading.Lock()
 
 __all__ = ["Chunk", "byte_tensor", "chunk_ops", "cpu_threads", "gather", "granule_index",
            "scatter", "synchronize"]
@@ -125,12 +129,13 @@ def cpu_threads(n: int | None, t: torch.Tensor) -> Iterator[None]:
     if n is None or t.device.type != "cpu":
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    with _THREADS:  # the setting is per process: legs of several stagers take turns
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
 
 def synchronize(t: torch.Tensor) -> None:

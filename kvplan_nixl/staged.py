@@ -36,6 +36,7 @@ Not thread-safe: drive a Stager (``poll``, or a transfer's ``wait``) from its en
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -137,6 +138,8 @@ class _Job:
         self.state = State.PENDING
         self.reason, self.kind = "", ""
         self.slots: dict[int, int] = {}  # chunk -> local slot held
+        self.busy: set[int] = set()  # chunks whose local leg is running (slot kept till done)
+        self.server = False
         self.xfers: dict[int, Any] = {}  # chunk -> NIXL handle in flight
         self.finished = 0  # chunks through their local leg on this side
         self.next = 0  # next chunk to grant (push server) or gather (pull server)
@@ -274,13 +277,15 @@ class Stager:
     ``slot_bytes`` and must be connected to each other (each ``connect``s the other's
     metadata: the initiator in its mode, the server in the other). ``window`` bounds the chunks
     of one request in flight per peer. ``cpu_threads``: torch intra-op threads of the local
-    legs on CPU memory (``None``: torch's setting; see ``legs.cpu_threads``). ``close()``
-    before the endpoint's.
+    legs on CPU memory (``None``: torch's setting; see ``legs.cpu_threads``). ``overlap``: run
+    the local legs on a worker thread, so that gathering or scattering one chunk overlaps the
+    NIXL transfer of another (``False``: inline, on the polling thread). ``close()`` before the
+    endpoint's.
     """
 
     def __init__(self, endpoint: Endpoint, *, pool_bytes: int = 64 << 20,
                  slot_bytes: int = 16 << 20, window: int = 2,
-                 cpu_threads: int | None = 1) -> None:
+                 cpu_threads: int | None = 1, overlap: bool = True) -> None:
         if slot_bytes <= 0 or slot_bytes % PIECE or pool_bytes < slot_bytes or (
                 pool_bytes % slot_bytes):
             raise ValueError(
@@ -292,6 +297,10 @@ class Stager:
         agent = endpoint._require()
         self.window = window
         self.cpu_threads = cpu_threads
+        # local legs on a worker thread, so gather/scatter of one chunk overlap NIXL on others
+        self._worker = (concurrent.futures.ThreadPoolExecutor(1, "kvplan-staged-leg")
+                        if overlap else None)
+        self._running: collections.deque = collections.deque()
         self.slot_bytes = slot_bytes
         # the engine's regions as flat byte tensors, by region index (pooled regions share)
         by_addr = {}
@@ -462,6 +471,7 @@ class Stager:
         if self.ep.closed:
             return
         self.ep.progress()
+        self._reap()
         while self._inbox:
             agent_name, msg = self._inbox.popleft()
             self._handle(agent_name, msg)
@@ -498,6 +508,10 @@ class Stager:
         for j in list(self._served.values()):
             self._drop_served(j, "stager closed", tell=True)
         self.ep._notif_hooks.pop(TAG, None)
+        if self._worker is not None:  # legs still running write into the pool: let them end
+            self._worker.shutdown(wait=True)
+            self._worker = None
+            self._reap()
         if agent is None:  # the endpoint went first: NIXL freed everything with the agent
             self._live.clear()
             return
@@ -566,12 +580,19 @@ class Stager:
                 return
             del j.xfers[k]
             self._release_xfer(h)
-            slot = j.slots.pop(k)
             if j.mode is Mode.PULL:  # the chunk landed: scatter it, then free the slot
-                self._local_leg(j, k, slot, "scatter")
-                j.finished += 1
-            self.pool.release(slot)
-        if j.state is State.PENDING and not j.xfers and (
+                self._leg(j, k, "scatter", lambda k=k: self._chunk_done(j, k))
+            else:
+                self.pool.release(j.slots.pop(k))
+        self._check_done(j)
+
+    def _chunk_done(self, j: _Job, k: int) -> None:
+        self.pool.release(j.slots.pop(k))
+        j.finished += 1
+        self._check_done(j)
+
+    def _check_done(self, j: _Job) -> None:
+        if j.state is State.PENDING and not j.xfers and not j.busy and (
             (j.mode is Mode.PULL and j.finished == len(j.chunks))
             or (j.mode is Mode.PUSH and j.remote_done)
         ):
@@ -587,8 +608,9 @@ class Stager:
                 return
             j.slots[k] = slot
             if j.mode is Mode.PUSH:
-                self._local_leg(j, k, slot, "gather")
-            self._post(j, k, slot, rslot)
+                self._leg(j, k, "gather", lambda: self._post(j, k, slot, rslot))
+            else:
+                self._post(j, k, slot, rslot)
 
         self.pool.acquire(j, go)
 
@@ -629,12 +651,16 @@ class Stager:
         for h in j.xfers.values():
             self._release_xfer(h)
         j.xfers.clear()
-        self.pool.forget(j)
-        for slot in j.slots.values():
-            self.pool.release(slot)
-        j.slots.clear()
+        self._free_slots(j)
         if tell:
             self._send(j.agent, _encode("ABORT", j.rid, reason))
+
+    def _free_slots(self, j: _Job) -> None:
+        """Drop ``j``'s slot waits and free its slots, but those a running leg still uses
+        (freed when the leg returns, see :meth:`_after_leg`)."""
+        self.pool.forget(j)
+        for k in [k for k in j.slots if k not in j.busy]:
+            self.pool.release(j.slots.pop(k))
 
     def _settle(self, t: StagedTransfer) -> None:
         if t.done:
@@ -669,6 +695,7 @@ class Stager:
         sp = stage(tmap.plan(lists[:ng], lists[ng:]), self.slot_bytes)
         deadline = time.monotonic() + (tmo / 1000 if tmo else SERVE_TIMEOUT)
         j = _Job(rid, agent_name, rank, sp, mine, deadline)
+        j.server = True
         if j.nbytes != nbytes or len(j.chunks) != nchunks:
             raise _Refuse(f"plans disagree: initiator {nbytes} bytes in {nchunks} chunks, this "
                           f"side {j.nbytes} bytes in {len(j.chunks)} chunks")
@@ -690,24 +717,29 @@ class Stager:
                     self.pool.release(slot)
                     return
                 j.slots[k] = slot
+
+                def tell(note: str) -> None:
+                    if not self._send(j.agent, _encode(note, j.rid, k, slot)):
+                        self._drop_served(j, "initiator unreachable", tell=False)
+
                 if j.mode is Mode.PUSH:  # pull initiator: this side gathers, then says READY
-                    self._local_leg(j, k, slot, "gather")
-                    note = "READY"
+                    self._leg(j, k, "gather", lambda: tell("READY"))
                 else:
-                    note = "GRANT"
-                if not self._send(j.agent, _encode(note, j.rid, k, slot)):
-                    self._drop_served(j, "initiator unreachable", tell=False)
+                    tell("GRANT")
 
             self.pool.acquire(j, go)
 
     def _serve_step(self, j: _Job, k: int) -> None:
         """DATA (push: scatter) or TAKEN (pull: nothing to copy) of chunk k: free its slot."""
-        slot = j.slots.pop(k, None)
-        if slot is None:
+        if k not in j.slots or k in j.busy:
             return
         if j.mode is Mode.PULL:
-            self._local_leg(j, k, slot, "scatter")
-        self.pool.release(slot)
+            self._leg(j, k, "scatter", lambda: self._serve_done(j, k))
+        else:
+            self._serve_done(j, k)
+
+    def _serve_done(self, j: _Job, k: int) -> None:
+        self.pool.release(j.slots.pop(k))
         j.finished += 1
         if j.finished == len(j.chunks):
             j.state = State.DONE
@@ -721,10 +753,7 @@ class Stager:
         if self._served.pop((j.agent, j.rid), None) is None:
             return
         j.state, j.reason = State.FAILED, reason
-        self.pool.forget(j)
-        for slot in j.slots.values():
-            self.pool.release(slot)
-        j.slots.clear()
+        self._free_slots(j)
         if tell:
             self._send(j.agent, _encode("FAIL", j.rid, reason))
 
@@ -807,6 +836,44 @@ class Stager:
         return True
 
     # -- local legs and NIXL objects ---------------------------------------------------------
+
+    def _leg(self, j: _Job, k: int, which: str, then: Callable[[], None]) -> None:
+        """Run chunk k's local leg (its slot is ``j.slots[k]``), then ``then()`` on this thread
+        if ``j`` is still pending. With ``overlap`` the leg runs on the worker thread (torch and
+        numpy release the GIL) while this thread keeps posting and progressing NIXL."""
+        j.busy.add(k)
+        if self._worker is None:
+            try:
+                self._local_leg(j, k, j.slots[k], which)
+            except Exception as exc:
+                self._after_leg(j, k, then, exc)
+                raise
+            self._after_leg(j, k, then, None)
+            return
+        fut = self._worker.submit(self._local_leg, j, k, j.slots[k], which)
+        self._running.append((fut, j, k, then))
+
+    def _reap(self) -> None:
+        """Finish the legs the worker completed, in submission order."""
+        while self._running and self._running[0][0].done():
+            fut, j, k, then = self._running.popleft()
+            self._after_leg(j, k, then, fut.exception())
+
+    def _after_leg(self, j: _Job, k: int, then: Callable[[], None],
+                   exc: BaseException | None) -> None:
+        j.busy.discard(k)
+        if exc is not None:
+            why = f"local {type(exc).__name__} on chunk {k}: {exc}"
+            if j.server:
+                self._drop_served(j, why, tell=True)
+            else:
+                self._fail(j, why, "error")
+        if j.state is not State.PENDING:  # failed while the leg ran: its slot is free now
+            slot = j.slots.pop(k, None)
+            if slot is not None:
+                self.pool.release(slot)
+            return
+        then()
 
     def _local_leg(self, j: _Job, k: int, slot: int, which: str) -> None:
         sp = j.sp
