@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kvplan
 from kvplan import EngineSpec
 from kvplan_nixl import Endpoint
+from kvplan_nixl._nixl import NIXL_LOCAL, nixl_agent, nixl_agent_config
 from kvplan_nixl.staged import Stager
 
 SLOT = 16 << 20
@@ -116,7 +117,7 @@ def bench_scattered(tokens: int, layers: int, reps: int) -> list[tuple]:
         sb, db = [rng.permutation(nb)[:n].tolist()], [rng.permutation(nb)[:n].tolist()]
         plan = w.d.map("prefill").plan(sb, db)
         nbytes = plan.nbytes
-        a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)  # pages touched
+        a, b = np.ones(nbytes, np.uint8), np.full(nbytes, 7, np.uint8)  # pages touched
         out = []
         for mode in ("pull", "push"):
             go = w.pull if mode == "pull" else w.push
@@ -164,7 +165,7 @@ def bench_mergeable(reps: int) -> list[tuple]:
         ids = [list(range(512))]
         plan = w.d.map("prefill").plan(ids, ids)
         nbytes = plan.nbytes
-        a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)  # pages touched
+        a, b = np.ones(nbytes, np.uint8), np.full(nbytes, 7, np.uint8)  # pages touched
         chosen = type(w.pull(ids, ids, "auto")).__name__
         t_np, t_auto = [], []
         for _ in range(reps):
@@ -182,6 +183,59 @@ def bench_mergeable(reps: int) -> list[tuple]:
         w.close()
 
 
+def bench_parallel_posting(reps: int, n: int = 40_960, piece: int = 4096) -> list[tuple]:
+    """Raw NIXL, the direct mode's wall: ``n`` scattered 4 KiB READs posted as one handle, as
+    four handles posted together, with UCX ``num_workers=4``, and with the agent's
+    ``num_threads=2`` (UCX's multi-threaded engine)."""
+    src, dst = np.ones(2 * n * piece, np.uint8), np.zeros(2 * n * piece, np.uint8)
+    rng = np.random.default_rng(0)
+    so, do = (rng.permutation(2 * n)[:n] * piece for _ in range(2))
+    z = np.zeros(n, np.int64)
+    out = []
+    base = None
+    for label, params, threads, handles in (
+        ("1 handle", {}, 0, 1),
+        ("4 handles posted together", {}, 0, 4),
+        ("4 handles, UCX num_workers=4", {"num_workers": "4"}, 0, 4),
+        ("4 handles, agent num_threads=2", {}, 2, 4),
+    ):
+        tag = f"{time.monotonic_ns()}"
+        agents = []
+        for name in ("A", "B"):
+            cfg = nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=threads)
+            ag = nixl_agent(name + tag, cfg)
+            ag.create_backend("UCX", {**params, **({"num_threads": str(threads)}
+                                                   if threads else {})})
+            agents.append(ag)
+        a, b = agents
+        a.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+        b.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+        name = a.add_remote_agent(b.get_agent_metadata())
+        lh = a.prep_xfer_dlist(NIXL_LOCAL, np.stack([dst.ctypes.data + do, z + piece, z], 1),
+                               "DRAM")
+        rh = a.prep_xfer_dlist(name, np.stack([src.ctypes.data + so, z + piece, z], 1), "DRAM")
+        parts = np.array_split(np.arange(n), handles)
+
+        def once(a=a, b=b, lh=lh, rh=rh, parts=parts):
+            hs = [a.make_prepped_xfer("READ", lh, p, rh, p, b"") for p in parts]
+            states = [a.transfer(h) for h in hs]
+            for h, s in zip(hs, states, strict=True):
+                while s == "PROC":
+                    b.get_new_notifs()
+                    s = a.check_xfer_state(h)
+                h.release()
+
+        once()
+        t = _median_time(once, reps)
+        lh.release()
+        rh.release()
+        a.remove_remote_agent(name)
+        base = base or t
+        out.append((f"parallel posting, raw NIXL, {n} scattered 4 KiB READs: {label}",
+                    f"{n * piece / t / 1e9:.2f} GB/s ({base / t:.2f}x of 1 handle)", "", ""))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -192,6 +246,7 @@ def main(argv=None) -> int:
     rows += bench_scattered(2048, 80, args.reps)
     rows += bench_scattered(32768, args.big_layers, max(3, args.reps // 2))
     rows += bench_mergeable(args.reps)
+    rows += bench_parallel_posting(args.reps)
     print("| measure | result | goal | |")
     print("|---|---|---|---|")
     for r in rows:
