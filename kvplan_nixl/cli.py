@@ -145,7 +145,12 @@ def cmd_demo(args) -> int:
                for r, bs in enumerate(p_bufs)]
     decode = [Endpoint("decode", dst, r, {dst.regions[a].name: b for a, b in bs.items()})
               for r, bs in enumerate(d_bufs)]
+    stagers: dict = {}
     try:
+        if not args.direct_only:  # staged mode needs its pools registered before metadata
+            from kvplan_nixl import staged_cli
+
+            stagers = staged_cli.attach(prefill + decode)
         initiators, targets = (prefill, decode) if args.push else (decode, prefill)
         remote = "decode" if args.push else "prefill"
         t1 = time.perf_counter()
@@ -187,7 +192,20 @@ def cmd_demo(args) -> int:
               f"({sum(sum(t.runs().values()) for t in posted)} NIXL descriptors)")
         notes = sum(len(ep.notifications()) for ep in targets)
         print(f"notifications received by the {'decode' if args.push else 'prefill'} side: {notes}")
+        if stagers:  # the same request staged, beside the direct numbers (kvplan_nixl.staged)
+            def reset() -> None:
+                for bs in d_bufs:
+                    for b in bs.values():
+                        _as_numpy(b)[:] = 0xEE
+
+            pairs = [(_as_numpy(d_bufs[r][a]), want) for r, allocs in enumerate(ref_allocs)
+                     for a, want in allocs.items()]
+            if not staged_cli.run(stagers, initiators, targets, plans, remote, args.push, secs,
+                                  pairs, reset):
+                return 1
     finally:
+        if stagers:
+            staged_cli.close(stagers)
         for ep in prefill + decode:
             ep.close()
     bad = [
@@ -234,6 +252,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--layout", choices=["HND", "NHD"], default=None)
         s.add_argument("--kv", choices=["split", "joint"], default=None)
         s.add_argument("--seed", type=int, default=0)
+        if name == "demo":
+            s.add_argument("--direct-only", action="store_true",
+                           help="skip the staged (bounce-buffer) run shown beside the direct one")
     from kvplan_nixl import explain  # explain, check, spec, presets (pure, no NIXL)
 
     explain.register(sub)

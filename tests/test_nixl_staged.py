@@ -224,3 +224,16 @@ def test_calibrate_measures_costs_the_chooser_then_uses():
         pr.check(sb, db, plans=[plan])
         with pytest.raises(NotConnectedError, match="no rank of engine"):
             st.calibrate("nobody")
+
+
+@pytest.mark.parametrize("extra", [[], ["--push", "--prefill-tp", "2", "--decode-tp", "4"]])
+def test_demo_shows_both_modes(capsys, extra):
+    from kvplan_nixl.cli import main
+
+    rc = main(["demo", "--tokens", "256", "--num-blocks", "32", *extra])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "staged: moved" in out and "NIXL descriptors for" in out
+    assert "verified: all" in out  # the final check covers the staged result
+    rc = main(["demo", "--tokens", "256", "--num-blocks", "32", "--direct-only", *extra])
+    assert rc == 0 and "staged:" not in capsys.readouterr().out
