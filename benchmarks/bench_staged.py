@@ -32,8 +32,8 @@ from kvplan_nixl import Endpoint
 from kvplan_nixl._nixl import NIXL_LOCAL, nixl_agent, nixl_agent_config
 from kvplan_nixl.staged import Stager
 
-SLOT = 16 << 20
-POOL = 64 << 20
+SLOT = int(os.environ.get("KVPLAN_BENCH_SLOT", 16 << 20))
+POOL = 4 * SLOT
 
 
 def _llama(tp: int, layers: int, nb: int) -> EngineSpec:
@@ -157,6 +157,133 @@ def bench_scattered(tokens: int, layers: int, reps: int) -> list[tuple]:
         w.close()
 
 
+class Remote:
+    """Peer ranks in their own processes (tests/nixl_peer.py --stager): the other engine of a
+    two-process run, each serving staged requests and progressing its agent every ~1 ms."""
+
+    def __init__(self, tmp: str, engine: str, spec: EngineSpec, ranks, back: list[str],
+                 mode: str) -> None:
+        import json
+        import subprocess
+
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.procs, self.paths = [], []
+        for r in ranks:
+            path = os.path.join(tmp, f"{engine}-{r}.md")
+            args = [sys.executable, os.path.join(here, "tests", "nixl_peer.py"), "--engine",
+                    engine, "--rank", str(r), "--spec", json.dumps(spec.to_dict()), "--seed",
+                    str(r + 1), "--fill", "random", "--metadata-out", path, "--stager",
+                    f"{POOL},{SLOT}"]
+            for b in back:
+                args += ["--connect", b, mode]
+            self.procs.append(subprocess.Popen(args, stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, env=env, text=True))
+            self.paths.append(path)
+
+    def metadata(self) -> list[bytes]:
+        out = []
+        for p, path in zip(self.procs, self.paths, strict=True):
+            assert p.stdout.readline().strip() == "ready"
+            with open(path, "rb") as f:
+                out.append(f.read())
+        return out
+
+    def connected(self) -> None:
+        for p in self.procs:
+            assert p.stdout.readline().strip() == "connected"
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.stdin.write("quit\n")
+                p.stdin.flush()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except Exception:
+                p.kill()
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def bench_two_process(tokens: int, layers: int, reps: int) -> list[tuple]:
+    """The scattered request with the other engine in its own processes: the source's gather
+    and the destination's copy legs run on different cores, as in a deployment."""
+    import tempfile
+
+    n = tokens // 16
+    nb = n + 16
+    src, dst = _llama(8, layers, nb), _llama(4, layers, nb)
+    rng = np.random.default_rng(0)
+    sb, db = [rng.permutation(nb)[:n].tolist()], [rng.permutation(nb)[:n].tolist()]
+    out = []
+    for mode in ("pull", "push"):
+        tmp = tempfile.mkdtemp(prefix="kvplan-bench-")
+        peers = kvplan.pull_map(src, dst, 0).peers
+        if mode == "pull":  # this process: decode rank 0; prefill peers serve
+            local = [Endpoint("decode", dst, 0, _bufs(dst, None))]
+            remote = Remote(tmp, "prefill", src, peers, [os.path.join(tmp, "local-0.md")],
+                            "push")
+            engine = "prefill"
+        else:  # this process: prefill ranks; decode rank 0 serves
+            local = [Endpoint("prefill", src, r, _bufs(src, r + 1)) for r in peers]
+            remote = Remote(tmp, "decode", dst, [0],
+                            [os.path.join(tmp, f"local-{i}.md") for i in range(len(local))],
+                            "pull")
+            engine = "decode"
+        sts = [Stager(ep, pool_bytes=POOL, slot_bytes=SLOT) for ep in local]
+        try:
+            metas = remote.metadata()
+            for i, ep in enumerate(local):
+                _write(os.path.join(tmp, f"local-{i}.md"), ep.metadata())
+                for m in metas:
+                    ep.connect(m, mode=mode)
+            remote.connected()
+            plans = [ep.map(engine, mode).plan(sb, db) for ep in local]
+            nbytes = sum(p.nbytes for p in plans)
+            a, b = np.ones(nbytes, np.uint8), np.full(nbytes, 7, np.uint8)
+
+            def go(how: str, sts=sts, plans=plans, engine=engine) -> list:
+                ts = [st.post(p, engine, how=how) for st, p in zip(sts, plans, strict=True)]
+                for t in ts:
+                    t.wait(120, progress=sts)
+                return ts
+
+            go("direct")
+            staged = go("staged")
+            t_np, t_dir, t_st = [], [], []
+            for _ in range(reps):
+                t_np.append(_median_time(lambda a=a, b=b: np.copyto(b, a), 1))
+                t_dir.append(_median_time(lambda go=go: go("direct"), 1))
+                t_st.append(_median_time(lambda go=go: go("staged"), 1))
+            t_np, t_dir, t_st = (statistics.median(x) for x in (t_np, t_dir, t_st))
+            gb = nbytes / 1e9
+            runs = sum(len(p) for p in plans)
+            desc = sum(t.descriptors for t in staged)
+            out += [
+                (f"two processes, {mode}, {tokens} tokens scattered, {layers} layers ({runs} "
+                 f"runs, {nbytes / 2**20:.0f} MiB): numpy copy / direct / staged",
+                 f"{gb / t_np:.2f} / {gb / t_dir:.2f} / {gb / t_st:.2f} GB/s "
+                 f"({desc} staged descriptors)", "", ""),
+                (f"two processes, {mode}, {tokens} tokens: staged / direct",
+                 f"{t_dir / t_st:.2f}x", ">= 3x", "met" if t_dir / t_st >= 3 else "NOT met"),
+                (f"two processes, {mode}, {tokens} tokens: staged / numpy copy",
+                 f"{t_np / t_st:.0%}", ">= 40%", "met" if t_np / t_st >= 0.4 else "NOT met"),
+            ]
+        finally:
+            for st in sts:
+                st.close()
+            for ep in local:
+                ep.close()
+            remote.close()
+    return out
+
+
 def bench_mergeable(reps: int) -> list[tuple]:
     """256 MiB, same TP, consecutive ids: post(how="auto") must stay direct at numpy speed."""
     spec = _llama(1, 8, 512)
@@ -243,6 +370,8 @@ def main(argv=None) -> int:
                     help="layers of the 32k-token case (80 needs ~10 GiB)")
     args = ap.parse_args(argv)
     rows = []
+    rows += bench_two_process(2048, 80, args.reps)
+    rows += bench_two_process(32768, args.big_layers, max(3, args.reps // 2))
     rows += bench_scattered(2048, 80, args.reps)
     rows += bench_scattered(32768, args.big_layers, max(3, args.reps // 2))
     rows += bench_mergeable(args.reps)
