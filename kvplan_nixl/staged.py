@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvplan import Mode, TransferPlan
+from kvplan import KVPlanError, Mode, TransferPlan
 from kvplan.staging import Costs, StagedPlan, prefer_staged, stage
 from kvplan_nixl import legs
 from kvplan_nixl._nixl import NIXL_LOCAL
@@ -767,7 +767,7 @@ class Stager:
             if op == "OPEN":
                 try:
                     self._serve_open(agent_name, f, body)
-                except _Refuse as exc:
+                except (_Refuse, KVPlanError) as exc:  # e.g. block ids that do not fit
                     self._send(agent_name, _encode("FAIL", f[1], f"refused: {exc}"))
                 return
             if op == "HELLO":  # calibration: tell the asker where this pool is

@@ -237,3 +237,21 @@ def test_demo_shows_both_modes(capsys, extra):
     assert "verified: all" in out  # the final check covers the staged result
     rc = main(["demo", "--tokens", "256", "--num-blocks", "32", "--direct-only", *extra])
     assert rc == 0 and "staged:" not in capsys.readouterr().out
+
+
+def test_malformed_and_foreign_messages_are_refused_not_raised():
+    """A server answers garbage with FAIL and keeps serving; nothing is held afterwards."""
+    rng = np.random.default_rng(12)
+    sb, db = blocks(rng, SRC, 8), blocks(rng, DST, 8)
+    with staged_pair(SRC, DST) as pr:
+        d, p0 = pr.d[0], pr.p[0]
+        server = pr.stagers[p0]
+        for msg in (b"kvs1 OPEN 9 push x", b"kvs1 OPEN 9 pull 65536 0 10 1 1 1 1\n" + b"\0" * 16,
+                    b"kvs1 OPEN 9 pull 65536 0 10 1 1 1 1\n" + np.array([999, 999], "<i8")
+                    .tobytes(), b"kvs1 DATA", b"kvs1 GRANT 77 0 0", b"kvs1 NOPE 1"):
+            server._inbox.append((d.agent_name, msg))
+        server.poll()  # no exception
+        assert server.handles()["serving"] == 0
+        t = pr.stagers[d].read(d.map("prefill").plan(sb, db), "prefill", timeout=30)
+        t.wait(progress=list(pr.stagers.values()))
+        pr.check(sb, db)
