@@ -46,20 +46,19 @@ import numpy as np
 import torch
 
 from kvplan import KVPlanError, Mode, TransferPlan
-from kvplan.staging import Costs, StagedPlan, prefer_staged, stage
+from kvplan.staging import Costs, prefer_staged, stage
 from kvplan_nixl import legs
 from kvplan_nixl._nixl import NIXL_LOCAL
 from kvplan_nixl.descriptors import Ladder, lower
 from kvplan_nixl.errors import (
     NixlError,
     NotConnectedError,
-    TransferFailed,
-    TransferTimeout,
     is_nixl_error,
     nixl_call,
     nixl_code,
 )
-from kvplan_nixl.transfer import MAX_SLEEP_SECONDS, SPIN_SECONDS, State
+from kvplan_nixl.staged_transfer import StagedTransfer, _Job, _Pool
+from kvplan_nixl.transfer import State
 
 if TYPE_CHECKING:
     from kvplan_nixl.endpoint import Endpoint
@@ -81,190 +80,6 @@ DEFAULT_COSTS = Costs(per_descriptor=2.5e-6, per_byte=1e-10, local_per_byte=2.5e
 
 def _encode(*fields: object, body: bytes = b"") -> bytes:
     return TAG + " ".join(str(f) for f in fields).encode() + (b"\n" + body if body else b"")
-
-
-class _Pool:
-    """Slots of a registered staging tensor, handed out FIFO (a slot is a credit)."""
-
-    def __init__(self, tensor: torch.Tensor, slot_bytes: int) -> None:
-        self.tensor = tensor
-        self.slot_bytes = slot_bytes
-        self.nslots = tensor.numel() // slot_bytes
-        self.free: collections.deque[int] = collections.deque(range(self.nslots))
-        self.waiters: collections.deque[tuple[Any, Callable[[int], None]]] = collections.deque()
-        self._pumping = False
-
-    def slot(self, i: int) -> torch.Tensor:
-        return self.tensor[i * self.slot_bytes:(i + 1) * self.slot_bytes]
-
-    @property
-    def in_use(self) -> int:
-        return self.nslots - len(self.free)
-
-    def acquire(self, owner: Any, then: Callable[[int], None]) -> None:
-        """Queue ``then(slot)``; it runs as soon as a slot is free and earlier waiters are
-        served (now, if one is)."""
-        self.waiters.append((owner, then))
-        self.pump()
-
-    def release(self, slot: int) -> None:
-        self.free.append(slot)
-        self.pump()
-
-    def forget(self, owner: Any) -> None:
-        """Drop the waits of ``owner`` (a failed request)."""
-        self.waiters = collections.deque(w for w in self.waiters if w[0] is not owner)
-
-    def pump(self) -> None:
-        if self._pumping:  # a callback that releases a slot must not recurse
-            return
-        self._pumping = True
-        try:
-            while self.free and self.waiters:
-                _, then = self.waiters.popleft()
-                then(self.free.popleft())
-        finally:
-            self._pumping = False
-
-
-class _Job:
-    """One peer rank's part of a staged request, on either side (internal, mutable)."""
-
-    def __init__(self, rid: str, agent: str, peer: int, sp: StagedPlan, mode: Mode,
-                 deadline: float | None) -> None:
-        self.rid, self.agent, self.peer, self.sp, self.mode = rid, agent, peer, sp, mode
-        self.chunks = sp.peer_chunks(peer)
-        self.deadline = deadline
-        self.state = State.PENDING
-        self.reason, self.kind = "", ""
-        self.slots: dict[int, int] = {}  # chunk -> local slot held
-        self.busy: set[int] = set()  # chunks whose local leg is running (slot kept till done)
-        self.server = False
-        self.xfers: dict[int, Any] = {}  # chunk -> NIXL handle in flight
-        self.finished = 0  # chunks through their local leg on this side
-        self.next = 0  # next chunk to grant (push server) or gather (pull server)
-        self.remote_done = False  # push initiator: DONE received
-        self.posted = 0  # bulk descriptors posted
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.chunks["nbytes"].sum())
-
-
-class StagedTransfer:
-    """One staged request to or from every peer rank of its plan (from :meth:`Stager.read` /
-    :meth:`Stager.write`); the same surface as :class:`kvplan_nixl.Transfer`: ``poll``,
-    ``wait``, ``cancel``, ``ok``, ``error``, plus ``chunks`` and ``descriptors``."""
-
-    def __init__(self, stager: Stager, sp: StagedPlan, remote: str, jobs: list[_Job]) -> None:
-        self._st = stager
-        self.staged = sp
-        self.plan = sp.plan
-        self.remote = remote
-        self._jobs = {j.peer: j for j in jobs}
-        self.started = time.perf_counter()
-        self.finished: float | None = None
-
-    @property
-    def peers(self) -> tuple[int, ...]:
-        """Peer ranks of this transfer, ascending."""
-        return tuple(sorted(self._jobs))
-
-    @property
-    def done(self) -> bool:
-        """True once no peer part is PENDING."""
-        return all(j.state is not State.PENDING for j in self._jobs.values())
-
-    @property
-    def ok(self) -> bool:
-        """True once every peer part is DONE."""
-        return all(j.state is State.DONE for j in self._jobs.values())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this transfer moves, over all peer ranks."""
-        return self.staged.nbytes
-
-    @property
-    def chunks(self) -> int:
-        """Chunks (= staging slots filled, = bulk descriptors) over all peer ranks."""
-        return len(self.staged.chunks)
-
-    @property
-    def descriptors(self) -> int:
-        """NIXL descriptors posted so far by this side (one per chunk)."""
-        return sum(j.posted for j in self._jobs.values())
-
-    @property
-    def seconds(self) -> float | None:
-        """From posting to the last part leaving PENDING, once done."""
-        return None if self.finished is None else self.finished - self.started
-
-    def states(self) -> dict[int, State]:
-        """``{peer_rank: State}`` as of the last poll."""
-        return {r: self._jobs[r].state for r in self.peers}
-
-    def poll(self) -> dict[int, State]:
-        """Drive the stager once (messages, transfers, deadlines) and report. Never blocks."""
-        self._st.poll()
-        return self.states()
-
-    def wait(self, timeout: float | None = None, *, progress: Iterable[Any] = ()
-             ) -> dict[int, State]:
-        """Block until every part is DONE; raise :class:`TransferFailed` /
-        :class:`TransferTimeout` otherwise. ``progress`` lists other Stagers (polled) or
-        Endpoints (progressed) of this process to drive while waiting."""
-        if timeout is not None:
-            limit = time.monotonic() + timeout
-            for j in self._jobs.values():
-                if j.deadline is None or limit < j.deadline:
-                    j.deadline = limit
-        others = tuple(progress)
-        spin_until = time.monotonic() + SPIN_SECONDS
-        nap = 10e-6
-        while True:
-            for o in others:
-                o.progress()
-            self._st.poll()
-            if self.done:
-                break
-            if time.monotonic() > spin_until:
-                time.sleep(nap)
-                nap = min(nap * 2, MAX_SLEEP_SECONDS)
-        err = self.error()
-        if err is not None:
-            raise err
-        return self.states()
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        """Fail the pending parts now: their slots and handles are freed, the peer told."""
-        for j in self._jobs.values():
-            self._st._fail(j, reason, "cancelled")
-
-    def error(self) -> TransferFailed | None:
-        """The exception ``wait`` raises, or None while pending or when every part is DONE."""
-        failed = {r: j for r, j in self._jobs.items() if j.state is State.FAILED}
-        if not failed or not self.done:
-            return None
-        m = self.plan.map
-        rows = self.plan.copies()
-        col = "src_rank" if m.mode is Mode.PULL else "dst_rank"
-        groups = np.unique(
-            np.array([r.group for r in m.dst.regions])[rows["dst_region"][
-                np.isin(rows[col], list(failed))]])
-        blocks = tuple(np.asarray(b) if g in groups else np.zeros(0, dtype=np.int64)
-                       for g, b in enumerate(self.plan.dst_blocks))
-        way = "from" if m.mode is Mode.PULL else "to"
-        what = (f"staged {m.mode.value} by {self._st.ep.engine!r} rank {self._st.ep.rank} "
-                f"{way} {self.remote!r} failed")
-        cls = TransferTimeout if all(j.kind == "timeout" for j in failed.values()) else (
-            TransferFailed)
-        return cls(what, {r: j.reason for r, j in failed.items()}, blocks)
-
-    def __repr__(self) -> str:
-        st = ", ".join(f"{r}: {s.value}" for r, s in self.states().items())
-        return (f"StagedTransfer({self.plan.map.mode.value} {self.remote!r}, "
-                f"{self.chunks} chunks, {{{st}}})")
 
 
 class Stager:
