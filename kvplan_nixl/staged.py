@@ -363,13 +363,15 @@ class Stager:
                 f"staged {mode.value}: ranks {missing} of engine {remote!r} are not connected")
         jobs = [_Job(rid, agents[r], r, sp, mode, deadline) for r in sp.peers]
         t = StagedTransfer(self, sp, remote, jobs)
+        t.rid = rid
         self._mine[rid] = (t, t._jobs)
         body = np.concatenate([*plan.src_blocks, *plan.dst_blocks]).astype("<i8").tobytes()
         lens = [len(b) for b in plan.src_blocks] + [len(b) for b in plan.dst_blocks]
         tmo = 0 if timeout is None else max(1, int(timeout * 1000))
         for j in jobs:
             msg = _encode("OPEN", rid, mode.value, self.slot_bytes, tmo, j.nbytes,
-                          len(j.chunks), len(plan.src_blocks), *lens, body=body)
+                          len(j.chunks), len(plan.src_blocks), len(plan.dst_blocks), *lens,
+                          body=body)
             if not self._send(j.agent, msg):
                 self._fail(j, "peer unreachable (OPEN not sent)", "error", tell=False)
         self._settle(t)
@@ -481,8 +483,7 @@ class Stager:
         if t.done:
             if t.finished is None:
                 t.finished = time.perf_counter()
-            rid = next(iter(t._jobs.values())).rid if t._jobs else None
-            self._mine.pop(rid, None)
+            self._mine.pop(t.rid, None)
 
     # -- server ------------------------------------------------------------------------------
 
@@ -491,14 +492,14 @@ class Stager:
 
         rid = f[1]
         mode = Mode(f[2])
-        chunk, tmo, nbytes, nchunks, ng = (int(x) for x in f[3:8])
-        lens = [int(x) for x in f[8:8 + 2 * ng]]
+        chunk, tmo, nbytes, nchunks, ng, ngd = (int(x) for x in f[3:9])
+        lens = [int(x) for x in f[9:9 + ng + ngd]]
         engine, rank = _parse_agent(agent_name)
         if chunk != self.slot_bytes:
             raise _Refuse(f"slot sizes differ: initiator {chunk} bytes, this side "
                           f"{self.slot_bytes}")
         ids = np.frombuffer(body, dtype="<i8")
-        if len(ids) != sum(lens) or len(lens) != 2 * ng:
+        if len(ids) != sum(lens) or len(lens) != ng + ngd or min(lens, default=0) < 0:
             raise _Refuse(f"block id lists malformed: {len(ids)} ids for lengths {lens}")
         cuts = np.cumsum([0, *lens])
         lists = [ids[a:b].tolist() for a, b in itertools.pairwise(cuts)]

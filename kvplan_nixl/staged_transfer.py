@@ -104,6 +104,7 @@ class StagedTransfer:
         self.plan = sp.plan
         self.remote = remote
         self._jobs = {j.peer: j for j in jobs}
+        self.rid = ""  # the request id its Stager gave it
         self.started = time.perf_counter()
         self.finished: float | None = None
 

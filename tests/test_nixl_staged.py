@@ -246,12 +246,23 @@ def test_malformed_and_foreign_messages_are_refused_not_raised():
     with staged_pair(SRC, DST) as pr:
         d, p0 = pr.d[0], pr.p[0]
         server = pr.stagers[p0]
-        for msg in (b"kvs1 OPEN 9 push x", b"kvs1 OPEN 9 pull 65536 0 10 1 1 1 1\n" + b"\0" * 16,
-                    b"kvs1 OPEN 9 pull 65536 0 10 1 1 1 1\n" + np.array([999, 999], "<i8")
-                    .tobytes(), b"kvs1 DATA", b"kvs1 GRANT 77 0 0", b"kvs1 NOPE 1"):
+        open_ = b"kvs1 OPEN 9 pull 65536 0 10 1 1 1 "
+        garbage = (b"kvs1 OPEN 9 push x", open_ + b"1 1\n" + b"\0" * 16,
+                   open_ + b"1 1\n" + np.array([999, 999], "<i8").tobytes(),
+                   open_ + b"-1 3\n", b"kvs1 DATA", b"kvs1 GRANT 77 0 0", b"kvs1 NOPE 1")
+        for msg in garbage:
             server._inbox.append((d.agent_name, msg))
         server.poll()  # no exception
         assert server.handles()["serving"] == 0
         t = pr.stagers[d].read(d.map("prefill").plan(sb, db), "prefill", timeout=30)
         t.wait(progress=list(pr.stagers.values()))
         pr.check(sb, db)
+
+
+def test_empty_plan_is_done_at_once_and_holds_nothing():
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        t = st.read(d.map("prefill").plan([[]], [[]]), "prefill")
+        assert t.done and t.ok and t.peers == () and t.chunks == 0
+        assert st.handles()["requests"] == 0
