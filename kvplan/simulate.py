@@ -7,6 +7,7 @@ from collections.abc import Mapping, MutableMapping
 import numpy as np
 
 from kvplan.plan import TransferPlan
+from kvplan.staging import Leg
 
 
 def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -17,11 +18,14 @@ def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def simulate(
-    plan: TransferPlan,
+    plan: TransferPlan | Leg,
     src_buffers: Mapping[tuple[int, int], np.ndarray],
     dst_buffers: MutableMapping[tuple[int, int], np.ndarray],
 ) -> None:
     """Copy every run of ``plan`` from ``src_buffers`` into ``dst_buffers``, in place.
+
+    ``plan`` may also be one leg of a staged plan (``kvplan.staging``); a staging area is keyed
+    ``(rank, STAGING)``.
 
     Buffers are 1-D ``uint8`` arrays keyed ``(rank, region_index)`` of each side's engine. A run
     outside its buffer raises ``IndexError`` (a plan never produces one). Vectorised per pair of
