@@ -112,9 +112,6 @@ class Stager:
         agent = endpoint._require()
         self.window = window
         self.cpu_threads = cpu_threads
-        # local legs on a worker thread, so gather/scatter of one chunk overlap NIXL on others
-        self._worker = (concurrent.futures.ThreadPoolExecutor(1, "kvplan-staged-leg")
-                        if overlap else None)
         self._running: collections.deque = collections.deque()
         self.slot_bytes = slot_bytes
         # the engine's regions as flat byte tensors, by region index (pooled regions share)
@@ -130,7 +127,7 @@ class Stager:
         self.pool = _Pool(torch.zeros(pool_bytes, dtype=torch.uint8, device=device), slot_bytes)
         t = self.pool.tensor
         self._mem = endpoint.mem_type
-        self._dev = t.device.index or 0 if t.device.type == "cuda" else 0
+        self._dev = (t.device.index or 0) if t.device.type == "cuda" else 0
         with nixl_call("register_memory", f"staging pool of {pool_bytes} bytes"):
             self._reg = agent.register_memory([(t.data_ptr(), pool_bytes, self._dev, "")],
                                               self._mem)
@@ -149,6 +146,9 @@ class Stager:
         self._served: dict[tuple[str, str], _Job] = {}  # (agent, rid) -> server job
         self.costs: dict[str, Costs] = {}
         self._hello: set[str] = set()  # calibration requests awaiting POOL
+        # local legs on a worker thread, so gather/scatter of one chunk overlap NIXL on others
+        self._worker = (concurrent.futures.ThreadPoolExecutor(1, "kvplan-staged-leg")
+                        if overlap else None)
         endpoint._notif_hooks[TAG] = lambda agent_name, msg: self._inbox.append(
             (agent_name, msg))
 

@@ -266,3 +266,14 @@ def test_empty_plan_is_done_at_once_and_holds_nothing():
         t = st.read(d.map("prefill").plan([[]], [[]]), "prefill")
         assert t.done and t.ok and t.peers == () and t.chunks == 0
         assert st.handles()["requests"] == 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"slot_bytes": 1000}, "multiple of 4096"),
+    ({"pool_bytes": 3 * SLOT + 4096, "slot_bytes": SLOT}, "dividing"),
+    ({"pool_bytes": SLOT, "slot_bytes": 2 * SLOT}, "dividing"),
+    ({"window": 0}, "window"),
+])
+def test_stager_arguments_are_checked_before_anything_is_allocated(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Stager(None, **kw)
