@@ -611,7 +611,9 @@ class Stager:
             if j is None or j.state is not State.PENDING:
                 return
             if op == "FAIL":
-                self._fail(j, "peer failed: " + " ".join(f[2:]), "error", tell=False)
+                why = " ".join(f[2:])
+                kind = "timeout" if why.startswith("server deadline") else "error"
+                self._fail(j, "peer failed: " + why, kind, tell=False)
             elif op == "ACK":
                 self._learn_pool(agent_name, int(f[2]), int(f[3]), int(f[5]), f[6])
             elif op in ("GRANT", "READY"):

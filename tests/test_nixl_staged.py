@@ -277,3 +277,29 @@ def test_empty_plan_is_done_at_once_and_holds_nothing():
 def test_stager_arguments_are_checked_before_anything_is_allocated(kw, match):
     with pytest.raises(ValueError, match=match):
         Stager(None, **kw)
+
+
+def test_server_frees_a_silent_initiators_slots_at_its_deadline():
+    """The initiator stops acting after OPEN (as if dead, no ABORT): the servers hold gathered
+    slots until the deadline the OPEN carried, then free them."""
+    rng = np.random.default_rng(13)
+    sb, db = blocks(rng, SRC, 40), blocks(rng, DST, 40)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        t = st.read(d.map("prefill").plan(sb, db), "prefill", timeout=0.5)
+        servers = [pr.stagers[p] for p in pr.p]
+        held = 0
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            d.progress()  # the initiator's agent answers NIXL, its Stager does nothing
+            for s in servers:
+                s.poll()
+            held = max(held, sum(s.handles()["slots_in_use"] for s in servers))
+            if held and all(_idle(s) == IDLE for s in servers):
+                break
+            time.sleep(1e-3)
+        assert held > 0  # they had gathered chunks for it
+        assert all(_idle(s) == IDLE for s in servers), [s.handles() for s in servers]
+        with pytest.raises(TransferTimeout):
+            t.wait()
