@@ -13,7 +13,7 @@ A staging area is addressed like an engine region whose blocks are consecutive: 
 :data:`STAGING`, byte offsets in one *staging space* per request, shared by both sides (the bulk
 leg copies offset ``x`` to offset ``x``). Each peer of the plan owns a span of that space,
 starting at a multiple of ``chunk_bytes``; its runs are packed in canonical order (by destination
-region, then destination offset, which push and pull plans of the same peer pair agree on) and
+buffer, then destination offset, which push and pull plans of the same peer pair agree on) and
 cut at every multiple of ``chunk_bytes``, so chunk ``k`` of a peer is one bulk run and fits one
 staging slot of ``chunk_bytes`` bytes. Post-condition (tested against the oracle): gather, then
 bulk, then scatter writes exactly the bytes the direct plan writes.
@@ -31,7 +31,7 @@ import numpy as np
 
 from kvplan.errors import RequestError
 from kvplan.plan import COPY_DTYPE, TransferPlan
-from kvplan.planner import Mode, ReadOnlyArrays
+from kvplan.planner import Mode, ReadOnlyArrays, TransferMap
 
 #: Region index that names a staging area in a leg's rows (engine regions are >= 0).
 STAGING = -1
@@ -63,6 +63,7 @@ class Leg(ReadOnlyArrays):
 
     name: str
     rows: np.ndarray
+    map: TransferMap  # the plan's: names the engine sides' buffers (kvplan.simulate uses it)
 
     def copies(self) -> np.ndarray:
         """The runs as a read-only structured array of :data:`COPY_DTYPE`."""
@@ -172,7 +173,7 @@ def stage(plan: TransferPlan, chunk_bytes: int) -> StagedPlan:
     pull = plan.map.mode is Mode.PULL
     peer_col = "src_rank" if pull else "dst_rank"
     cols = {k: np.ascontiguousarray(rows[k]) for k in rows.dtype.names}  # fast columns
-    key = (cols[peer_col], cols["dst_region"], cols["dst_offset"])
+    key = (cols[peer_col], cols["dst_buffer"], cols["dst_offset"])
     if not _ascending(*key):  # plans usually come in canonical order already: no sort then
         order = np.lexsort(key[::-1])
         cols = {k: v[order] for k, v in cols.items()}
@@ -200,11 +201,13 @@ def stage(plan: TransferPlan, chunk_bytes: int) -> StagedPlan:
     gather["src_offset"] = pr["src_offset"] + delta
     gather["dst_rank"], gather["dst_region"], gather["dst_offset"] = src_rank, STAGING, stage_off
     gather["length"] = piece_len
+    gather["src_buffer"], gather["dst_buffer"] = pr["src_buffer"], STAGING
     scatter = np.empty(len(row), dtype=COPY_DTYPE)
     scatter["src_rank"], scatter["src_region"], scatter["src_offset"] = dst_rank, STAGING, stage_off
     scatter["dst_rank"], scatter["dst_region"] = dst_rank, pr["dst_region"]
     scatter["dst_offset"] = pr["dst_offset"] + delta
     scatter["length"] = piece_len
+    scatter["src_buffer"], scatter["dst_buffer"] = STAGING, pr["dst_buffer"]
     # chunks, peer-major
     n_chunks = int(peer_chunks.sum())
     cpeer_idx = np.repeat(np.arange(len(starts)), peer_chunks)
@@ -223,6 +226,7 @@ def stage(plan: TransferPlan, chunk_bytes: int) -> StagedPlan:
     bulk["src_rank"] = chunks["peer"] if pull else me
     bulk["dst_rank"] = me if pull else chunks["peer"]
     bulk["src_region"] = bulk["dst_region"] = STAGING
+    bulk["src_buffer"] = bulk["dst_buffer"] = STAGING
     bulk["src_offset"] = bulk["dst_offset"] = chunks["offset"]
     bulk["length"] = chunks["nbytes"]
     parts = [np.asarray([chunk], dtype=np.int64), rows["src_offset"], rows["dst_offset"],
@@ -234,9 +238,9 @@ def stage(plan: TransferPlan, chunk_bytes: int) -> StagedPlan:
         plan=plan,
         chunk_bytes=chunk,
         granule=granule,
-        gather=Leg("gather", gather),
-        bulk=Leg("bulk", bulk),
-        scatter=Leg("scatter", scatter),
+        gather=Leg("gather", gather, plan.map),
+        bulk=Leg("bulk", bulk, plan.map),
+        scatter=Leg("scatter", scatter, plan.map),
         chunks=chunks,
     )
 

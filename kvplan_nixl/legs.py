@@ -1,8 +1,9 @@
 """The local legs of a staged transfer: gather into and scatter out of a staging slot, in torch.
 
 A leg's rows (``kvplan.staging``) have offsets and lengths that are multiples of the staged
-plan's ``granule``, so every region and the slot are viewed as 2-D ``(rows, granule)`` uint8
-tensors and one chunk is copied with one index operation per region it touches: the index is
+plan's ``granule``, so every engine buffer and the slot are viewed as 2-D ``(rows, granule)``
+uint8 tensors and one chunk is copied with one index operation per buffer it touches: the index
+is
 the flat int64 list of granule numbers the chunk's runs cover, built with numpy arithmetic (no
 Python loop per run). The same code runs on CPU and CUDA tensors; indices are moved to the
 tensors' device.
@@ -59,26 +60,26 @@ def granule_index(offsets: np.ndarray, lengths: np.ndarray, granule: int) -> np.
 
 
 class Chunk:
-    """One chunk's copy operations: per region touched, (region, slot granules [a, b), index).
+    """One chunk's copy operations: per buffer touched, (buffer, slot granules [a, b), index).
 
     Built once per chunk from the leg rows ``rows`` (of one chunk, in staging order), taking the
-    region column ``region`` and offset column ``offset`` of the engine side, and the staging
+    buffer column ``buffers`` and offset column ``offset`` of the engine side, and the staging
     offsets ``stage`` relative to the chunk's start.
     """
 
     __slots__ = ("nbytes", "ops")
 
-    def __init__(self, regions: np.ndarray, offsets: np.ndarray, stage: np.ndarray,
+    def __init__(self, buffers: np.ndarray, offsets: np.ndarray, stage: np.ndarray,
                  lengths: np.ndarray, granule: int) -> None:
         self.ops: list[tuple[int, int, int, np.ndarray]] = []
         self.nbytes = int(lengths.sum())
-        if len(regions) == 0:
+        if len(buffers) == 0:
             return
-        cut = np.flatnonzero(np.concatenate(([True], regions[1:] != regions[:-1], [True])))
-        for a, b in zip(cut[:-1].tolist(), cut[1:].tolist()):  # per region, not per run
+        cut = np.flatnonzero(np.concatenate(([True], buffers[1:] != buffers[:-1], [True])))
+        for a, b in zip(cut[:-1].tolist(), cut[1:].tolist()):  # per buffer stretch, not per run
             idx = granule_index(offsets[a:b], lengths[a:b], granule)
             s0 = int(stage[a]) // granule
-            self.ops.append((int(regions[a]), s0, s0 + len(idx), idx))
+            self.ops.append((int(buffers[a]), s0, s0 + len(idx), idx))
 
 
 def chunk_ops(leg_rows: np.ndarray, chunk: np.void, granule: int, side: str) -> Chunk:
@@ -86,7 +87,7 @@ def chunk_ops(leg_rows: np.ndarray, chunk: np.void, granule: int, side: str) -> 
     (``"src"`` for a gather, ``"dst"`` for a scatter)."""
     rows = leg_rows[int(chunk["row_start"]):int(chunk["row_end"])]
     other = "dst" if side == "src" else "src"
-    return Chunk(rows[f"{side}_region"], rows[f"{side}_offset"],
+    return Chunk(rows[f"{side}_buffer"], rows[f"{side}_offset"],
                  rows[f"{other}_offset"] - int(chunk["offset"]), rows["length"], granule)
 
 
@@ -95,22 +96,22 @@ def _rows(t: torch.Tensor, granule: int) -> torch.Tensor:
     return t[: n * granule].view(n, granule)
 
 
-def gather(ops: Chunk, regions: dict[int, torch.Tensor], slot: torch.Tensor,
+def gather(ops: Chunk, buffers: dict[int, torch.Tensor], slot: torch.Tensor,
            granule: int) -> None:
-    """Copy the chunk's runs from the engine ``regions`` (flat uint8 per region index) into
-    ``slot`` (flat uint8, the chunk's staging bytes from 0)."""
+    """Copy the chunk's runs from the engine ``buffers`` (flat uint8 per index of
+    ``EngineSpec.buffers``) into ``slot`` (flat uint8, the chunk's staging bytes from 0)."""
     slot2 = _rows(slot, granule)
-    for region, a, b, idx in ops.ops:
-        src = _rows(regions[region], granule)
+    for buffer, a, b, idx in ops.ops:
+        src = _rows(buffers[buffer], granule)
         torch.index_select(src, 0, torch.from_numpy(idx).to(src.device), out=slot2[a:b])
 
 
-def scatter(ops: Chunk, regions: dict[int, torch.Tensor], slot: torch.Tensor,
+def scatter(ops: Chunk, buffers: dict[int, torch.Tensor], slot: torch.Tensor,
             granule: int) -> None:
-    """Copy the chunk's bytes from ``slot`` to their places in the engine ``regions``."""
+    """Copy the chunk's bytes from ``slot`` to their places in the engine ``buffers``."""
     slot2 = _rows(slot, granule)
-    for region, a, b, idx in ops.ops:
-        dst = _rows(regions[region], granule)
+    for buffer, a, b, idx in ops.ops:
+        dst = _rows(buffers[buffer], granule)
         if dst.device.type == "cpu":  # see the module doc: torch's CPU scatter is per element
             dst.numpy()[idx] = slot2[a:b].numpy()
         else:
@@ -122,7 +123,7 @@ def cpu_threads(n: int | None, t: torch.Tensor) -> Iterator[None]:
     """Run the block with ``n`` torch intra-op threads when ``t`` is on the CPU (restored
     after); ``None`` or a CUDA tensor leaves torch's setting alone.
 
-    Why: a leg is a few index copies of about a MiB per region; on a busy host, splitting each
+    Why: a leg is a few index copies of about a MiB per buffer; on a busy host, splitting each
     over threads costs more in synchronisation than it gains (measured on 2 shared cores: 1.4
     GB/s with one thread, 0.05-0.5 GB/s with two).
     """

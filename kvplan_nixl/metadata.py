@@ -58,6 +58,9 @@ class PeerInfo:
     nbytes: tuple[int, ...]
     devices: tuple[int, ...]
     agent_metadata: bytes = attrs.field(repr=False)
+    #: per region, the base of its V buffer when it keeps K and V apart (else 0); empty when
+    #: no region does. ``bases`` then holds the K buffer's.
+    v_bases: tuple[int, ...] = ()
 
     @property
     def held(self) -> tuple[int, ...]:
@@ -80,6 +83,7 @@ def encode(info: PeerInfo) -> bytes:
                                                   strict=True))
                 if n
             ],
+            **({"v_bases": list(info.v_bases)} if any(info.v_bases) else {}),
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -123,6 +127,7 @@ def decode(blob: bytes) -> PeerInfo:
         h = json.loads(header)
         engine, rank, agent, mem = h["engine"], h["rank"], h["agent"], h["mem_type"]
         regions = [tuple(int(x) for x in t) for t in h["regions"]]
+        v_bases = tuple(int(x) for x in h.get("v_bases", ()))
         spec = EngineSpec.from_dict(h["spec"])
     except KVPlanError as exc:
         raise MetadataError(f"peer metadata carries an invalid spec: {exc}") from exc
@@ -159,6 +164,13 @@ def decode(blob: bytes) -> PeerInfo:
                 "allocation"
             )
         bases[i], sizes[i], devs[i] = base, size, dev
+    separate = [i for i in indices if spec.regions[i].separate_kv]
+    if v_bases and len(v_bases) != n:
+        raise MetadataError(f"{who}: {len(v_bases)} V buffer bases for {n} regions")
+    missing = [spec.regions[i].name for i in separate if not v_bases or v_bases[i] <= 0]
+    if missing:
+        raise MetadataError(f"{who}: regions {missing} keep K and V in separate buffers, but "
+                            "the metadata carries no V buffer base for them")
     return PeerInfo(
         engine=engine,
         rank=rank,
@@ -169,4 +181,5 @@ def decode(blob: bytes) -> PeerInfo:
         nbytes=tuple(sizes),
         devices=tuple(devs),
         agent_metadata=agent_md,
+        v_bases=v_bases,
     )

@@ -114,14 +114,19 @@ class Stager:
         self.cpu_threads = cpu_threads
         self._running: collections.deque = collections.deque()
         self.slot_bytes = slot_bytes
-        # the engine's regions as flat byte tensors, by region index (pooled regions share)
+        # the rank's buffers as flat byte tensors, by index in spec.buffers (the legs' rows
+        # name buffers; a region's K and V may live in two)
         by_addr = {}
         for buf in endpoint._buffers:
             t = legs.byte_tensor(buf)
             by_addr[t.data_ptr()] = t
-        self._regions = {i: by_addr[endpoint._bases[i]] for i in endpoint.spec.regions_on(
-            endpoint.rank)}
-        device = next(iter(self._regions.values())).device if self._regions else torch.device(
+        spec = endpoint.spec
+        self._buffers: dict[int, torch.Tensor] = {}
+        for i in spec.regions_on(endpoint.rank):
+            self._buffers[spec.buffer_of(i)] = by_addr[endpoint._bases[i]]
+            if spec.regions[i].separate_kv:
+                self._buffers[spec.buffer_of(i, 1)] = by_addr[endpoint._v_bases[i]]
+        device = next(iter(self._buffers.values())).device if self._buffers else torch.device(
             "cpu")
         # zeroed now: the pool's pages are faulted in once, not during the first requests
         self.pool = _Pool(torch.zeros(pool_bytes, dtype=torch.uint8, device=device), slot_bytes)
@@ -700,7 +705,7 @@ class Stager:
                              chunk, sp.granule, "src" if which == "gather" else "dst")
         dest = self.pool.slot(slot)
         with legs.cpu_threads(self.cpu_threads, dest):
-            (legs.gather if which == "gather" else legs.scatter)(ops, self._regions, dest,
+            (legs.gather if which == "gather" else legs.scatter)(ops, self._buffers, dest,
                                                                    sp.granule)
         legs.synchronize(dest)
 

@@ -20,13 +20,15 @@ from kvplan_nixl import legs
 from tests import oracle
 
 
-def _regions(bufs, rank, kind):
-    """Flat byte tensors per region index of ``rank``, sharing memory with the numpy buffers
-    (given as numpy arrays, tensors or (address, nbytes) pairs)."""
+def _buffers(spec, bufs, rank, kind):
+    """Flat byte tensors per buffer index (``spec.buffers``) of ``rank``, sharing memory with
+    the oracle's numpy arrays (keyed by region index, or by buffer name for K/V buffers), given
+    to torch as arrays, tensors or (address, nbytes) pairs."""
     out = {}
-    for (r, i), b in bufs.items():
+    for (r, key), b in bufs.items():
         if r != rank:
             continue
+        i = spec.buffers.index(key) if isinstance(key, str) else spec.buffer_of(key)
         if kind == "tensor":
             out[i] = torch.from_numpy(b)
         elif kind == "pair":
@@ -51,15 +53,15 @@ def test_torch_legs_move_exactly_what_simulate_moves(case):
         want = oracle.clone_buffers(before, rank)
         simulate(plan, src_bufs, want)
         got = oracle.clone_buffers(before, rank)
-        dst_regions = _regions(got, rank, kind)
+        dst_buffers = _buffers(dst, got, rank, kind)
         slot = torch.zeros(chunk, dtype=torch.uint8)
         for ch in sp.chunks:
-            src_regions = _regions(src_bufs, int(ch["peer"]), kind)
+            src_buffers = _buffers(src, src_bufs, int(ch["peer"]), kind)
             g = legs.chunk_ops(sp.gather.copies(), ch, sp.granule, "src")
             s = legs.chunk_ops(sp.scatter.copies(), ch, sp.granule, "dst")
             assert g.nbytes == s.nbytes == ch["nbytes"]
-            legs.gather(g, src_regions, slot, sp.granule)
-            legs.scatter(s, dst_regions, slot, sp.granule)
+            legs.gather(g, src_buffers, slot, sp.granule)
+            legs.scatter(s, dst_buffers, slot, sp.granule)
         for k in want:
             assert np.array_equal(got[k], want[k]), k
 
