@@ -303,3 +303,32 @@ def test_server_frees_a_silent_initiators_slots_at_its_deadline():
         assert all(_idle(s) == IDLE for s in servers), [s.handles() for s in servers]
         with pytest.raises(TransferTimeout):
             t.wait()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_staged_between_layouts_and_separate_kv_buffers(mode):
+    """TensorRT-LLM's block-major pool (TP2) <-> SGLang's separate K and V buffers (TP1),
+    staged: the legs name buffers, not regions, and land the oracle's bytes."""
+    from tests.test_nixl_layouts import BufferPair, model
+
+    src, dst = (model(2, "trt"), model(1, "sglang")) if mode == "pull" else (
+        model(1, "sglang"), model(2, "trt"))
+    rng = np.random.default_rng(14)
+    sb, db = blocks(rng, src, 12), blocks(rng, dst, 12)
+    pr = BufferPair(src, dst)
+    stagers = {}
+    try:
+        stagers = {ep: Stager(ep, pool_bytes=4 * SLOT, slot_bytes=SLOT) for ep in pr.endpoints}
+        pr.connect("pull")
+        pr.connect("push")
+        pr.stagers = stagers
+        ts = _run(pr, mode, sb, db)
+        pr.check(sb, db)
+        assert all(t.ok and t.descriptors == t.chunks for t in ts)
+        drain(stagers.values())
+        for st in stagers.values():
+            assert _idle(st) == IDLE, st.handles()
+    finally:
+        for st in stagers.values():
+            st.close()
+        pr.close()
