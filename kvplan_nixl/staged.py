@@ -73,9 +73,10 @@ PIECE = 4096
 #: How long a server keeps a request whose initiator gave no timeout (seconds).
 SERVE_TIMEOUT = 60.0
 #: Costs assumed before any measurement: UCX over CMA on one host (2.5 us per descriptor,
-#: 10 GB/s), local index copies at 4 GB/s, 100 us per chunk (notifications, posting).
+#: 10 GB/s), local index copies at 4 GB/s, 1 ms per chunk (a notification round trip with a
+#: peer that polls about every millisecond, as tests/nixl_peer.py does).
 DEFAULT_COSTS = Costs(per_descriptor=2.5e-6, per_byte=1e-10, local_per_byte=2.5e-10,
-                      per_chunk=100e-6)
+                      per_chunk=1e-3)
 
 
 def _encode(*fields: object, body: bytes = b"") -> bytes:

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from kvplan import pull_map
+from kvplan import Costs, pull_map
 from kvplan_nixl import NotConnectedError, State, TransferFailed, TransferTimeout
 from kvplan_nixl.staged import Stager
 from tests import oracle
@@ -115,7 +115,11 @@ def test_staged_and_direct_agree_and_post_chooses():
         merged = pull_map(one, one, 0).plan([same], [same])
         assert len(merged) == 2  # K and V: two big runs
         assert not st.prefer(merged, "prefill")  # mergeable plans stay direct
-        assert st.prefer(plan, "prefill")  # 24 scattered blocks in hetero TP: staged
+        assert not st.prefer(plan, "prefill")  # 0.6 MB in 10 chunks: round trips dominate
+        st.costs["prefill"] = Costs(per_descriptor=2.5e-6, per_byte=1e-10,
+                                    local_per_byte=2.5e-10, per_chunk=1e-5)
+        assert st.prefer(plan, "prefill")  # with cheap round trips (a fast peer): staged
+        assert not st.prefer(merged, "prefill")  # still: at most one run per chunk
         with pytest.raises(ValueError, match="how"):
             st.post(plan, "prefill", how="fast")
 
