@@ -36,13 +36,14 @@ from kvplan_nixl.errors import (
 if TYPE_CHECKING:
     from kvplan_nixl.endpoint import Endpoint, Notification, Peer
     from kvplan_nixl.staged import Stager
-    from kvplan_nixl.staged_transfer import StagedTransfer
+    from kvplan_nixl.staged_transfer import MixedTransfer, StagedTransfer
     from kvplan_nixl.transfer import State, Transfer
 
 _LAZY = {
     "Endpoint": "kvplan_nixl.endpoint",
     "Notification": "kvplan_nixl.endpoint",
     "Peer": "kvplan_nixl.endpoint",
+    "MixedTransfer": "kvplan_nixl.staged_transfer",
     "StagedTransfer": "kvplan_nixl.staged_transfer",
     "Stager": "kvplan_nixl.staged",
     "State": "kvplan_nixl.transfer",
@@ -56,6 +57,7 @@ __all__ = [
     "Endpoint",
     "ExecutorError",
     "MetadataError",
+    "MixedTransfer",
     "NixlError",
     "NotConnectedError",
     "Notification",

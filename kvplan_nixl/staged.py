@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import torch
 
@@ -57,7 +58,7 @@ from kvplan_nixl.errors import (
     nixl_call,
     nixl_code,
 )
-from kvplan_nixl.staged_transfer import StagedTransfer, _Job, _Pool
+from kvplan_nixl.staged_transfer import MixedTransfer, StagedTransfer, _Job, _Pool
 from kvplan_nixl.transfer import State
 
 if TYPE_CHECKING:
@@ -174,19 +175,50 @@ class Stager:
              timeout: float | None = None):
         """Read (pull plan) or write (push plan) ``plan`` directly or staged.
 
-        ``how``: ``"direct"``, ``"staged"`` or ``"auto"``, which asks :meth:`prefer` with the
-        costs of ``remote`` (measured by :meth:`calibrate`, else :data:`DEFAULT_COSTS`).
-        Returns a :class:`~kvplan_nixl.Transfer` or a :class:`StagedTransfer`.
+        ``how``: ``"direct"``, ``"staged"`` or ``"auto"``, which decides per peer rank with
+        :meth:`staged_peers` and the costs of ``remote`` (measured by :meth:`calibrate`, else
+        :data:`DEFAULT_COSTS`). Returns a :class:`~kvplan_nixl.Transfer`, a
+        :class:`StagedTransfer`, or, when ``auto`` stages only some peers, a
+        :class:`MixedTransfer` of the two (the plan's runs split by peer rank).
         """
         if how not in ("auto", "direct", "staged"):
             raise ValueError(f"how must be 'auto', 'direct' or 'staged', got {how!r}")
-        if how == "auto":
-            how = "staged" if self.prefer(plan, remote) else "direct"
         pull = plan.map.mode is Mode.PULL
+        post = self.ep.read if pull else self.ep.write
+        if how == "auto":
+            staged = self.staged_peers(plan, remote)
+            if not staged:
+                how = "direct"
+            elif set(staged) == set(plan.peers):
+                how = "staged"
+            else:
+                direct = [r for r in plan.peers if r not in staged]
+                # post the staged part first: its OPENs travel while the direct part runs
+                st = self._start(_subset(plan, staged), remote, plan.map.mode, timeout)
+                try:
+                    dt = post(_subset(plan, direct), remote, timeout=timeout)
+                except BaseException:
+                    st.cancel("the direct part could not be posted")
+                    raise
+                return MixedTransfer(plan, dt, st)
         if how == "direct":
-            post = self.ep.read if pull else self.ep.write
             return post(plan, remote, timeout=timeout)
         return self._start(plan, remote, plan.map.mode, timeout)
+
+    def staged_peers(self, plan: TransferPlan, remote: str) -> tuple[int, ...]:
+        """The peer ranks of ``plan`` for which the cost model predicts staging beats direct
+        posting (``kvplan.staging.prefer_staged`` with that peer's runs, bytes and chunks)."""
+        costs = self.costs.get(remote, DEFAULT_COSTS)
+        rows = plan.copies()
+        col = "src_rank" if plan.map.mode is Mode.PULL else "dst_rank"
+        out = []
+        for peer in np.unique(rows[col]).tolist():
+            sel = rows["length"][rows[col] == peer]
+            nbytes = int(sel.sum())
+            chunks = -(-nbytes // self.slot_bytes)
+            if prefer_staged(len(sel), nbytes, chunks, costs, overlap=self.pool.tensor.is_cuda):
+                out.append(int(peer))
+        return tuple(out)
 
     def prefer(self, plan: TransferPlan, remote: str) -> bool:
         """True when the cost model predicts staging ``plan`` beats posting it directly.
@@ -733,6 +765,22 @@ class Stager:
                 raise
             return
         self._live["xfer"] -= 1
+
+
+def _subset(plan: TransferPlan, peers) -> TransferPlan:
+    """The same request restricted to the runs with ``peers`` (the map's lanes keep their
+    order; a lane belongs to one peer rank, so lane bounds are only recounted)."""
+    m = plan.map
+    col = "src_rank" if m.mode is Mode.PULL else "dst_rank"
+    keep = np.isin(plan.rows[col], list(peers))
+    rows = plan.rows[keep]
+    rows.flags.writeable = False
+    lane_peer = np.array([lane.src_rank if m.mode is Mode.PULL else lane.dst_rank
+                          for lane in m.lanes], dtype=np.int64)
+    sizes = np.where(np.isin(lane_peer, list(peers)), np.diff(plan.lane_bounds), 0)
+    bounds = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    bounds.flags.writeable = False
+    return attrs.evolve(plan, rows=rows, lane_bounds=bounds)
 
 
 class _Refuse(Exception):

@@ -22,7 +22,7 @@ from kvplan_nixl.transfer import MAX_SLEEP_SECONDS, SPIN_SECONDS, State
 if TYPE_CHECKING:
     from kvplan_nixl.staged import Stager
 
-__all__ = ["StagedTransfer"]
+__all__ = ["MixedTransfer", "StagedTransfer"]
 
 
 class _Pool:
@@ -208,3 +208,97 @@ class StagedTransfer:
         st = ", ".join(f"{r}: {s.value}" for r, s in self.states().items())
         return (f"StagedTransfer({self.plan.map.mode.value} {self.remote!r}, "
                 f"{self.chunks} chunks, {{{st}}})")
+
+
+class MixedTransfer:
+    """A request split by peer rank: a direct :class:`~kvplan_nixl.Transfer` for some peers and
+    a :class:`StagedTransfer` for the others (``Stager.post(how="auto")``); the same surface."""
+
+    def __init__(self, plan, direct, staged: StagedTransfer) -> None:
+        self.plan = plan
+        self.direct = direct
+        self.staged = staged
+        self.started = min(direct.started, staged.started)
+
+    @property
+    def parts(self) -> tuple:
+        """``(direct transfer, staged transfer)``."""
+        return self.direct, self.staged
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Peer ranks of both parts, ascending."""
+        return tuple(sorted((*self.direct.peers, *self.staged.peers)))
+
+    @property
+    def done(self) -> bool:
+        """True once both parts are done."""
+        return self.direct.done and self.staged.done
+
+    @property
+    def ok(self) -> bool:
+        """True once both parts are done and every peer part succeeded."""
+        return self.direct.ok and self.staged.ok
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes both parts move."""
+        return self.direct.nbytes + self.staged.nbytes
+
+    @property
+    def seconds(self) -> float | None:
+        """From the first post to the last part's end, once done."""
+        ends = [p.finished for p in self.parts]
+        return None if None in ends else max(ends) - self.started
+
+    def states(self) -> dict[int, State]:
+        """``{peer_rank: State}`` of both parts."""
+        return {**self.direct.states(), **self.staged.states()}
+
+    def poll(self) -> dict[int, State]:
+        """Poll both parts once. Never blocks."""
+        self.direct.poll()
+        self.staged.poll()
+        return self.states()
+
+    def wait(self, timeout: float | None = None, *, progress: Iterable[Any] = ()
+             ) -> dict[int, State]:
+        """Block until both parts are done; raise as :meth:`StagedTransfer.wait` does, naming
+        the failed peers of both parts."""
+        limit = None if timeout is None else time.monotonic() + timeout
+        others = tuple(progress)
+        nap = 10e-6
+        while not self.done:
+            for o in others:
+                o.progress()
+            self.poll()
+            if limit is not None and time.monotonic() > limit:
+                self.cancel("deadline passed before completion")
+                break
+            time.sleep(nap)
+            nap = min(nap * 2, MAX_SLEEP_SECONDS)
+        err = self.error()
+        if err is not None:
+            raise err
+        return self.states()
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Cancel both parts' pending peers."""
+        self.direct.cancel(reason)
+        self.staged.cancel(reason)
+
+    def error(self) -> TransferFailed | None:
+        """The failures of both parts as one exception, or None."""
+        errs = [e for e in (self.direct.error(), self.staged.error()) if e is not None]
+        if not errs or not self.done:
+            return None
+        reasons = {r: why for e in errs for r, why in e.reasons.items()}
+        blocks = tuple(np.union1d(*(e.blocks[g] for e in errs)) if len(errs) > 1
+                       else errs[0].blocks[g] for g in range(len(errs[0].blocks)))
+        cls = TransferTimeout if all(isinstance(e, TransferTimeout) for e in errs) else (
+            TransferFailed)
+        what = str(errs[0]).split(":")[0].replace("staged ", "") + " (direct and staged parts)"
+        return cls(what, reasons, blocks)
+
+    def __repr__(self) -> str:
+        return f"MixedTransfer({self.direct!r}, {self.staged!r})"

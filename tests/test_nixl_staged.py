@@ -336,3 +336,31 @@ def test_staged_between_layouts_and_separate_kv_buffers(mode):
         for st in stagers.values():
             st.close()
         pr.close()
+
+
+def test_auto_splits_a_request_by_peer_when_the_model_says_so(monkeypatch):
+    """post(how="auto") stages the peers the cost model picks and posts the others directly:
+    one MixedTransfer, the bytes of both parts exact, failures of both parts named together."""
+    from kvplan_nixl import MixedTransfer
+
+    rng = np.random.default_rng(15)
+    sb, db = blocks(rng, SRC, 24), blocks(rng, DST, 24)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        monkeypatch.setattr(st, "staged_peers", lambda plan, remote: (1,))
+        plan = d.map("prefill").plan(sb, db)
+        t = st.post(plan, "prefill", timeout=30)
+        assert isinstance(t, MixedTransfer)
+        assert t.direct.peers == (0,) and t.staged.peers == (1,) and t.peers == (0, 1)
+        assert t.nbytes == plan.nbytes
+        t.wait(progress=list(pr.stagers.values()))
+        assert t.ok and t.seconds is not None
+        pr.check(sb, db, plans=[plan])
+        # nobody serves the staged part: it fails at the deadline, the direct part (one-sided
+        # reads) completes; the error names the staged peer only
+        t = st.post(plan, "prefill", timeout=0.3)
+        with pytest.raises(TransferTimeout) as info:
+            t.wait()
+        assert info.value.peer_ranks == (1,) and t.direct.ok and not t.ok
+        drain(pr.stagers.values())
