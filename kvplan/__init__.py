@@ -8,6 +8,7 @@ The whole public API::
     plan = tmap.plan(src_blocks, dst_blocks)          # once per request: numpy only
     plan.copies()                                     # read-only structured array of byte runs
     simulate(plan, src_buffers, dst_buffers)          # reference executor over numpy buffers
+    staged = stage(plan, chunk_bytes)                 # gather / bulk / scatter legs (staging)
 
 Seeing plans (notebooks, ``kvplan[view]``): ``EngineSpec.from_hf_config(config_json, tp_size=8)``,
 ``presets.spec("llama-3.1-70b", tp_size=8)``, ``plan.to_pandas()``, ``plan.plot()``,
@@ -22,12 +23,15 @@ from kvplan.plan import COPY_DTYPE, TransferPlan
 from kvplan.planner import Lane, Mode, TransferMap, pull_map, push_map
 from kvplan.simulate import simulate
 from kvplan.spec import DTYPE_SIZES, KV, EngineSpec, Kind, Layout, RegionSpec
+from kvplan.staging import STAGING, Costs, Leg, StagedPlan, prefer_staged, stage
 from kvplan.views import plot_rank_map, rank_map
 
 __all__ = [
     "COPY_DTYPE",
     "DTYPE_SIZES",
     "KV",
+    "STAGING",
+    "Costs",
     "EngineSpec",
     "HeadSource",
     "IncompatibleLayoutError",
@@ -35,23 +39,27 @@ __all__ = [
     "Kind",
     "Lane",
     "Layout",
+    "Leg",
     "Mode",
     "Placement",
     "RankLayout",
     "RegionSpec",
     "RequestError",
     "SpecError",
+    "StagedPlan",
     "TransferMap",
     "TransferPlan",
     "head_sources",
     "held_heads",
     "holders",
     "plot_rank_map",
+    "prefer_staged",
     "presets",
     "pull_map",
     "push_map",
     "rank_layout",
     "rank_map",
     "simulate",
+    "stage",
 ]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ from collections.abc import Mapping, MutableMapping
 import numpy as np
 
 from kvplan.plan import TransferPlan
+from kvplan.staging import STAGING, Leg
 
 
 def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -17,11 +18,14 @@ def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def simulate(
-    plan: TransferPlan,
+    plan: TransferPlan | Leg,
     src_buffers: Mapping[tuple[int, int], np.ndarray],
     dst_buffers: MutableMapping[tuple[int, int], np.ndarray],
 ) -> None:
     """Copy every run of ``plan`` from ``src_buffers`` into ``dst_buffers``, in place.
+
+    ``plan`` may also be one leg of a staged plan (``kvplan.staging``); a staging area is keyed
+    ``(rank, STAGING)``.
 
     Buffers are 1-D ``uint8`` arrays keyed ``(rank, buffer name)`` (a name of the engine's
     ``EngineSpec.buffers``) or ``(rank, region_index)`` (the regions of one pool or allocation
@@ -40,8 +44,8 @@ def simulate(
     for k, (sr, sb, dr, db) in enumerate(pairs.tolist()):
         sel = rows[which.ravel() == k]
         row = rows[first[k]]
-        src = _lookup(src_buffers, sr, m.src.buffers[sb], int(row["src_region"]))
-        dst = _lookup(dst_buffers, dr, m.dst.buffers[db], int(row["dst_region"]))
+        src = _lookup(src_buffers, sr, _name(m.src, sb), int(row["src_region"]))
+        dst = _lookup(dst_buffers, dr, _name(m.dst, db), int(row["dst_region"]))
         for off, name, buf in (("src_offset", "source", src), ("dst_offset", "destination", dst)):
             end = int((sel[off] + sel["length"]).max())
             if int(sel[off].min()) < 0 or end > buf.size:
@@ -49,6 +53,11 @@ def simulate(
         dst[_byte_index(sel["dst_offset"], sel["length"])] = src[
             _byte_index(sel["src_offset"], sel["length"])
         ]
+
+
+def _name(spec, buffer: int):
+    """A buffer's name, or :data:`~kvplan.staging.STAGING` for a staging area (a staged leg)."""
+    return STAGING if buffer == STAGING else spec.buffers[buffer]
 
 
 def _lookup(buffers: Mapping, rank: int, name: str, region: int) -> np.ndarray:

@@ -207,6 +207,7 @@ def cmd_demo(args) -> int:
     # one buffer per buffer of the spec, by its name (a region's, pool's, allocation's...)
     prefill: list = []
     decode: list = []
+    stagers: dict = {}
     try:
         with step(f"creating {src.num_ranks + dst.num_ranks} NIXL endpoints"):
             for r, bs in enumerate(p_bufs):
@@ -215,6 +216,10 @@ def cmd_demo(args) -> int:
             for r, bs in enumerate(d_bufs):
                 decode.append(Endpoint("decode", dst, r,
                                        {dst.buffers[a]: b for a, b in bs.items()}))
+        if not args.direct_only:  # staged mode needs its pools registered before metadata
+            from kvplan_nixl import staged_cli
+
+            stagers = staged_cli.attach(prefill + decode)
         initiators, targets = (prefill, decode) if args.push else (decode, prefill)
         remote = "decode" if args.push else "prefill"
         t1 = time.perf_counter()
@@ -260,7 +265,20 @@ def cmd_demo(args) -> int:
               f"GB/s ({sum(sum(t.runs().values()) for t in posted)} NIXL descriptors, one per run)")
         notes = sum(len(ep.notifications()) for ep in targets)
         print(f"notifications received by the {'decode' if args.push else 'prefill'} side: {notes}")
+        if stagers:  # the same request staged, beside the direct numbers (kvplan_nixl.staged)
+            def reset() -> None:
+                for bs in d_bufs:
+                    for b in bs.values():
+                        _as_numpy(b)[:] = 0xEE
+
+            pairs = [(_as_numpy(d_bufs[r][a]), want) for r, allocs in enumerate(ref_allocs)
+                     for a, want in allocs.items()]
+            if not staged_cli.run(stagers, initiators, targets, plans, remote, args.push, secs,
+                                  pairs, reset):
+                return 1
     finally:
+        if stagers:
+            staged_cli.close(stagers)
         for ep in prefill + decode:
             ep.close()
     with step("verifying every decode byte"):
@@ -350,6 +368,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="K and V in two tensors or one (default: the example's, split)")
         s.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0,
                        help="seed of the random block ids and buffer bytes")
+        if name == "demo":
+            s.add_argument("--direct-only", action="store_true",
+                           help="skip the staged (bounce-buffer) run shown beside the direct one")
     from kvplan_nixl import explain  # explain, check, spec, presets (pure, no NIXL)
 
     explain.register(sub)

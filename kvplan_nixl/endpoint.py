@@ -197,6 +197,9 @@ class Endpoint:
         self._routes: dict[tuple[str, Mode], _Route] = {}
         self._transfers: set[Transfer] = set()
         self._notifs: collections.deque[Notification] = collections.deque()
+        # prefix -> fn(agent_name, message): messages of a protocol layered on this endpoint
+        # (staged transfers, kvplan_nixl.staged) go to it instead of notifications()
+        self._notif_hooks: dict[bytes, Any] = {}
         with nixl_call("agent creation", f"backends {list(backends)}"):
             self._agent = make_agent(self.agent_name, tuple(backends), self.telemetry)
         try:
@@ -452,8 +455,13 @@ class Endpoint:
             new = agent.get_new_notifs()
         n = 0
         for name, msgs in new.items():
-            engine, rank = _parse_agent(name.decode() if isinstance(name, bytes) else name)
+            name = name.decode() if isinstance(name, bytes) else name
+            engine, rank = _parse_agent(name)
             for m in msgs:
+                hook = self._notif_hooks.get(bytes(m[:5]))
+                if hook is not None:
+                    hook(name, bytes(m))
+                    continue
                 self._notifs.append(Notification(engine, rank, bytes(m)))
                 n += 1
         return n
