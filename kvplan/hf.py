@@ -202,6 +202,8 @@ def _load(config: Any, what: str) -> Mapping[str, Any]:
             raise SpecError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
         except json.JSONDecodeError as exc:
             raise SpecError(f"{what}: {str(path)!r} is not JSON: {exc}") from None
+        except (UnicodeDecodeError, RecursionError) as exc:  # not UTF-8, or nested too deep
+            raise SpecError(f"{what}: {str(path)!r} is not readable JSON: {exc}") from None
         if not isinstance(data, Mapping):
             raise SpecError(f"{what}: {str(path)!r} holds a {type(data).__name__}, not an object")
         return data

@@ -29,6 +29,19 @@ DTYPE_SIZES: Mapping[str, int] = {
 }
 
 
+#: Bounds a spec must respect (see docs/design.md, "Limits"): they keep every byte offset a plan
+#: computes inside int64 and make a forged or mistyped spec cheap to refuse.
+MAX_TP_SIZE = 256
+MAX_PP_SIZE = 256
+MAX_REGIONS = 1 << 16
+MAX_BLOCK_SIZE = 1 << 16
+#: Largest allocation (bytes on one rank) of a region or pool: offsets plus lengths stay < 2**63.
+MAX_ALLOCATION_BYTES = 1 << 62
+#: Largest number of (stream, unit, token) atoms in one block on one rank; the handshake builds
+#: a template of that many rows per lane, so this bounds its time and memory.
+MAX_BLOCK_ATOMS = 1 << 20
+
+
 class Kind(enum.Enum):
     """What a region's blocks hold; decides its components and their placement over TP."""
 
@@ -147,11 +160,16 @@ class RegionSpec:
             raise SpecError(f"region {name!r}: kind must be a Kind, got {self.kind!r}")
         _positive(name, "num_blocks", self.num_blocks)
         _positive(name, "block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise SpecError(f"region {name!r}: block_size {self.block_size} exceeds the limit "
+                            f"{MAX_BLOCK_SIZE}")
         for field in ("group", "stage"):
             v = getattr(self, field)
+            if v is None and field == "group":  # only stage is optional
+                raise SpecError(f"region {name!r}: group must be an integer >= 0, got None")
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise SpecError(f"region {name!r}: {field} must be an integer >= 0, got {v!r}")
-        if self.dtype not in DTYPE_SIZES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise SpecError(
                 f"region {name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}"
             )
@@ -360,8 +378,13 @@ class EngineSpec:
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SpecError(f"{field} must be a positive integer, got {v!r}")
+        for field, top in (("tp_size", MAX_TP_SIZE), ("pp_size", MAX_PP_SIZE)):
+            if getattr(self, field) > top:
+                raise SpecError(f"{field} {getattr(self, field)} exceeds the limit {top}")
         if not self.regions:
             raise SpecError("an engine spec needs at least one region")
+        if len(self.regions) > MAX_REGIONS:
+            raise SpecError(f"{len(self.regions)} regions exceed the limit {MAX_REGIONS}")
         seen: set[str] = set()
         for r in self.regions:
             if not isinstance(r, RegionSpec):
@@ -373,9 +396,28 @@ class EngineSpec:
         self._check_groups()
         object.__setattr__(self, "_stages", self._assign_stages())
         object.__setattr__(self, "_pages", self._assign_pages())
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        """Refuse sizes whose byte offsets would not fit in int64 (see MAX_ALLOCATION_BYTES)."""
+        for i, r in enumerate(self.regions):
+            nbytes = self.rank_region_nbytes(i)
+            if nbytes > MAX_ALLOCATION_BYTES:
+                raise SpecError(
+                    f"region {r.name!r}: {nbytes} bytes on a rank ({r.num_blocks} blocks of "
+                    f"{self._pages[i]} bytes) exceed the limit {MAX_ALLOCATION_BYTES} (2**62): "
+                    "byte offsets must fit in int64"
+                )
 
     def _check_components(self, r: RegionSpec) -> None:
         tp = self.tp_size
+        atoms = r.block_size * sum(c.streams * c.units for c in r.components)
+        if atoms > MAX_BLOCK_ATOMS:
+            raise SpecError(
+                f"region {r.name!r}: a block holds {atoms} (stream, unit, token) pieces, over the "
+                f"limit {MAX_BLOCK_ATOMS}: block_size {r.block_size} or the unit counts are too "
+                "large"
+            )
         for c in r.components:
             k = c.units
             if k % tp and tp % k:
@@ -441,6 +483,11 @@ class EngineSpec:
             explicit = {r.page_bytes for r in regions}
             if None in explicit and len(explicit) > 1:
                 raise SpecError(f"pool {pool!r}: give page_bytes on every region or on none")
+            if len(explicit) > 1:  # one allocation has one page size
+                raise SpecError(
+                    f"pool {pool!r}: its regions give different page_bytes "
+                    f"{sorted(r.page_bytes for r in regions)}; one pool has one page size"
+                )
             page = max(blocks[i] for i in members) if None in explicit else explicit.pop()
             for i in members:
                 if blocks[i] > page:  # type: ignore[operator]
