@@ -33,7 +33,7 @@ DTYPE_SIZES: Mapping[str, int] = {
 #: computes inside int64 and make a forged or mistyped spec cheap to refuse.
 MAX_TP_SIZE = 256
 MAX_PP_SIZE = 256
-MAX_REGIONS = 1 << 16
+MAX_REGIONS = 4096
 MAX_BLOCK_SIZE = 1 << 16
 #: Largest allocation (bytes on one rank) of a region or pool: offsets plus lengths stay < 2**63.
 MAX_ALLOCATION_BYTES = 1 << 62
@@ -400,8 +400,12 @@ class EngineSpec:
 
     def _check_sizes(self) -> None:
         """Refuse sizes whose byte offsets would not fit in int64 (see MAX_ALLOCATION_BYTES)."""
+        most: dict[str, int] = {}  # per pool, its largest num_blocks (one pass: specs are big)
+        for r in self.regions:
+            if r.pool is not None:
+                most[r.pool] = max(most.get(r.pool, 0), r.num_blocks)
         for i, r in enumerate(self.regions):
-            nbytes = self.rank_region_nbytes(i)
+            nbytes = (r.num_blocks if r.pool is None else most[r.pool]) * self._pages[i]
             if nbytes > MAX_ALLOCATION_BYTES:
                 raise SpecError(
                     f"region {r.name!r}: {nbytes} bytes on a rank ({r.num_blocks} blocks of "
@@ -433,8 +437,11 @@ class EngineSpec:
             raise SpecError(
                 f"group ids must be 0..{len(groups) - 1} with none missing, got {groups}"
             )
+        kinds_of: dict[int, set[bool]] = {}  # one pass over the regions, not one per group
+        for r in self.regions:
+            kinds_of.setdefault(r.group, set()).add(r.is_state)
         for g in groups:
-            kinds = {r.is_state for r in self.regions if r.group == g}
+            kinds = kinds_of[g]
             if len(kinds) > 1:
                 names = [r.name for r in self.regions if r.group == g]
                 raise SpecError(
