@@ -48,6 +48,9 @@ _CTRL = b"\x00kvplan_nixl\x00"
 _HELLO = _CTRL + b"hello"
 _CLOSE = _CTRL + b"close"
 _MAC_CLOSE = b"kvplan_nixl close\x00"
+#: How long close() keeps progressing so that its notices leave: rounds x sleep (~5 ms).
+_CLOSE_FLUSH_ROUNDS = 10
+_CLOSE_FLUSH_SLEEP = 0.5e-3
 
 
 @attrs.frozen
@@ -274,7 +277,13 @@ class Endpoint:
         try:
             if load:
                 self._load(agent, info, who)
-            ladder, dlist = self._peer_list(agent, info, new_route or route)
+            try:
+                ladder, dlist = self._peer_list(agent, info, new_route or route)
+            except NixlError as exc:  # e.g. advertised regions its NIXL section does not register
+                raise MetadataError(
+                    f"metadata of {who}: NIXL refused its advertised regions ({exc.code}): they "
+                    "are not what its NIXL metadata registers"
+                ) from exc
         except BaseException:
             if load and info.agent in self._loaded:
                 self._unload(agent, info.agent, quiet=True)
@@ -405,6 +414,16 @@ class Endpoint:
             except Exception as exc:  # a peer already gone: nothing to tell
                 if not is_nixl_error(exc):
                     raise
+        if self._loaded and not self.progress_thread:
+            # the notices leave on worker progress: progress a few times before the agent is
+            # destroyed, or UCX cancels them (what arrives meanwhile is of no use any more)
+            for _ in range(_CLOSE_FLUSH_ROUNDS):
+                try:
+                    agent.get_new_notifs()
+                except Exception as exc:
+                    if not is_nixl_error(exc):
+                        raise
+                time.sleep(_CLOSE_FLUSH_SLEEP)
 
     def map(self, remote: str, mode: str | Mode = "pull") -> TransferMap:
         """The TransferMap connect built for ``remote`` (make plans with its ``plan``)."""
