@@ -602,6 +602,10 @@ class Endpoint:
         if agent is None:
             return
         errors: list[BaseException] = []
+        try:  # peers that closed first are dropped now, not sent a notice they cannot receive
+            self.progress()
+        except Exception as exc:
+            errors.append(exc)
         self._send_close(agent)
         for t in list(self._transfers):
             t.cancel("endpoint closed")

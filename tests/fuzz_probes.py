@@ -183,6 +183,25 @@ def rewrite(blob: bytes, header=None, agent_md: bytes | None = None,
     return body + digest
 
 
+#: Tags of NIXL's serialized agent whose 8-byte length fields the targeted probes overwrite
+#: with lengths that wrap NIXL's own bounds check (offset + len + 1 overflows).
+NIXL_TAGS = (b"Conns", b"nixlSecElms", b"bknd", b"nixlDList")
+TARGETED = 2 * len(NIXL_TAGS)
+
+
+def forge_length(blob: bytes, j: int) -> bytes:
+    """``blob`` with the length after NIXL tag ``j % 4`` set to ``2**64 - 1 - j`` (probe j)."""
+    from kvplan_nixl import metadata as md
+
+    _, _, hlen, _ = md._FIXED.unpack_from(blob)
+    a = bytearray(blob[md._FIXED.size + hlen : -32])
+    tag = NIXL_TAGS[j % len(NIXL_TAGS)]
+    at = a.find(tag)
+    if at >= 0:
+        a[at + len(tag) : at + len(tag) + 8] = ((1 << 64) - 1 - j).to_bytes(8, "little")
+    return rewrite(blob, agent_md=bytes(a))
+
+
 def _forge(blob: bytes, rng: random.Random, *, nixl_only: bool = False,
            header_only: bool = False) -> bytes:
     from kvplan_nixl import metadata as md
@@ -262,14 +281,18 @@ def _connect_probe(i: int, category: str, secret, **forge_kw) -> str:
 
     rng = random.Random((category, i).__repr__())
     _, d, good = _world(secret)
-    forged = _forge(good, rng, **forge_kw)
+    if category != "connect-header" and i < TARGETED:  # the lengths NIXL's parser trusts
+        forged = forge_length(good, i)
+    else:
+        forged = _forge(good, rng, **forge_kw)
     if secret is not None and rng.random() < 0.5:
         forged = forged[:-32] + md.mac(b"wrong key", md._MAC_METADATA, forged[:-32])
     before = _state(d)
     try:
         d.connect(forged)
-    except KVPlanError:
-        return "typed" if _state(d) == before else "trace"
+    except KVPlanError as exc:
+        why = f"{type(exc).__name__}: {str(exc)[:160]}"
+        return ("typed" if _state(d) == before else "trace"), why
     if secret is not None:
         return "accepted-forgery"
     for p in d.peers():  # accepted (an equivalent blob): undo, for the next probe
@@ -315,6 +338,8 @@ def main(category: str, start: int, count: int) -> int:
         signal.setitimer(signal.ITIMER_REAL, BUDGET_S)
         try:
             cls, detail = fn(i), ""
+            if isinstance(cls, tuple):
+                cls, detail = cls
         except _Hang:
             cls, detail = "hang", f"over {BUDGET_S} s"
         except KVPlanError as exc:
