@@ -259,13 +259,17 @@ class Endpoint:
         self.progress()  # act on close notices already here before deciding anything
         key = (info.engine, mode)
         route = self._routes.get(key)
+        stale = None  # a route whose only rank comes back with another spec: replaced
         if route is not None:
             other = route.map.src if mode is Mode.PULL else route.map.dst
             if other != info.spec:
-                raise MetadataError(
-                    f"engine {info.engine!r} rank {info.rank} advertises a spec that differs from "
-                    f"the one its other ranks advertised; every rank of an engine has one spec"
-                )
+                if set(route.peer_dlists) - {info.rank}:
+                    raise MetadataError(
+                        f"engine {info.engine!r} rank {info.rank} advertises a spec that differs "
+                        f"from the one its other ranks advertised; every rank of an engine has "
+                        f"one spec"
+                    )
+                stale, route = route, None
         old = self._peers.get((info.engine, info.rank))
         if old is not None and old.agent == info.agent and route is not None \
                 and info.rank in route.peer_dlists:
@@ -295,11 +299,15 @@ class Endpoint:
                 self._drop_peer(agent, old, "restarted with new metadata")
             except Exception:  # best effort: the old agent is gone either way
                 pass
+        if stale is not None:  # what _drop_peer did not release (the same agent re-advertised)
+            for h in stale.peer_dlists.values():
+                self._release_dlist(h, [])
+            self._release_dlist(stale.local_dlist, [])
         if new_route is not None:
             self._routes[key] = route = new_route
         assert route is not None
         peer = Peer(info.engine, info.rank, info.agent, info.spec)
-        if old is not None and old.agent == info.agent:
+        if old is not None and old.agent == info.agent and stale is None:
             peer = old
         self._peers[(info.engine, info.rank)] = peer
         route.peer_ladders[info.rank] = ladder

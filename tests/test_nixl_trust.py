@@ -249,6 +249,26 @@ def test_close_tells_initiators_fails_in_flight_and_restart_reconnects():
             d.map("prefill")
 
 
+def test_single_rank_engine_restarting_with_another_spec_is_connected_afresh():
+    """A crashed engine of one rank (no close notice) comes back with more blocks: the route
+    built for its old spec is replaced, not kept to refuse the new one."""
+    one = spec(1, attn(heads=4))
+    with pair(one, one) as pr:
+        d = pr.d[0]
+        pr.connect("pull")
+        before = d.handles()
+        bigger = spec(1, attn(heads=4, nb=64))
+        bufs = [np.zeros(bigger.rank_region_nbytes(0), np.uint8)]
+        with Endpoint("prefill", bigger, 0, bufs) as back:
+            d.connect(back.metadata())
+            assert d.map("prefill").src == bigger
+            assert [p.agent for p in d.peers()] == [back.agent_name]
+            assert d.handles() == before  # one local list, one peer list, one agent: swapped
+            t = d.read(d.map("prefill").plan([[60, 61]], [[1, 2]]), "prefill")
+            t.wait(10, progress=[back])
+            pr.p[0].close()  # the "crashed" one
+
+
 @pytest.mark.parametrize("secret", [None, KEY])
 def test_forged_close_notice(secret):
     """An agent that takes a peer's name and sends a close notice: obeyed without a secret
