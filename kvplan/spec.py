@@ -33,7 +33,7 @@ DTYPE_SIZES: Mapping[str, int] = {
 #: computes inside int64 and make a forged or mistyped spec cheap to refuse.
 MAX_TP_SIZE = 256
 MAX_PP_SIZE = 256
-MAX_REGIONS = 4096
+MAX_REGIONS = 1024
 MAX_BLOCK_SIZE = 1 << 16
 #: Largest allocation (bytes on one rank) of a region or pool: offsets plus lengths stay < 2**63.
 MAX_ALLOCATION_BYTES = 1 << 62
@@ -519,6 +519,8 @@ class EngineSpec:
         regions = d["regions"]
         if isinstance(regions, (str, bytes, Mapping)) or not hasattr(regions, "__iter__"):
             raise SpecError("engine spec: regions must be a list of region mappings")
+        if hasattr(regions, "__len__") and len(regions) > MAX_REGIONS:  # before building any
+            raise SpecError(f"{len(regions)} regions exceed the limit {MAX_REGIONS}")
         return cls(
             tp_size=d["tp_size"],
             pp_size=d.get("pp_size", 1),

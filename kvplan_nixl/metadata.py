@@ -46,8 +46,9 @@ MAGIC = b"KVPLNIXL"
 FORMAT_VERSION = 2
 _FIXED = struct.Struct(">8sHII")
 _DIGEST = 32
-#: Refuse headers larger than this before parsing JSON (a spec of thousands of regions fits).
-MAX_HEADER_BYTES = 16 << 20
+#: Refuse headers larger than this before parsing JSON (a spec of kvplan.spec.MAX_REGIONS
+#: regions is about 0.25 MiB).
+MAX_HEADER_BYTES = 4 << 20
 #: Refuse NIXL sections larger than this (NIXL's metadata is ~0.5 KiB plus ~50 B per allocation).
 MAX_AGENT_BYTES = 16 << 20
 #: Separator of the fields of an agent name, ``engine#rank#nonce`` (parsed from the right).

@@ -47,6 +47,8 @@ def _pooled(name: str, group: int, page: int) -> dict:
          r"pool 'p': its regions give different page_bytes \[1048576, 2097152\]"),
         (lambda: _spec(1, {**attn(), "stage": "0"}), "stage must be an integer"),
         (lambda: _spec(True, attn()), "tp_size must be a positive integer, got True"),
+        (lambda: _spec(1, *[attn(f"l{i}") for i in range(kspec.MAX_REGIONS + 1)]),
+         "1025 regions exceed the limit 1024"),
     ],
 )
 def test_bad_spec_is_a_typed_error(make, msg):
