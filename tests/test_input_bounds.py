@@ -15,7 +15,18 @@ import pytest
 from kvplan import EngineSpec, RequestError, SpecError, pull_map
 from kvplan import spec as kspec
 from kvplan.hf import from_hf_config
-from tests.nixl_util import attn, mla
+
+
+def attn(name="layers.0.attn", *, heads=4, dim=64, nb=32, bs=16, kv="split", group=0,
+         dtype="bfloat16") -> dict:
+    return {"name": name, "kind": "attention", "group": group, "num_blocks": nb,
+            "block_size": bs, "dtype": dtype, "num_kv_heads": heads, "head_dim": dim,
+            "layout": "HND", "kv": kv, "window": None}
+
+
+def mla(name="draft.0.mla", *, group=0) -> dict:
+    return {"name": name, "kind": "mla", "group": group, "num_blocks": 32, "block_size": 16,
+            "dtype": "bfloat16", "dim": 576}
 
 
 def _spec(tp: int, *regions: dict, **kw) -> EngineSpec:

@@ -19,7 +19,7 @@ import pytest
 from kvplan_nixl import Endpoint, MetadataError, NotConnectedError, TransferFailed
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
-from kvplan_nixl.endpoint import _CLOSE
+from kvplan_nixl.endpoint import _CLOSE, _HELLO
 from tests.nixl_util import ZERO, Pair, attn, mla, pair, spec
 
 SRC = spec(2, attn(heads=4), mla())
@@ -286,6 +286,16 @@ def test_forged_close_notice(secret):
             assert _until(lambda: d.ignored_notices == 1, progress=both)
             assert len(d.peers()) == 2
             _exact(pr)
+            # a replayed hello (rank 1's genuine signed metadata, sent by another agent) is
+            # ignored too: the hello must come from the agent it describes
+            agents = d.handles()["remote_agents"]
+            other = make_agent("prefill#1#0bad", ("UCX",), False)
+            other.add_remote_agent(d._agent.get_agent_metadata())
+            other.send_notif(d.agent_name, _HELLO + pr.p[1].metadata())
+            assert _until(lambda: d.ignored_notices == 2, progress=(d, _Raw(other)))
+            assert d.handles()["remote_agents"] == agents
+            other.remove_remote_agent(d.agent_name)
+            del other
         liar.remove_remote_agent(d.agent_name)
         del liar
 
