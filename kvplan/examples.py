@@ -36,7 +36,8 @@ def gqa_with_mla_draft(
     ]
     regions.append(
         {"name": "draft.0.mla", "kind": "mla", "num_blocks": num_blocks,
-         "block_size": draft_block_size or block_size, "dtype": "bfloat16", "dim": 576}
+         "block_size": block_size if draft_block_size is None else draft_block_size,
+         "dtype": "bfloat16", "dim": 576}
     )
     return EngineSpec.from_dict({"tp_size": tp_size, "regions": regions})
 

@@ -24,7 +24,6 @@ from kvplan.planner import (
     ReadOnlyArrays,
     TransferMap,
     _frozen,
-    _streams,
 )
 from kvplan.runs import merge_runs
 from kvplan.spec import EngineSpec
@@ -213,14 +212,6 @@ def build_plan(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence) ->
     )
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 @attrs.frozen(eq=False, repr=False, getstate_setstate=False)
 class TransferPlan(ReadOnlyArrays):
     """One request's byte copies: an immutable value over a read-only structured array.
@@ -270,34 +261,11 @@ class TransferPlan(ReadOnlyArrays):
     __hash__ = None  # type: ignore[assignment]  # holds arrays: a value, but not hashable
 
     def summary(self) -> str:
-        """Per peer rank: bytes, runs, and per region its placement and streams."""
-        m = self.map
-        me, other = ("d", "p") if m.mode is Mode.PULL else ("p", "d")
-        lines = [
-            f"TransferPlan {m.mode.value} {me}{m.rank}: {_human(self.nbytes)} in {len(self)} runs, "
-            f"{sum(len(b) for b in self.dst_blocks)} destination blocks in "
-            f"{len(self.dst_blocks)} group(s)"
-        ]
-        lengths = np.add.reduceat(self.rows["length"], self.lane_bounds[:-1]) if len(self) else None
-        per_lane = [
-            (int(lengths[k]) if lengths is not None and end > at else 0, int(end - at))
-            for k, (at, end) in enumerate(zip(self.lane_bounds[:-1], self.lane_bounds[1:]))
-        ]
-        peer_of = (lambda x: x.src_rank) if m.mode is Mode.PULL else (lambda x: x.dst_rank)
-        for peer in sorted({peer_of(x) for x in m.lanes}):
-            mine = [k for k, x in enumerate(m.lanes) if peer_of(x) == peer]
-            nbytes = sum(per_lane[k][0] for k in mine)
-            runs = sum(per_lane[k][1] for k in mine)
-            lines.append(f"  {other}{peer}: {_human(nbytes)}, {runs} runs")
-            for k in mine:
-                lane = m.lanes[k]
-                r = m.dst.regions[lane.dst_region]
-                to = f" -> d{lane.dst_rank}" if m.mode is Mode.PUSH else ""
-                lines.append(
-                    f"    {r.name}{to}: {lane.describe(m.dst)} {_streams(r)}, "
-                    f"{_human(per_lane[k][0])} in {per_lane[k][1]} runs"
-                )
-        return "\n".join(lines)
+        """Per peer rank: bytes, runs, and per set of alike regions (layers of one geometry on
+        one line, ``layers.[0-79].attn x80``) its placement, streams, bytes and runs."""
+        from kvplan.views import plan_summary
+
+        return plan_summary(self)
 
     def __repr__(self) -> str:
         m = self.map

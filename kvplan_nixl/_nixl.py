@@ -1,15 +1,27 @@
-"""The one place nixl is imported (meta package first, then the CUDA-12 wheel directly).
+"""The one place nixl is imported (meta package first, then a CUDA-12 or -13 wheel directly).
 
 ``import nixl`` costs ~1.2 s when CPU torch is installed (it imports torch to detect CUDA);
-importing ``nixl_cu12`` directly avoids that when the meta package is missing or broken.
+importing ``nixl_cu12`` directly avoids that when the meta package is missing or broken. The
+``nixl`` extra installs ``nixl-cu12`` alone (one build, no meta package); a machine whose
+torch is built for CUDA 13 may install ``nixl-cu13`` instead.
+
+NIXL logs an INFO line per agent and backend to stderr; unless the user set
+``NIXL_LOG_LEVEL`` we ask for warnings and errors only (it is read when nixl is imported).
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
 try:
     from nixl._api import nixl_agent, nixl_agent_config
-except ImportError:  # meta package absent: use the backend wheel directly
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+except ImportError:  # meta package absent: use a backend wheel directly
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
 
 __all__ = ["NIXL_LOCAL", "make_agent"]
 

@@ -147,10 +147,9 @@ def _cli_class(rc: int | None, err: str) -> str:
     return "untyped" if rc != 0 else "accepted"  # a bad value run anyway (or defaulted)
 
 
-#: CLI probes that fail on this branch because the CLI's fixes are issue 12a's (merged by the
-#: lead): marked strict, so that they are unmarked once the fixes are in.
-CLI_12A = {"check non-UTF-8 file", "check deep JSON", "plan --tokens -5", "plan --slots -1",
-           "explain --block-size 0"}
+#: CLI probes still failing because their fix belongs to issue 12a (none since main, with 12a's
+#: CLI, was merged into this branch): listed here they are xfail(strict=True).
+CLI_12A: set[str] = set()
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,7 @@ def test_deeply_nested_ids_are_a_request_error():
 def test_config_file_not_utf8_or_too_deep_is_a_spec_error(tmp_path):
     bad = tmp_path / "latin1.json"
     bad.write_bytes(b'{"model_type": "llama\xe9"}')
-    with pytest.raises(SpecError, match="is not readable JSON"):
+    with pytest.raises(SpecError, match="is not UTF-8 text"):
         from_hf_config(str(bad), tp_size=1)
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
