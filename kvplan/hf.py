@@ -476,7 +476,10 @@ def from_hf_config(
     downloaded). ``dtype`` defaults to the config's ``torch_dtype`` (or ``dtype``); a config
     without one (or with one that is no KV-cache dtype) is refused unless ``dtype`` is given,
     and one without ``num_key_value_heads`` is refused for attention layers (no guessing);
-    ``layout`` and ``kv`` apply to attention regions; ``num_blocks`` is the blocks (or state
+    ``layout`` and ``kv`` apply to attention regions (``HND``/``NHD``, one allocation per
+    layer); an axis order (``BLHNC``, ``LBSHND``..., see ``RegionSpec.order``) applies to every
+    region and packs the layers of a group that size a slot alike into one allocation
+    ``kv.{k}``, as vLLM does; ``num_blocks`` is the blocks (or state
     slots) of every region. ``draft`` (an Eagle-3 config, same forms) adds its layers as
     regions ``draft.{i}.attn`` / ``draft.{i}.mla`` of group 0. With ``pp_size`` > 1 layer ``i``
     of ``L`` lies on stage ``i * pp_size // L`` and the draft on the last.
@@ -512,7 +515,8 @@ def from_hf_config(
             if x.kind != "attn" and _KINDS[x.kind] != "state":
                 reg["block_size"] = block_size
             if x.kind == "attn":
-                reg.update(block_size=block_size, layout=layout, kv=kv)
+                reg.update(block_size=block_size, layout=layout if layout in ("HND", "NHD")
+                           else "HND", kv=kv)
             reg.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in x.fields
                         if v is not None})
             if x.pool is not None:
@@ -520,7 +524,8 @@ def from_hf_config(
             if pp_size > 1:
                 reg["stage"] = _stage(x.index, n, pp_size) if prefix == "layers" else pp_size - 1
             regions.append(reg)
-    return EngineSpec.from_dict({"tp_size": tp_size, "pp_size": pp_size, "regions": regions})
+    spec = EngineSpec.from_dict({"tp_size": tp_size, "pp_size": pp_size, "regions": regions})
+    return spec if layout in ("HND", "NHD") else spec.with_layout(layout)
 
 
 def describe(config: Any) -> dict[str, Any]:

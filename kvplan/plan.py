@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from kvplan.allocations import finish
 from kvplan.errors import RequestError
 from kvplan.planner import (
     BlockTemplate,
@@ -28,7 +29,8 @@ from kvplan.planner import (
 from kvplan.runs import merge_runs
 from kvplan.spec import EngineSpec
 
-#: dtype of :meth:`TransferPlan.copies`: one row per run, offsets in bytes from a region's base.
+#: dtype of :meth:`TransferPlan.copies`: one row per run, offsets in bytes from the base of the
+#: buffer the run lies in (``src_buffer``/``dst_buffer``: indices in each spec's ``buffers``).
 COPY_DTYPE = np.dtype(
     [
         ("src_rank", np.int64),
@@ -38,6 +40,8 @@ COPY_DTYPE = np.dtype(
         ("dst_region", np.int64),
         ("dst_offset", np.int64),
         ("length", np.int64),
+        ("src_buffer", np.int64),  # index in src.buffers of the buffer src_offset is from
+        ("dst_buffer", np.int64),  # index in dst.buffers
     ]
 )
 
@@ -206,6 +210,7 @@ def build_plan(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence) ->
         out["dst_region"][at:end] = lane.dst_region
         out["dst_offset"][at:end] = dst_off
         out["length"][at:end] = length
+    out, bounds = finish(tmap.src, tmap.dst, tmap.lanes, out, bounds)  # layer slots, buffers
     out.flags.writeable = False
     return TransferPlan(
         map=tmap, src_blocks=src_lists, dst_blocks=dst_lists, rows=out, lane_bounds=_frozen(bounds)
@@ -218,9 +223,10 @@ class TransferPlan(ReadOnlyArrays):
 
     Post-conditions (tested against an independent oracle): every destination byte of the
     covered positions of the requested blocks is written exactly once with the source's value;
-    no other destination byte is touched; every run lies inside its two regions; rows are
+    no other destination byte is touched; every run lies inside its two buffers; rows are
     grouped by (source rank, destination rank, destination region) in the map's lane order, and
-    within that sorted by destination offset, with no two rows mergeable.
+    within that sorted by destination offset, with no two rows mergeable (across the layer
+    slots of an allocation too: such a run is listed under the lane of its first byte).
     """
 
     map: TransferMap

@@ -108,10 +108,16 @@ def _shape(region: RegionSpec, tp_size: int) -> tuple[str, str]:
 
 
 def _layout(region: RegionSpec) -> str:
+    alloc = region.allocation
+    where = "" if alloc is None else (
+        f", K/V in {alloc[0]}/{alloc[1]}" if isinstance(alloc, tuple) else f", in {alloc}")
     if region.kind.value == "attention":
         win = f", window {region.window}" if region.window else ""
-        return f"{region.layout.value} {region.kv.value}{win}"
-    return "slot" if region.is_state else "(NB, bs, F)"
+        kv = f" {region.kv.value}" if region.layout_name in ("HND", "NHD") else ""
+        return f"{region.layout_name}{kv}{win}{where}"
+    if region.layout_name not in ("HND", "NHD"):
+        return f"{region.layout_name}{where}"
+    return ("slot" if region.is_state else "(NB, bs, F)") + where
 
 
 def _spec_rows(spec: EngineSpec) -> list[dict[str, Any]]:

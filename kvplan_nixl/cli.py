@@ -41,6 +41,7 @@ from kvplan_nixl.cliargs import (
     UsageError,
     int_in,
 )
+from kvplan_nixl.explain import layout_arg as explain_layout
 from kvplan_nixl.progress import step
 
 #: ``kvplan demo`` refuses to allocate more CPU memory than this for its buffers (prefill,
@@ -60,7 +61,15 @@ def _preset_spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | N
     return presets.spec(args.example, tp, **kwargs)
 
 
-def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None) -> EngineSpec:
+def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None,
+          side: str | None = None) -> EngineSpec:
+    """The engine of ``--example`` on one side, re-laid out by ``--{side}-layout`` if given."""
+    spec = _base_spec(args, tp, pp, block_size)
+    own = getattr(args, f"{side}_layout", None) if side else None
+    return spec if own is None else spec.with_layout(own, args.kv or "split")
+
+
+def _base_spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None) -> EngineSpec:
     if args.example not in EXAMPLES:
         return _preset_spec(args, tp, pp, block_size)
     kwargs: dict = {"num_blocks": args.num_blocks}
@@ -100,8 +109,8 @@ def _plans(args, src: EngineSpec, dst: EngineSpec) -> list[TransferPlan]:
 
 def _engines(args) -> tuple[EngineSpec, EngineSpec]:
     return (
-        _spec(args, args.prefill_tp, args.prefill_pp, args.prefill_block_size),
-        _spec(args, args.decode_tp, args.decode_pp, args.decode_block_size),
+        _spec(args, args.prefill_tp, args.prefill_pp, args.prefill_block_size, "prefill"),
+        _spec(args, args.decode_tp, args.decode_pp, args.decode_block_size, "decode"),
     )
 
 
@@ -116,16 +125,17 @@ def cmd_plan(args) -> int:
 
 
 def _buffers(spec: EngineSpec, rank: int, fill: int | None, rng) -> dict[int, object]:
-    """One CPU tensor (numpy when torch is absent) per allocation ``rank`` holds (a region, or
-    a pool shared by its regions), keyed by the allocation's first region, with known bytes."""
+    """One CPU tensor (numpy when torch is absent) per buffer ``rank`` holds (a region, a pool
+    or an allocation shared by its regions, a K or V buffer), keyed by its index in
+    ``spec.buffers``, with known bytes."""
     torch = None
     try:
         import torch
     except ImportError:
         pass
     out = {}
-    for a in sorted({spec.allocation_of(i) for i in spec.regions_on(rank)}):
-        n = spec.rank_region_nbytes(a)
+    for a in sorted({spec.buffer_of(i, s) for i in spec.regions_on(rank) for s in (0, 1)}):
+        n = spec.rank_buffer_nbytes(a)
         data = (
             rng.integers(0, 256, n, dtype=np.uint8) if fill is None else np.full(n, fill, np.uint8)
         )
@@ -134,11 +144,9 @@ def _buffers(spec: EngineSpec, rank: int, fill: int | None, rng) -> dict[int, ob
 
 
 def _views(spec: EngineSpec, allocs: list[dict[int, object]]) -> dict[tuple[int, int], object]:
-    """``{(rank, region): buffer}`` over every region each rank holds: what kvplan.simulate
-    takes (the regions of one pool map to the pool's one buffer)."""
-    return {
-        (r, i): a[spec.allocation_of(i)] for r, a in enumerate(allocs) for i in spec.regions_on(r)
-    }
+    """``{(rank, buffer name): buffer}`` over every buffer each rank holds: what
+    kvplan.simulate takes."""
+    return {(r, spec.buffers[b]): buf for r, a in enumerate(allocs) for b, buf in a.items()}
 
 
 def _as_numpy(buf) -> np.ndarray:
@@ -146,9 +154,9 @@ def _as_numpy(buf) -> np.ndarray:
 
 
 def _alloc_nbytes(spec: EngineSpec) -> int:
-    """Bytes of every rank's allocations (a pool counted once per rank)."""
-    return sum(spec.rank_region_nbytes(a) for r in range(spec.num_ranks)
-               for a in {spec.allocation_of(i) for i in spec.regions_on(r)})
+    """Bytes of every rank's buffers (a pool or an allocation counted once per rank)."""
+    return sum(spec.rank_buffer_nbytes(b) for r in range(spec.num_ranks)
+               for b in {spec.buffer_of(i, s) for i in spec.regions_on(r) for s in (0, 1)})
 
 
 def _import_endpoint():
@@ -196,17 +204,17 @@ def cmd_demo(args) -> int:
     print(f"kvplan demo: {args.example}, prefill {shape(src)} -> decode {shape(dst)}, "
           f"{mode}, {args.tokens} tokens")
     t0 = time.perf_counter()
-    # one buffer per allocation, by the name of its first region (a pool's: any of its names)
+    # one buffer per buffer of the spec, by its name (a region's, pool's, allocation's...)
     prefill: list = []
     decode: list = []
     try:
         with step(f"creating {src.num_ranks + dst.num_ranks} NIXL endpoints"):
             for r, bs in enumerate(p_bufs):
                 prefill.append(Endpoint("prefill", src, r,
-                                        {src.regions[a].name: b for a, b in bs.items()}))
+                                        {src.buffers[a]: b for a, b in bs.items()}))
             for r, bs in enumerate(d_bufs):
                 decode.append(Endpoint("decode", dst, r,
-                                       {dst.regions[a].name: b for a, b in bs.items()}))
+                                       {dst.buffers[a]: b for a, b in bs.items()}))
         initiators, targets = (prefill, decode) if args.push else (decode, prefill)
         remote = "decode" if args.push else "prefill"
         t1 = time.perf_counter()
@@ -265,8 +273,7 @@ def cmd_demo(args) -> int:
         r, a = bad[0]
         got, want = _as_numpy(d_bufs[r][a]), ref_allocs[r][a]
         off = int(np.flatnonzero(got != want)[0])
-        pool = dst.regions[a].pool
-        where = f"pool {pool!r}" if pool is not None else f"region {dst.regions[a].name!r}"
+        where = f"buffer {dst.buffers[a]!r}"
         print(f"MISMATCH: decode rank {r} {where} byte {off}: got {got[off]}, expected "
               f"{want[off]} ({len(bad)} allocations differ)")
         return 1
@@ -334,6 +341,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="tokens per block on decode (default: the example's)")
         s.add_argument("--layout", choices=["HND", "NHD"], default=None,
                        help="attention layout on both sides (default: the example's, HND)")
+        s.add_argument("--prefill-layout", type=explain_layout, default=None,
+                       help="prefill's layout: HND, NHD, vLLM's BLHNC... or an order of LBSHND "
+                            "(default: --layout)")
+        s.add_argument("--decode-layout", type=explain_layout, default=None,
+                       help="decode's layout (as --prefill-layout)")
         s.add_argument("--kv", choices=["split", "joint"], default=None,
                        help="K and V in two tensors or one (default: the example's, split)")
         s.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0,

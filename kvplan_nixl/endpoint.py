@@ -102,6 +102,36 @@ def _describer(seg: np.ndarray):
     return describe
 
 
+def _ladder_entries(spec: EngineSpec, nbytes, units, bases, devices, v_bases):
+    """A ladder's entries: one per region (its K buffer when K and V are apart, else the
+    buffer it lives in), then one per V buffer of a region keeping K and V apart, in region
+    order. Returns (names, nbytes, units, bases, devices)."""
+    sep = [i for i, r in enumerate(spec.regions) if r.separate_kv]
+    if not sep:
+        return [r.name for r in spec.regions], nbytes, units, bases, devices
+    return (
+        [r.name for r in spec.regions] + [f"{spec.regions[i].name} (V)" for i in sep],
+        [*nbytes, *(nbytes[i] for i in sep)],
+        [*units, *(units[i] for i in sep)],
+        [*bases, *((v_bases[i] if v_bases else 0) for i in sep)],
+        [*devices, *(devices[i] for i in sep)],
+    )
+
+
+def _entry_index(spec: EngineSpec, regions: np.ndarray, buffers: np.ndarray) -> np.ndarray:
+    """The ladder entry of each run (see :func:`_ladder_entries`): its region, or that
+    region's V entry when the run lies in the region's separate V buffer."""
+    n = len(spec.regions)
+    sep = [i for i, r in enumerate(spec.regions) if r.separate_kv]
+    if not sep:
+        return regions
+    v_buf = np.full(n, -1, dtype=np.int64)
+    v_entry = np.zeros(n, dtype=np.int64)
+    for k, i in enumerate(sep):
+        v_buf[i], v_entry[i] = spec.buffer_of(i, 1), n + k
+    return np.where(buffers == v_buf[regions], v_entry[regions], regions)
+
+
 def _parse_agent(name: str) -> tuple[str, int]:
     parsed = md.parse_agent_name(name)
     return parsed if parsed is not None else (name, -1)
@@ -118,16 +148,18 @@ class Endpoint:
 
     ``rank`` is a flat rank in ``[0, spec.num_ranks)``, ``pp_rank * tp_size + tp_rank``; the
     rank holds only the regions of its pipeline stage (``spec.regions_on(rank)``).
-    ``buffers`` holds one buffer per *allocation* the rank holds: each region not in a pool
-    is one allocation, each pool (the regions naming it) is one. Either a mapping keyed by
-    region name or by pool name (for a pool: its name, or any of its regions' names, all
-    given the same memory), or a sequence in spec order with one buffer per allocation (or
-    one per region held, the regions of a pool repeating the pool's buffer). A buffer is a
+    ``buffers`` holds one buffer per *buffer of the spec* the rank holds (``spec.buffers``):
+    each region with its own buffer, each pool, each allocation (its regions are layer slots)
+    and each K and V buffer of regions keeping them apart. Either a mapping keyed by region
+    name, pool name, allocation name or buffer name (a region's name reaches the buffer it
+    lives in; K and V buffers are given by their names), or a sequence in ``spec.buffers``
+    order with one per buffer held (or, when no region keeps K and V apart, one per region
+    held, the regions of a pool or allocation repeating its buffer). A buffer is a
     contiguous torch tensor (CPU -> DRAM, CUDA -> VRAM), a C-contiguous numpy array, or an
-    ``(address, nbytes)`` pair of DRAM, of ``spec.rank_region_nbytes(i)`` bytes. Buffers for
-    regions of another stage, a missing allocation, two different buffers for one pool, a
-    wrong size or overlapping allocations raise :class:`BufferSizeError` before NIXL is
-    touched. Each allocation is registered once. The buffers must outlive the endpoint.
+    ``(address, nbytes)`` pair of DRAM, of ``spec.rank_buffer_nbytes(b)`` bytes. Buffers for
+    regions of another stage, a missing one, two different buffers for one pool or
+    allocation, a wrong size or overlapping buffers raise :class:`BufferSizeError` before
+    NIXL is touched. Each buffer is registered once. The buffers must outlive the endpoint.
     ``telemetry=True`` records NIXL's descriptor counts.
 
     ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`
@@ -176,10 +208,13 @@ class Endpoint:
         self.ignored_notices = 0
         self.mem_type = mems[0]
         n = len(spec.regions)
-        bases, nbytes, devices = [0] * n, [0] * n, [0] * n
+        bases, nbytes, devices, v_bases = [0] * n, [0] * n, [0] * n, [0] * n
         for i in spec.regions_on(rank):  # per region index; pooled regions share the pool's
-            addr, size, dev, _ = allocs[spec.allocation_of(i)][1]
+            addr, size, dev, _ = allocs[spec.buffer_of(i)][1]
             bases[i], nbytes[i], devices[i] = addr, size, dev
+            if spec.regions[i].separate_kv:  # its V buffer: a ladder entry of its own
+                v_bases[i] = allocs[spec.buffer_of(i, 1)][1][0]
+        self._v_bases = tuple(v_bases)
         self._bases = tuple(bases)
         self._nbytes = tuple(nbytes)
         self._devices = tuple(devices)
@@ -227,6 +262,7 @@ class Endpoint:
                 nbytes=self._nbytes,
                 devices=self._devices,
                 agent_metadata=agent_md,
+                v_bases=self._v_bases if any(self._v_bases) else (),
             ),
             self._secret,
         )
@@ -347,9 +383,10 @@ class Endpoint:
 
     def _peer_list(self, agent, info: md.PeerInfo, route: _Route):
         """The peer's ladder and prepared remote list for ``route`` (None when not needed)."""
-        names = [r.name for r in info.spec.regions]
-        ladder = Ladder.build(names, info.nbytes, route.remote_units)
-        rows = ladder.rows(info.bases, info.devices)
+        names, nbytes, units, bases, devices = _ladder_entries(
+            info.spec, info.nbytes, route.remote_units, info.bases, info.devices, info.v_bases)
+        ladder = Ladder.build(names, nbytes, units)
+        rows = ladder.rows(bases, devices)
         # a peer the map never copies with (another stage, or a TP rank whose units and
         # replicas other ranks serve) gets no list: no plan of this map names it
         needed = info.rank in route.map.peers and len(rows) > 0
@@ -362,8 +399,10 @@ class Endpoint:
             tmap = push_map(self.spec, info.spec, self.rank)
         mine = [tmap.granule(r.name) for r in self.spec.regions]
         theirs = [tmap.granule(r.name) for r in info.spec.regions]
-        local = Ladder.build([r.name for r in self.spec.regions], self._nbytes, mine)
-        rows = local.rows(self._bases, self._devices)
+        names, nbytes, units, bases, devices = _ladder_entries(
+            self.spec, self._nbytes, mine, self._bases, self._devices, self._v_bases)
+        local = Ladder.build(names, nbytes, units)
+        rows = local.rows(bases, devices)
         dlist = self._prep(agent, NIXL_LOCAL, rows, self.mem_type) if len(rows) else None
         return _Route(tmap, local, theirs, dlist)
 
@@ -509,10 +548,15 @@ class Endpoint:
         lowered: list[Lowered] = []
         for r, a, b in zip(ranks, starts, ends, strict=True):
             seg = rows[a:b]
+            local_spec, remote_spec = (
+                (route.map.dst, route.map.src) if mode is Mode.PULL else
+                (route.map.src, route.map.dst))
             lowered.append(
-                lower(route.local, route.peer_ladders[r], seg[f"{lside}_region"],
+                lower(route.local, route.peer_ladders[r],
+                      _entry_index(local_spec, seg[f"{lside}_region"], seg[f"{lside}_buffer"]),
                       seg[f"{lside}_offset"],
-                      seg[f"{rside}_region"], seg[f"{rside}_offset"], seg["length"],
+                      _entry_index(remote_spec, seg[f"{rside}_region"], seg[f"{rside}_buffer"]),
+                      seg[f"{rside}_offset"], seg["length"],
                       describe=_describer(seg))
             )
         groups = {

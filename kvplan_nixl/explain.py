@@ -51,6 +51,20 @@ _Usage = UsageError  # the name this module used before
 #: Above this many runs per request on one rank, explain warns that descriptors dominate.
 MANY_RUNS = 10_000
 
+
+def layout_arg(value: str) -> str:
+    """An argparse type: ``HND``, ``NHD``, vLLM's ``BLHNC``..., or any order of ``LBSHND``."""
+    try:
+        kvplan.spec.layout_order(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+#: The layouts ``explain`` compares: today's per-layer HND split and vLLM's six orders.
+COMPARED_LAYOUTS = ("HND", *kvplan.spec.VLLM_ORDERS)
+
+
 def _load_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -155,6 +169,8 @@ def request(spec: EngineSpec, tokens: int) -> list[list[int]]:
 
 
 def _with_layout(spec: EngineSpec, layout: str) -> EngineSpec:
+    if any(r.allocation is not None for r in spec.regions):
+        return spec.with_layout(layout)  # one allocation per layer again
     regions = tuple(
         attrs.evolve(r, layout=kvplan.Layout(layout)) if r.kind is kvplan.Kind.ATTENTION else r
         for r in spec.regions
@@ -205,20 +221,56 @@ def count(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence) -> Coun
 
     Lanes alike but for their region and ranks (every layer of one geometry shares its block
     templates) have equal runs; each such set is planned once, one lane at a time, so memory
-    is one lane's runs for this request, never every rank's (or layer's) full array. The
-    counts equal the full plan's (tested).
+    is one lane's runs for this request, never every rank's (or layer's) full array. Lanes
+    whose regions are layer slots of one allocation on both sides can share runs (a ``BL...``
+    order merges every layer of a block), so they are planned together, one (source rank,
+    allocation pair) at a time. The counts equal the full plan's (tested).
     """
+    src, dst = tmap.src, tmap.dst
     done: dict[tuple, tuple[int, int]] = {}
-    stats = []
-    for lane in tmap.lanes:
+    packed: dict[tuple, list[int]] = {}
+    stats: list = [None] * len(tmap.lanes)
+    for k, lane in enumerate(tmap.lanes):
+        if src.slot_of(lane.src_region)[1] > 1 and dst.slot_of(lane.dst_region)[1] > 1:
+            key = (lane.src_rank, lane.dst_rank, src.buffer_of(lane.src_region),
+                   dst.buffer_of(lane.dst_region))
+            packed.setdefault(key, []).append(k)
+            continue
         key = (id(lane.templates),
                attrs.evolve(lane, src_rank=0, dst_rank=0, src_region=0, dst_region=0))
         hit = done.get(key)
         if hit is None:
             one = attrs.evolve(tmap, lanes=(lane,)).plan(src_blocks, dst_blocks)
             hit = done[key] = (one.nbytes, len(one))
-        stats.append((lane, *hit))
+        stats[k] = (lane, *hit)
+    for members in packed.values():
+        lanes = tuple(tmap.lanes[k] for k in members)
+        some = attrs.evolve(tmap, lanes=lanes).plan(src_blocks, dst_blocks)
+        b, lengths = some.lane_bounds, some.rows["length"]
+        for j, k in enumerate(members):
+            stats[k] = (lanes[j], int(lengths[b[j]:b[j + 1]].sum()), int(b[j + 1] - b[j]))
     return Counted(tmap, tuple(stats))
+
+
+def runs_by_layout(src: EngineSpec, dst: EngineSpec, tokens: int,
+                   ranks: Sequence[int] | None = None) -> dict[str, int]:
+    """Runs (NIXL descriptors) per request on ``ranks`` with each of :data:`COMPARED_LAYOUTS`
+    on both sides (``EngineSpec.with_layout``: an order packs a group's layers in one buffer),
+    counted as :func:`count` does."""
+    ranks = list(range(dst.num_ranks)) if ranks is None else list(ranks)
+    src_blocks, dst_blocks = request(src, tokens), request(dst, tokens)
+    out = {}
+    for name in COMPARED_LAYOUTS:
+        s, d = src.with_layout(name), dst.with_layout(name)
+        out[name] = sum(count(kvplan.pull_map(s, d, r), src_blocks, dst_blocks).runs
+                        for r in ranks)
+    return out
+
+
+#: ``explain`` compares layouts (:func:`runs_by_layout`) up to this many tokens unless asked:
+#: a packed layout's runs are counted per (peer, allocation), which at 128k tokens of a 70B
+#: model means millions of rows per count.
+COMPARE_LAYOUTS_TOKENS = 32768
 
 
 def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
@@ -398,10 +450,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except kvplan.IncompatibleLayoutError as exc:
         return _refused(args, exc)
     doc["source"]["model"], doc["destination"]["model"] = args.prefill, args.decode
+    compare = args.compare_layouts
+    if compare is None:
+        compare = args.tokens <= COMPARE_LAYOUTS_TOKENS
+    if compare:
+        with step("counting runs for each layout"):
+            doc["runs_by_layout"] = runs_by_layout(src, dst, args.tokens,
+                                                   None if args.rank is None else [args.rank])
     if args.json:
         print(json.dumps(doc, indent=2))
+        return 0
+    _print_text(doc, _title(args, src, dst))
+    if compare:
+        print("\nruns per request with one layout on both sides (decode ranks shown): "
+              + ", ".join(f"{k} {v:,}" for k, v in doc["runs_by_layout"].items()))
     else:
-        _print_text(doc, _title(args, src, dst))
+        print(f"\n(runs per layout are compared up to {COMPARE_LAYOUTS_TOKENS} tokens; "
+              "pass --compare-layouts to count them for this request)")
     return 0
 
 
@@ -491,8 +556,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=sorted(kvplan.DTYPE_SIZES), metavar="DTYPE",
                    help="KV-cache dtype (default: the config's torch_dtype; needed when the "
                         "config has none)")
-    p.add_argument("--layout", choices=["HND", "NHD"], default="HND",
-                   help="attention layout on both sides")
+    p.add_argument("--layout", type=layout_arg, default="HND",
+                   help="layout on both sides: HND, NHD (with --kv), vLLM's LBHNC, BLHNC... "
+                        "or any order of LBSHND")
     p.add_argument("--kv", choices=["split", "joint"], default="split",
                    help="K and V in two tensors (split) or one (joint)")
     p.add_argument("--draft", default=None, metavar="MODEL",
@@ -518,15 +584,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens per block on prefill (default: --block-size)")
     p.add_argument("--decode-block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
                    help="tokens per block on decode (default: --block-size)")
-    p.add_argument("--prefill-layout", choices=["HND", "NHD"], default=None,
-                   help="attention layout on prefill (default: --layout)")
-    p.add_argument("--decode-layout", choices=["HND", "NHD"], default=None,
-                   help="attention layout on decode (default: --layout)")
+    p.add_argument("--prefill-layout", type=layout_arg, default=None,
+                   help="layout on prefill (default: --layout)")
+    p.add_argument("--decode-layout", type=layout_arg, default=None,
+                   help="layout on decode (default: --layout)")
     p.add_argument("--rank", type=int_in(0, MAX_TP * MAX_TP), default=None,
                    help="only this decode rank (default: every decode rank)")
     p.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=2048,
                    help="request length in tokens")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--compare-layouts", action=argparse.BooleanOptionalAction, default=None,
+                   help="count runs per request for HND and each of vLLM's six orders (default: "
+                        f"on up to {COMPARE_LAYOUTS_TOKENS} tokens)")
     _model_options(p)
 
     text = "validate two engine-spec JSON files; exit 1 with the refusal if they cannot talk"

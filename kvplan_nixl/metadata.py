@@ -131,6 +131,9 @@ class PeerInfo:
     nbytes: tuple[int, ...]
     devices: tuple[int, ...]
     agent_metadata: bytes = attrs.field(repr=False)
+    #: per region, the base of its V buffer when it keeps K and V apart (else 0); empty when
+    #: no region does. ``bases`` then holds the K buffer's.
+    v_bases: tuple[int, ...] = ()
 
     @property
     def held(self) -> tuple[int, ...]:
@@ -154,6 +157,7 @@ def encode(info: PeerInfo, secret: bytes | str | None = None) -> bytes:
                                                   strict=True))
                 if n
             ],
+            **({"v_bases": list(info.v_bases)} if any(info.v_bases) else {}),
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -219,8 +223,9 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
         h = json.loads(header)
         engine, rank, agent, mem = h["engine"], h["rank"], h["agent"], h["mem_type"]
         raw_rows = h["regions"]
+        raw_v = h.get("v_bases", [])
         spec_dict = h["spec"]
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise MetadataError(f"kvplan_nixl metadata header unreadable: {exc!r}") from None
     if (not isinstance(engine, str) or not engine or isinstance(rank, bool)
             or not isinstance(rank, int)):
@@ -251,9 +256,9 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
         )
     n = len(spec.regions)
     bases, sizes, devs = [0] * n, [0] * n, [0] * n
-    alloc, blocks = _allocations(spec)
+    alloc = _allocations(spec)
     for i, base, size, dev in regions:
-        want = blocks[i] * spec.rank_page_nbytes(i)
+        want = spec.rank_region_nbytes(i)
         if size != want:
             raise MetadataError(
                 f"{who}: region {spec.regions[i].name!r} registers {size} bytes, its spec "
@@ -272,6 +277,14 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
                 f"{size} bytes does not fit a 64-bit address space"
             )
         bases[i], sizes[i], devs[i] = base, size, dev
+    v_bases = _v_bases(raw_v, n, sizes, who)
+    separate = [i for i in indices if spec.regions[i].separate_kv]
+    if v_bases and len(v_bases) != n:
+        raise MetadataError(f"{who}: {len(v_bases)} V buffer bases for {n} regions")
+    missing = [spec.regions[i].name for i in separate if not v_bases or v_bases[i] <= 0]
+    if missing:
+        raise MetadataError(f"{who}: regions {missing} keep K and V in separate buffers, but "
+                            "the metadata carries no V buffer base for them")
     return PeerInfo(
         engine=engine,
         rank=rank,
@@ -282,6 +295,7 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
         nbytes=tuple(sizes),
         devices=tuple(devs),
         agent_metadata=agent_md,
+        v_bases=v_bases,
     )
 
 
@@ -309,15 +323,23 @@ def _claimed(body: bytes, hlen: int) -> str:
     return "an unnamed peer"
 
 
-def _allocations(spec: EngineSpec) -> tuple[list[int], list[int]]:
-    """Per region, the index of its allocation's first region and the allocation's block count
-    (``spec.allocation_of`` and ``rank_region_nbytes`` in one linear pass: a spec may be big)."""
-    first: dict[str, int] = {}
-    most: dict[str, int] = {}
-    for i, r in enumerate(spec.regions):
-        if r.pool is not None:
-            first.setdefault(r.pool, i)
-            most[r.pool] = max(most.get(r.pool, 0), r.num_blocks)
-    alloc = [i if r.pool is None else first[r.pool] for i, r in enumerate(spec.regions)]
-    blocks = [r.num_blocks if r.pool is None else most[r.pool] for r in spec.regions]
-    return alloc, blocks
+def _allocations(spec: EngineSpec) -> list[int]:
+    """Per region, the index of the first region living in the same buffer: what
+    ``spec.allocation_of`` answers, in one linear pass (a spec may be big)."""
+    first: dict[int, int] = {}
+    return [first.setdefault(spec.buffer_of(i), i) for i in range(len(spec.regions))]
+
+
+def _v_bases(raw: object, n: int, sizes: list[int], who: str) -> tuple[int, ...]:
+    """The header's V buffer bases (empty, or one per region of the spec): JSON integers that
+    place each V buffer inside a 64-bit address space."""
+    if not isinstance(raw, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in raw
+    ):
+        raise MetadataError(f"{who}: v_bases must be a list of integers")
+    if raw and len(raw) == n:
+        bad = [i for i, v in enumerate(raw) if not 0 <= v <= (1 << 64) - sizes[i]]
+        if bad:
+            raise MetadataError(f"{who}: V buffer base {raw[bad[0]]} of region {bad[0]} does "
+                                "not fit a 64-bit address space")
+    return tuple(raw)

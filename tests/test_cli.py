@@ -208,7 +208,12 @@ def test_no_progress_on_a_pipe_by_default():
     lambda tp: presets.spec("kimi-linear-48b-a3b", tp, num_blocks=64),
     lambda tp: presets.spec("nemotron-h-8b", tp, num_blocks=64, pp_size=2),
     lambda tp: presets.spec("kimi-k2", tp, num_blocks=64, draft="kimi-k2.5-eagle3"),
-], ids=["sliding-nhd", "kda-pools", "mamba-pp2", "mla-draft"])
+    lambda tp: presets.spec("llama-3.1-8b", tp, num_blocks=64, layout="BLHNC"),
+    lambda tp: presets.spec("llama-3.1-8b", tp, num_blocks=64, layout="BHLNC"),
+    lambda tp: presets.spec("gemma-3-1b", tp, num_blocks=64, layout="LBNHD"),
+    lambda tp: presets.spec("kimi-linear-48b-a3b", tp, num_blocks=64, layout="BLHNC"),
+], ids=["sliding-nhd", "kda-pools", "mamba-pp2", "mla-draft", "blhnc", "bhlnc", "sglang-kv",
+        "kda-pools-blhnc"])
 def test_explain_counts_equal_the_full_plans(build):
     src, dst = build(4), build(2)
     sb, db = explain.request(src, 300), explain.request(dst, 300)

@@ -48,7 +48,7 @@ def _pooled(name: str, group: int, page: int) -> dict:
                                    "parts": [{"name": "x", "units": 1, "unit_bytes": 8}]}),
          r"region 's': group must be an integer >= 0, got None"),
         (lambda: _spec(1, attn(nb=2**62)), r"'layers\.0\.attn': \d+ bytes on a rank .* exceed "
-                                           r"the limit 4611686018427387904 \(2\*\*62\)"),
+                                           r"the limit 2305843009213693952 \(2\*\*61\)"),
         (lambda: _spec(1, attn(nb=2**52, heads=16, dim=16)), "byte offsets must fit in int64"),
         (lambda: _spec(1, attn(bs=2**40)), "block_size 1099511627776 exceeds the limit 65536"),
         (lambda: _spec(1, attn(heads=2**40)), r"pieces, over the limit 1048576"),
