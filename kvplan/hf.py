@@ -210,6 +210,8 @@ def _load(config: Any, what: str) -> Mapping[str, Any]:
                             "not a config.json") from None
         except json.JSONDecodeError as exc:
             raise SpecError(f"{what}: {str(path)!r} is not JSON: {exc}") from None
+        except RecursionError as exc:  # nested deeper than json can parse
+            raise SpecError(f"{what}: {str(path)!r} is not readable JSON: {exc}") from None
         if not isinstance(data, Mapping):
             raise SpecError(f"{what}: {str(path)!r} holds a {type(data).__name__}, not an object")
         return data

@@ -46,6 +46,21 @@ COPY_DTYPE = np.dtype(
 )
 
 
+def _id_array(ids: object, side: str, g: int) -> np.ndarray:
+    """One group's ids as an array; ragged, deeply nested or odd objects are a RequestError."""
+    if isinstance(ids, (str, bytes, dict, set, frozenset)):
+        raise RequestError(
+            f"{side} group {g}: block ids must be a flat sequence of integers, got "
+            f"{type(ids).__name__}"
+        )
+    try:
+        return np.asarray(ids)
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise RequestError(
+            f"{side} group {g}: block ids must be a flat sequence of integers ({exc})"
+        ) from None
+
+
 def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarray, ...]:
     """Validate one side's block ids: one list per group, ids in range and unique."""
     if isinstance(lists, (str, bytes)) or not hasattr(lists, "__len__"):
@@ -57,7 +72,7 @@ def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarr
         )
     out = []
     for g, ids in enumerate(lists):
-        a = np.asarray(ids)
+        a = _id_array(ids, side, g)
         if a.size == 0:
             a = np.zeros(0, dtype=np.int64)
         if a.ndim != 1 or a.dtype.kind not in "iu":
@@ -65,14 +80,14 @@ def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarr
                 f"{side} group {g}: block ids must be a flat sequence of integers, got "
                 f"shape {a.shape} dtype {a.dtype}"
             )
-        a = a.astype(np.int64)
         limit, holder = min((r.num_blocks, r.name) for r in spec.regions if r.group == g)
-        bad = np.flatnonzero((a < 0) | (a >= limit))
+        bad = np.flatnonzero((a < 0) | (a >= limit))  # before the cast: uint64 must not wrap
         if bad.size:
             raise RequestError(
                 f"{side} group {g}: block id {int(a[bad[0]])} at position {int(bad[0])} is out of "
                 f"range [0, {limit}) (region {holder!r} has {limit} blocks)"
             )
+        a = a.astype(np.int64)
         s = np.sort(a)
         dup = np.flatnonzero(s[1:] == s[:-1])
         if dup.size:

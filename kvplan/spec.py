@@ -29,6 +29,20 @@ DTYPE_SIZES: Mapping[str, int] = {
 }
 
 
+#: Bounds a spec must respect (see docs/design.md, "Limits"): they keep every byte offset a plan
+#: computes inside int64 and make a forged or mistyped spec cheap to refuse.
+MAX_TP_SIZE = 256
+MAX_PP_SIZE = 256
+MAX_REGIONS = 1024
+MAX_BLOCK_SIZE = 1 << 16
+#: Largest buffer (bytes on one rank) of a region, pool or allocation: offsets plus lengths
+#: stay < 2**63 even where the planner lays a V buffer one block above its K buffer.
+MAX_ALLOCATION_BYTES = 1 << 61
+#: Largest number of (stream, unit, token) atoms in one block on one rank; the handshake builds
+#: a template of that many rows per lane, so this bounds its time and memory.
+MAX_BLOCK_ATOMS = 1 << 20
+
+
 class Kind(enum.Enum):
     """What a region's blocks hold; decides its components and their placement over TP."""
 
@@ -210,11 +224,16 @@ class RegionSpec:
             raise SpecError(f"region {name!r}: kind must be a Kind, got {self.kind!r}")
         _positive(name, "num_blocks", self.num_blocks)
         _positive(name, "block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise SpecError(f"region {name!r}: block_size {self.block_size} exceeds the limit "
+                            f"{MAX_BLOCK_SIZE}")
         for field in ("group", "stage"):
             v = getattr(self, field)
+            if v is None and field == "group":  # only stage is optional
+                raise SpecError(f"region {name!r}: group must be an integer >= 0, got None")
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise SpecError(f"region {name!r}: {field} must be an integer >= 0, got {v!r}")
-        if self.dtype not in DTYPE_SIZES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise SpecError(
                 f"region {name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}"
             )
@@ -503,8 +522,13 @@ class EngineSpec:
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SpecError(f"{field} must be a positive integer, got {v!r}")
+        for field, top in (("tp_size", MAX_TP_SIZE), ("pp_size", MAX_PP_SIZE)):
+            if getattr(self, field) > top:
+                raise SpecError(f"{field} {getattr(self, field)} exceeds the limit {top}")
         if not self.regions:
             raise SpecError("an engine spec needs at least one region")
+        if len(self.regions) > MAX_REGIONS:
+            raise SpecError(f"{len(self.regions)} regions exceed the limit {MAX_REGIONS}")
         seen: set[str] = set()
         for r in self.regions:
             if not isinstance(r, RegionSpec):
@@ -517,9 +541,30 @@ class EngineSpec:
         object.__setattr__(self, "_stages", self._assign_stages())
         object.__setattr__(self, "_pages", self._assign_pages())
         object.__setattr__(self, "_buffers", self._assign_buffers())
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        """Refuse buffers whose byte offsets would not fit in int64 (see MAX_ALLOCATION_BYTES)."""
+        for b, nbytes in enumerate(self._buffers.nbytes):
+            if nbytes > MAX_ALLOCATION_BYTES:
+                i = next(k for k, sl in enumerate(self._buffers.slots) if b in sl[:2])
+                r = self.regions[i]
+                raise SpecError(
+                    f"region {r.name!r}: {nbytes} bytes on a rank in buffer "
+                    f"{self._buffers.names[b]!r} ({r.num_blocks} blocks of {self._pages[i]} "
+                    f"bytes) exceed the limit {MAX_ALLOCATION_BYTES} (2**61): byte offsets must "
+                    "fit in int64"
+                )
 
     def _check_components(self, r: RegionSpec) -> None:
         tp = self.tp_size
+        atoms = r.block_size * sum(c.streams * c.units for c in r.components)
+        if atoms > MAX_BLOCK_ATOMS:
+            raise SpecError(
+                f"region {r.name!r}: a block holds {atoms} (stream, unit, token) pieces, over the "
+                f"limit {MAX_BLOCK_ATOMS}: block_size {r.block_size} or the unit counts are too "
+                "large"
+            )
         for c in r.components:
             k = c.units
             if k % tp and tp % k:
@@ -535,8 +580,11 @@ class EngineSpec:
             raise SpecError(
                 f"group ids must be 0..{len(groups) - 1} with none missing, got {groups}"
             )
+        kinds_of: dict[int, set[bool]] = {}  # one pass over the regions, not one per group
+        for r in self.regions:
+            kinds_of.setdefault(r.group, set()).add(r.is_state)
         for g in groups:
-            kinds = {r.is_state for r in self.regions if r.group == g}
+            kinds = kinds_of[g]
             if len(kinds) > 1:
                 names = [r.name for r in self.regions if r.group == g]
                 raise SpecError(
@@ -585,6 +633,11 @@ class EngineSpec:
             explicit = {r.page_bytes for r in regions}
             if None in explicit and len(explicit) > 1:
                 raise SpecError(f"pool {pool!r}: give page_bytes on every region or on none")
+            if len(explicit) > 1:  # one allocation has one page size
+                raise SpecError(
+                    f"pool {pool!r}: its regions give different page_bytes "
+                    f"{sorted(r.page_bytes for r in regions)}; one pool has one page size"
+                )
             page = max(blocks[i] for i in members) if None in explicit else explicit.pop()
             for i in members:
                 if blocks[i] > page:  # type: ignore[operator]
@@ -702,6 +755,8 @@ class EngineSpec:
         regions = d["regions"]
         if isinstance(regions, (str, bytes, Mapping)) or not hasattr(regions, "__iter__"):
             raise SpecError("engine spec: regions must be a list of region mappings")
+        if hasattr(regions, "__len__") and len(regions) > MAX_REGIONS:  # before building any
+            raise SpecError(f"{len(regions)} regions exceed the limit {MAX_REGIONS}")
         return cls(
             tp_size=d["tp_size"],
             pp_size=d.get("pp_size", 1),

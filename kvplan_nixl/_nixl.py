@@ -29,15 +29,18 @@ __all__ = ["NIXL_LOCAL", "make_agent"]
 NIXL_LOCAL = "NIXL_INIT_AGENT"
 
 
-def make_agent(name: str, backends: tuple[str, ...], telemetry: bool) -> nixl_agent:
-    """A NIXL agent without a progress thread (NIXL's thread spins a core at 100% when idle).
+def make_agent(name: str, backends: tuple[str, ...], telemetry: bool,
+               progress_thread: bool = False) -> nixl_agent:
+    """A NIXL agent, by default without a progress thread (NIXL's thread spins a core at 100%
+    even when idle: NIXL 1.5 hard-codes a zero delay between its polls).
 
     Without it, the agent is progressed by our own calls: ``check_xfer_state`` on the initiator
-    and ``get_new_notifs`` on the target (see ``Endpoint.progress``).
+    and ``get_new_notifs`` on the target (see ``Endpoint.progress``). With it, NIXL progresses
+    transfers and receives notifications on its own thread.
     """
     missing_ok = list(backends)
     cfg = nixl_agent_config(
-        enable_prog_thread=False,
+        enable_prog_thread=bool(progress_thread),
         enable_listen_thread=False,
         capture_telemetry=telemetry,
         backends=missing_ok,
