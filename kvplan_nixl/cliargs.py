@@ -11,6 +11,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+import kvplan.spec as spec_limits
+
 __all__ = [
     "LEGEND",
     "MAX_BLOCKS",
@@ -27,9 +29,9 @@ __all__ = [
 #: is longer than any preset's context; explain's memory grows with one layer's runs of one
 #: request, so the bound also bounds its memory.
 MAX_TOKENS = 1 << 21
-MAX_TP = 1024  # TP and PP sizes
+MAX_TP = spec_limits.MAX_TP_SIZE  # TP and PP sizes: the spec's own limits (both 256)
 MAX_BLOCKS = 1 << 31  # blocks or slots per region
-MAX_BLOCK_SIZE = 1 << 16  # tokens per block
+MAX_BLOCK_SIZE = spec_limits.MAX_BLOCK_SIZE  # tokens per block
 
 #: What the outputs' notation means, printed under ``explain``, ``plan`` and ``demo`` output.
 LEGEND = """\
