@@ -40,6 +40,7 @@ from kvplan import EngineSpec
 from kvplan.examples import kimi_linear_like, llama3_70b
 from kvplan_nixl import Endpoint
 from kvplan_nixl._nixl import NIXL_LOCAL, make_agent
+from kvplan_nixl.progress import step
 
 
 def _time(fn) -> float:
@@ -360,16 +361,19 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=2048, help="hetero-TP request length")
     args = ap.parse_args(argv)
-    rows = []
-    rows += bench_bulk(args.reps)
-    rows += bench_hetero(max(3, args.reps // 2), args.tokens)
-    rows += bench_hybrid(max(3, args.reps // 2), 8 * args.tokens)
-    rows += bench_connect(5)
-    rows += bench_engine_style_prep(3)
     print("| measure | result | goal | |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print("|---|---|---|---|", flush=True)
+    for what, run in (  # each section's rows print as soon as it is measured
+        ("bulk reads and writes", lambda: bench_bulk(args.reps)),
+        ("heterogeneous TP", lambda: bench_hetero(max(3, args.reps // 2), args.tokens)),
+        ("hybrid", lambda: bench_hybrid(max(3, args.reps // 2), 8 * args.tokens)),
+        ("connect", lambda: bench_connect(5)),
+        ("engine-style preparation", lambda: bench_engine_style_prep(3)),
+    ):
+        with step(f"measuring {what}"):
+            rows = run()
+        for r in rows:
+            print("| " + " | ".join(r) + " |", flush=True)
     return 0
 
 

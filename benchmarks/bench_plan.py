@@ -27,6 +27,7 @@ from kvplan.examples import (
     nemotron_h_like,
     request_blocks,
 )
+from kvplan_nixl.progress import step
 
 
 def median_time(fn, repeat: int) -> float:
@@ -65,36 +66,41 @@ def handshake(repeat: int) -> list[str]:
 
 def main() -> None:
     repeat = 11
-    lines = [
+    print("\n".join([
         "### Request path: `plan()` + `copies()` vs `np.full` of the same int64 size",
         "",
         "| engine pair | request | runs | plan + copies | np.full | ratio |",
         "|---|---|---|---|---|---|",
+    ]), flush=True)
+    cases = [  # each row prints as soon as it is measured
+        ("Llama-3-70B HND, P TP8 -> D TP4", lambda: (llama3_70b(8, num_blocks=16384),
+                                                      llama3_70b(4, num_blocks=16384)), 128),
+        ("Llama-3-70B NHD, P TP8 -> D TP4",
+         lambda: (llama3_70b(8, num_blocks=16384, layout="NHD"),
+                  llama3_70b(4, num_blocks=16384, layout="NHD")), 32),
+        ("GQA + MLA draft (4+1 layers), P TP4 -> D TP2",
+         lambda: (gqa_with_mla_draft(4, num_blocks=16384),
+                  gqa_with_mla_draft(2, num_blocks=16384)), 128),
+        ("KimiLinear-like (12 MLA + 12 KDA, pooled, kernel 16), P TP2 -> D TP4",
+         lambda: (kimi_linear_like(2, layers=12, num_blocks=8192, heads=32, head_dim=128),
+                  kimi_linear_like(4, layers=12, num_blocks=8192, heads=32, head_dim=128)), 128),
+        ("Nemotron-H-like (24 Mamba2 + 1 attention), P TP1 -> D TP4",
+         lambda: (nemotron_h_like(1, num_blocks=16384, num_slots=64, mamba_layers=24),
+                  nemotron_h_like(4, num_blocks=16384, num_slots=64, mamba_layers=24)), 128),
     ]
-    lines += request_path("Llama-3-70B HND, P TP8 -> D TP4", llama3_70b(8, num_blocks=16384),
-                          llama3_70b(4, num_blocks=16384), 128 * 1024, repeat)
-    lines += request_path("Llama-3-70B NHD, P TP8 -> D TP4",
-                          llama3_70b(8, num_blocks=16384, layout="NHD"),
-                          llama3_70b(4, num_blocks=16384, layout="NHD"), 32 * 1024, repeat)
-    lines += request_path("GQA + MLA draft (4+1 layers), P TP4 -> D TP2",
-                          gqa_with_mla_draft(4, num_blocks=16384),
-                          gqa_with_mla_draft(2, num_blocks=16384), 128 * 1024, repeat)
-    lines += request_path("KimiLinear-like (12 MLA + 12 KDA, pooled, kernel 16), P TP2 -> D TP4",
-                          kimi_linear_like(2, layers=12, num_blocks=8192, heads=32, head_dim=128),
-                          kimi_linear_like(4, layers=12, num_blocks=8192, heads=32, head_dim=128),
-                          128 * 1024, repeat)
-    lines += request_path("Nemotron-H-like (24 Mamba2 + 1 attention), P TP1 -> D TP4",
-                          nemotron_h_like(1, num_blocks=16384, num_slots=64, mamba_layers=24),
-                          nemotron_h_like(4, num_blocks=16384, num_slots=64, mamba_layers=24),
-                          128 * 1024, repeat)
-    lines += [
+    for name, engines, ktokens in cases:
+        with step(f"measuring {name}"):
+            lines = request_path(name, *engines(), ktokens * 1024, repeat)
+        print("\n".join(lines), flush=True)
+    print("\n".join([
         "",
         "### Handshake: `pull_map` at 1e3 vs 1e6 `num_blocks`",
         "",
         "| map | num_blocks | time | vs 1e3 |",
         "|---|---|---|---|",
-    ]
-    lines += handshake(repeat)
+    ]), flush=True)
+    with step("measuring pull_map"):
+        lines = handshake(repeat)
     print("\n".join(lines))
 
 

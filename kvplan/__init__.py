@@ -10,6 +10,7 @@ The whole public API::
     plan.part(["layers.3.attn"])                      # one layer's slice (layer-wise posting)
     plan.copies()                                     # read-only structured array of byte runs
     simulate(plan, src_buffers, dst_buffers)          # reference executor over numpy buffers
+    staged = stage(plan, chunk_bytes)                 # gather / bulk / scatter legs (staging)
 
 Seeing plans (notebooks, ``kvplan[view]``): ``EngineSpec.from_hf_config(config_json, tp_size=8)``,
 ``presets.spec("llama-3.1-70b", tp_size=8)``, ``plan.to_pandas()``, ``plan.plot()``,
@@ -31,12 +32,15 @@ from kvplan.plan import COPY_DTYPE, TransferPlan
 from kvplan.planner import Lane, Mode, TransferMap, pull_map, push_map
 from kvplan.simulate import simulate
 from kvplan.spec import DTYPE_SIZES, KV, EngineSpec, Kind, Layout, RegionSpec
+from kvplan.staging import STAGING, Costs, Leg, StagedPlan, prefer_staged, stage
 from kvplan.views import plot_rank_map, rank_map
 
 __all__ = [
     "COPY_DTYPE",
     "DTYPE_SIZES",
     "KV",
+    "STAGING",
+    "Costs",
     "EngineSpec",
     "HeadSource",
     "IncompatibleLayoutError",
@@ -44,12 +48,14 @@ __all__ = [
     "Kind",
     "Lane",
     "Layout",
+    "Leg",
     "Mode",
     "Placement",
     "RankLayout",
     "RegionSpec",
     "RequestError",
     "SpecError",
+    "StagedPlan",
     "TokenSharding",
     "TransferMap",
     "TransferPlan",
@@ -57,11 +63,13 @@ __all__ = [
     "held_heads",
     "holders",
     "plot_rank_map",
+    "prefer_staged",
     "presets",
     "pull_map",
     "push_map",
     "rank_layout",
     "rank_map",
     "simulate",
+    "stage",
 ]
 __version__ = "0.1.0"

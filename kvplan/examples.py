@@ -31,12 +31,13 @@ def gqa_with_mla_draft(
     regions = [
         {"name": f"layers.{i}.attn", "kind": "attention", "num_blocks": num_blocks,
          "block_size": block_size, "dtype": "bfloat16", "num_kv_heads": 8, "head_dim": 128,
-         "layout": layout, "kv": kv}
+         **_layout_fields(layout, kv)}
         for i in range(layers)
     ]
     regions.append(
         {"name": "draft.0.mla", "kind": "mla", "num_blocks": num_blocks,
-         "block_size": draft_block_size or block_size, "dtype": "bfloat16", "dim": 576}
+         "block_size": block_size if draft_block_size is None else draft_block_size,
+         "dtype": "bfloat16", "dim": 576}
     )
     return EngineSpec.from_dict({"tp_size": tp_size, "regions": regions})
 
@@ -45,16 +46,27 @@ def llama3_70b(
     tp_size: int, *, num_blocks: int = 1024, block_size: int = 16, layout: str = "HND",
     kv: str = "split",
 ) -> EngineSpec:
-    """Llama-3-70B's KV cache: 80 layers, 8 KV heads of 128, bf16, one region per layer."""
+    """Llama-3-70B's KV cache: 80 layers, 8 KV heads of 128, bf16, one region per layer.
+
+    ``layout`` HND/NHD (with ``kv``) gives one allocation per layer; any other order (vLLM's
+    ``BLHNC``..., see ``RegionSpec.order``) puts the 80 layers in one allocation ``"kv"``.
+    """
     return EngineSpec.from_dict({
         "tp_size": tp_size,
         "regions": [
             {"name": f"layers.{i}.attn", "kind": "attention", "num_blocks": num_blocks,
              "block_size": block_size, "dtype": "bfloat16", "num_kv_heads": 8, "head_dim": 128,
-             "layout": layout, "kv": kv}
+             **_layout_fields(layout, kv)}
             for i in range(80)
         ],
     })
+
+
+def _layout_fields(layout: str, kv: str) -> dict:
+    """Region fields for a layout name: legacy names per layer, orders in one allocation."""
+    if layout in ("HND", "NHD"):
+        return {"layout": layout, "kv": kv}
+    return {"layout": layout, "allocation": "kv"}
 
 
 def deepseek_v32(

@@ -175,7 +175,12 @@ class _Reader:
 
     def kv_heads(self) -> int:
         if self.fields.get("num_key_value_heads") is None:
-            return self.positive("num_attention_heads")  # multi-head attention
+            # Hugging Face reads a missing value as multi-head attention; a trimmed or
+            # hand-written config may simply have lost it, so we do not guess.
+            heads = self.fields.get("num_attention_heads")
+            hint = (f"; for multi-head attention add \"num_key_value_heads\": {heads} (Hugging "
+                    "Face reads a missing value as num_attention_heads)" if heads else "")
+            raise SpecError(f"{self.name}: config.json lacks num_key_value_heads{hint}")
         return self.positive("num_key_value_heads")
 
     def layer_types(self, count: int) -> list[str] | None:
@@ -200,8 +205,13 @@ def _load(config: Any, what: str) -> Mapping[str, Any]:
             data = json.loads(path.read_text(encoding="utf-8"))
         except OSError as exc:
             raise SpecError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise SpecError(f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}), "
+                            "not a config.json") from None
         except json.JSONDecodeError as exc:
             raise SpecError(f"{what}: {str(path)!r} is not JSON: {exc}") from None
+        except RecursionError as exc:  # nested deeper than json can parse
+            raise SpecError(f"{what}: {str(path)!r} is not readable JSON: {exc}") from None
         if not isinstance(data, Mapping):
             raise SpecError(f"{what}: {str(path)!r} holds a {type(data).__name__}, not an object")
         return data
@@ -432,9 +442,15 @@ _KINDS = {"attn": "attention", "mla": "mla", "indexer": "indexer", "gdn": "state
 
 
 def _dtype(r: _Reader, dtype: str | None) -> str:
-    if dtype is None:
+    if dtype is None:  # the config's, or a refusal: a wrong guess would mis-size every block
         found = r.fields.get("torch_dtype") or r.fields.get("dtype")
-        dtype = found if found in DTYPE_SIZES else "bfloat16"
+        if found is None:
+            raise SpecError(f"{r.name}: config.json lacks torch_dtype (or dtype): pass the KV "
+                            "cache's dtype, e.g. dtype='bfloat16' (kvplan: --dtype bfloat16)")
+        if found not in DTYPE_SIZES:
+            raise SpecError(f"{r.name}: config.json's torch_dtype {found!r} is not a KV-cache "
+                            f"dtype kvplan knows ({', '.join(DTYPE_SIZES)}): pass dtype=")
+        return found
     if dtype not in DTYPE_SIZES:
         raise SpecError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
     return dtype
@@ -457,8 +473,13 @@ def from_hf_config(
     """An :class:`~kvplan.EngineSpec` for one engine serving the model of a HF ``config.json``.
 
     ``config`` is a dict, a path to ``config.json`` or a directory holding one (nothing is
-    downloaded). ``dtype`` defaults to the config's ``torch_dtype`` (else bfloat16);
-    ``layout`` and ``kv`` apply to attention regions; ``num_blocks`` is the blocks (or state
+    downloaded). ``dtype`` defaults to the config's ``torch_dtype`` (or ``dtype``); a config
+    without one (or with one that is no KV-cache dtype) is refused unless ``dtype`` is given,
+    and one without ``num_key_value_heads`` is refused for attention layers (no guessing);
+    ``layout`` and ``kv`` apply to attention regions (``HND``/``NHD``, one allocation per
+    layer); an axis order (``BLHNC``, ``LBSHND``..., see ``RegionSpec.order``) applies to every
+    region and packs the layers of a group that size a slot alike into one allocation
+    ``kv.{k}``, as vLLM does; ``num_blocks`` is the blocks (or state
     slots) of every region. ``draft`` (an Eagle-3 config, same forms) adds its layers as
     regions ``draft.{i}.attn`` / ``draft.{i}.mla`` of group 0. With ``pp_size`` > 1 layer ``i``
     of ``L`` lies on stage ``i * pp_size // L`` and the draft on the last.
@@ -494,7 +515,8 @@ def from_hf_config(
             if x.kind != "attn" and _KINDS[x.kind] != "state":
                 reg["block_size"] = block_size
             if x.kind == "attn":
-                reg.update(block_size=block_size, layout=layout, kv=kv)
+                reg.update(block_size=block_size, layout=layout if layout in ("HND", "NHD")
+                           else "HND", kv=kv)
             reg.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in x.fields
                         if v is not None})
             if x.pool is not None:
@@ -502,7 +524,8 @@ def from_hf_config(
             if pp_size > 1:
                 reg["stage"] = _stage(x.index, n, pp_size) if prefix == "layers" else pp_size - 1
             regions.append(reg)
-    return EngineSpec.from_dict({"tp_size": tp_size, "pp_size": pp_size, "regions": regions})
+    spec = EngineSpec.from_dict({"tp_size": tp_size, "pp_size": pp_size, "regions": regions})
+    return spec if layout in ("HND", "NHD") else spec.with_layout(layout)
 
 
 def describe(config: Any) -> dict[str, Any]:

@@ -8,19 +8,27 @@ token)::
     offset = base[c] + s*stream[c] + b*block + (t // kernel_size)*kernel
              + (t % kernel_size)*token[c] + (u - first_unit[c])*unit[c]
 
-Each layout of domain.md section 4 is a choice of these strides: HND/NHD swap the unit and token
-strides, split/joint swap the stream and kernel-block strides, MLA and indexer are one stream of
-one unit, a state slot is one token whose parts sit side by side (``base``). Kernel blocks
-(``kernel_block_size`` < ``block_size``) make a logical block ``n`` consecutive kernel blocks;
-a pooled region steps its blocks by the pool's page instead of its own size.
+The strides come from the region's axis order (``RegionSpec.order``: a permutation of
+``LBSHND``, layer slot, kernel block, stream, head, token, bytes of one head) over the dense
+tensor of its allocation: :func:`dense_strides`. The legacy layouts are four such orders
+(HND/NHD swap the unit and token strides, split/joint the stream and kernel-block strides),
+vLLM's ``BLHNC``... and TensorRT-LLM's ``BLSHND`` are others; ``base`` holds the layer slot's
+offset (and a state part's place in its slot). MLA and indexer are one stream of one unit, a
+state slot is one token whose parts sit side by side. Kernel blocks (``kernel_block_size`` <
+``block_size``) make a logical block ``n`` consecutive kernel blocks; a pooled region steps its
+blocks by the pool's page instead of its own size. With K and V in separate buffers, stream 1
+lies past the K buffer (:func:`kv_split`) and :func:`buffer_offsets` maps offsets back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
+import numpy as np
 
 from kvplan.placement import held_heads
-from kvplan.spec import KV, EngineSpec, Layout
+from kvplan.spec import EngineSpec
 
 
 @attrs.frozen(kw_only=True)
@@ -76,39 +84,110 @@ class RankLayout:
         return "; ".join(out)
 
 
-def rank_layout(spec: EngineSpec, index: int, rank: int) -> RankLayout:
-    """The byte layout of region ``index`` of ``spec`` on flat rank ``rank``."""
+def dense_strides(order: str, sizes: Mapping[str, int]) -> dict[str, int]:
+    """Byte strides of a dense row-major tensor whose axes are ``order`` (outermost first) with
+    ``sizes``; ``D`` counts bytes, so its stride is 1. Post-condition: ``stride[order[0]] *
+    sizes[order[0]]`` is the tensor's size."""
+    strides, step = {}, 1
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= sizes[axis]
+    return strides
+
+
+def _axis_sizes(spec: EngineSpec, index: int, rank: int) -> tuple[dict[str, int], list]:
+    """Sizes of the axes of region ``index``'s allocation on ``rank`` (B in kernel blocks),
+    and per component ``(first unit, local units, unit bytes, start within D)``."""
     region = spec.regions[index]
     tp, tp_rank = spec.tp_size, rank % spec.tp_size
-    ks, nb = region.kernel_size, region.num_blocks
-    n = region.block_size // ks
-    comps = region.components
-    if region.is_state:  # one slot: parts side by side, each its local units
-        base, layouts = 0, []
-        for c in comps:
-            units = held_heads(c.units, tp, tp_rank)
-            layouts.append(ComponentLayout(
-                first_unit=units.start, local_units=len(units), unit_bytes=c.unit_bytes,
-                streams=1, base=base, stream=0, unit=c.unit_bytes, token=0,
-            ))
-            base += len(units) * c.unit_bytes
-        kernel = base
-    else:  # attention, MLA, indexer: one component
-        (c,) = comps
+    n = region.block_size // region.kernel_size
+    comps, start = [], 0
+    for c in region.components:
         units = held_heads(c.units, tp, tp_rank)
-        nh, hb = len(units), c.unit_bytes
-        token, unit = (hb, ks * hb) if region.layout is Layout.HND else (nh * hb, hb)
-        one_stream = nh * ks * hb  # one stream of one kernel block
-        if region.kv is KV.SPLIT or c.streams == 1:  # (S, NB*n, ...)
-            kernel, stream = one_stream, nb * n * one_stream
-        else:  # joint: (NB*n, S, ...)
-            stream, kernel = one_stream, c.streams * one_stream
-        layouts = [ComponentLayout(
-            first_unit=units.start, local_units=nh, unit_bytes=hb, streams=c.streams, base=0,
-            stream=stream, unit=unit, token=token,
-        )]
-    block = spec.rank_page_nbytes(index) if region.pool is not None else n * kernel
+        comps.append((units.start, len(units), c.unit_bytes, start))
+        start += len(units) * c.unit_bytes
+    if region.is_state:  # one slot of parts side by side: the content is the D axis
+        sizes = dict(S=1, H=1, N=1, D=start)
+    else:
+        sizes = dict(S=region.streams, H=comps[0][1], N=region.kernel_size, D=comps[0][2])
+    sizes.update(L=spec.slot_of(index)[1], B=region.num_blocks * n)
+    return sizes, comps
+
+
+def rank_layout(spec: EngineSpec, index: int, rank: int) -> RankLayout:
+    """The byte layout of region ``index`` of ``spec`` on flat rank ``rank``.
+
+    The strides come from the region's axis order (``RegionSpec.order``) over its allocation:
+    a dense row-major tensor of sizes L (slots), B (kernel blocks), S, H (local heads), N
+    (tokens of a kernel block), D (bytes of one head of one token). A pooled region's block is
+    a page, L and B outermost, the rest of the order inside the page. With K and V in separate
+    buffers the order drops S, and stream 1 is addressed past the K buffer (see
+    :func:`kv_split`), so that no run can join the two.
+    """
+    region = spec.regions[index]
+    ks = region.kernel_size
+    n = region.block_size // ks
+    sizes, comps = _axis_sizes(spec, index, rank)
+    order = region.order.replace("S", "") if region.separate_kv else region.order
+    slot = spec.slot_of(index)[0]
+    if region.pool is not None:  # L and B outermost (checked by the spec), pages of the pool
+        page = spec.rank_page_nbytes(index)
+        inner = dense_strides("".join(a for a in order if a not in "LB"), sizes)
+        kernel = sizes["S"] * sizes["H"] * sizes["N"] * sizes["D"]
+        pages = spec.rank_region_nbytes(index) // (page * sizes["L"])
+        outer = dense_strides("".join(a for a in order if a in "LB"),
+                              dict(L=sizes["L"], B=pages, D=1))
+        strides = {**inner, "L": outer["L"] * page, "B": outer["B"] * page}
+        block = strides["B"]
+    else:
+        strides = dense_strides(order, sizes)
+        kernel = strides["B"]
+        block = n * kernel
+    # separate K/V: V one block past the K buffer's end (see kv_split)
+    stream = spec.rank_region_nbytes(index) + block if region.separate_kv else strides["S"]
+    layouts = []
+    for first, local, unit_bytes, start in comps:
+        if region.is_state:
+            unit, token = unit_bytes, 0
+        else:
+            unit, token = strides["H"], strides["N"]
+        layouts.append(ComponentLayout(
+            first_unit=first, local_units=local, unit_bytes=unit_bytes,
+            streams=region.components[0].streams if not region.is_state else 1,
+            base=slot * strides["L"] + start, stream=stream, unit=unit, token=token,
+        ))
     return RankLayout(
-        num_blocks=nb, block_size=region.block_size, kernel_size=ks, block=block, kernel=kernel,
-        components=tuple(layouts),
+        num_blocks=region.num_blocks, block_size=region.block_size, kernel_size=ks, block=block,
+        kernel=kernel, components=tuple(layouts),
     )
+
+
+def kv_split(spec: EngineSpec, index: int) -> int:
+    """Where region ``index``'s V stream starts in the offsets the planner works with when K
+    and V live in separate buffers: one block past the end of the K buffer.
+
+    The planner sees the two buffers of a region as one space, V after a one-block gap: so the
+    V stream sits a whole number of blocks up (as a split layout's V does) and no run is ever
+    contiguous across the two. :func:`buffer_offsets` maps these offsets back to (buffer,
+    offset). 0 when K and V share a buffer.
+    """
+    if not spec.regions[index].separate_kv:
+        return 0
+    rank = spec.stage_of(index) * spec.tp_size  # a rank holding it; the stride is the same on all
+    return rank_layout(spec, index, rank).components[0].stream
+
+
+def buffer_offsets(
+    spec: EngineSpec, regions: np.ndarray, offsets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Planner offsets of rows in ``regions`` -> ``(buffer index, offset in that buffer)``.
+
+    The buffer index is one of ``spec.buffers``; offsets past :func:`kv_split` are in the V
+    buffer. Vectorised over rows (one small table per spec)."""
+    n = len(spec.regions)
+    k = np.array([spec.buffer_of(i, 0) for i in range(n)], dtype=np.int64)
+    v = np.array([spec.buffer_of(i, 1) for i in range(n)], dtype=np.int64)
+    split = np.array([kv_split(spec, i) for i in range(n)], dtype=np.int64)
+    s = split[regions]
+    in_v = (s > 0) & (offsets >= s)
+    return np.where(in_v, v[regions], k[regions]), offsets - np.where(in_v, s, 0)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import numpy as np
 
+from kvplan.allocations import finish
 from kvplan.errors import RequestError
 from kvplan.planner import (
     BlockTemplate,
@@ -24,12 +25,12 @@ from kvplan.planner import (
     ReadOnlyArrays,
     TransferMap,
     _frozen,
-    _streams,
 )
 from kvplan.runs import merge_runs
 from kvplan.spec import EngineSpec
 
-#: dtype of :meth:`TransferPlan.copies`: one row per run, offsets in bytes from a region's base.
+#: dtype of :meth:`TransferPlan.copies`: one row per run, offsets in bytes from the base of the
+#: buffer the run lies in (``src_buffer``/``dst_buffer``: indices in each spec's ``buffers``).
 COPY_DTYPE = np.dtype(
     [
         ("src_rank", np.int64),
@@ -39,8 +40,25 @@ COPY_DTYPE = np.dtype(
         ("dst_region", np.int64),
         ("dst_offset", np.int64),
         ("length", np.int64),
+        ("src_buffer", np.int64),  # index in src.buffers of the buffer src_offset is from
+        ("dst_buffer", np.int64),  # index in dst.buffers
     ]
 )
+
+
+def _id_array(ids: object, side: str, g: int) -> np.ndarray:
+    """One group's ids as an array; ragged, deeply nested or odd objects are a RequestError."""
+    if isinstance(ids, (str, bytes, dict, set, frozenset)):
+        raise RequestError(
+            f"{side} group {g}: block ids must be a flat sequence of integers, got "
+            f"{type(ids).__name__}"
+        )
+    try:
+        return np.asarray(ids)
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise RequestError(
+            f"{side} group {g}: block ids must be a flat sequence of integers ({exc})"
+        ) from None
 
 
 def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarray, ...]:
@@ -54,7 +72,7 @@ def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarr
         )
     out = []
     for g, ids in enumerate(lists):
-        a = np.asarray(ids)
+        a = _id_array(ids, side, g)
         if a.size == 0:
             a = np.zeros(0, dtype=np.int64)
         if a.ndim != 1 or a.dtype.kind not in "iu":
@@ -62,14 +80,14 @@ def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarr
                 f"{side} group {g}: block ids must be a flat sequence of integers, got "
                 f"shape {a.shape} dtype {a.dtype}"
             )
-        a = a.astype(np.int64)
         limit, holder = min((r.num_blocks, r.name) for r in spec.regions if r.group == g)
-        bad = np.flatnonzero((a < 0) | (a >= limit))
+        bad = np.flatnonzero((a < 0) | (a >= limit))  # before the cast: uint64 must not wrap
         if bad.size:
             raise RequestError(
                 f"{side} group {g}: block id {int(a[bad[0]])} at position {int(bad[0])} is out of "
                 f"range [0, {limit}) (region {holder!r} has {limit} blocks)"
             )
+        a = a.astype(np.int64)
         s = np.sort(a)
         dup = np.flatnonzero(s[1:] == s[:-1])
         if dup.size:
@@ -232,6 +250,7 @@ def build_plan(
     dst_blocks: Sequence,
     tokens: tuple[int, int] | None = None,
     dst_from: str = "zero",
+    merge_slots: bool = True,
 ) -> TransferPlan:
     """Expand ``tmap``'s lanes over one request's block ids (see :meth:`TransferMap.plan`)."""
     rng = _token_range(tokens)
@@ -276,19 +295,13 @@ def build_plan(
         out["dst_region"][at:end] = lane.dst_region
         out["dst_offset"][at:end] = dst_off
         out["length"][at:end] = length
+    runs = len(out)
+    out, bounds = finish(tmap.src, tmap.dst, tmap.lanes, out, bounds, merge_slots)
     out.flags.writeable = False
     return TransferPlan(
         map=tmap, src_blocks=src_lists, dst_blocks=dst_lists, rows=out, lane_bounds=_frozen(bounds),
-        tokens=rng, dst_from=dst_from,
+        tokens=rng, dst_from=dst_from, spans_regions=len(out) < runs,
     )
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @attrs.frozen(eq=False, repr=False, getstate_setstate=False)
@@ -297,9 +310,10 @@ class TransferPlan(ReadOnlyArrays):
 
     Post-conditions (tested against an independent oracle): every destination byte of the
     covered positions of the requested blocks is written exactly once with the source's value;
-    no other destination byte is touched; every run lies inside its two regions; rows are
+    no other destination byte is touched; every run lies inside its two buffers; rows are
     grouped by (source rank, destination rank, destination region) in the map's lane order, and
-    within that sorted by destination offset, with no two rows mergeable.
+    within that sorted by destination offset, with no two rows mergeable (across the layer
+    slots of an allocation too: such a run is listed under the lane of its first byte).
     """
 
     map: TransferMap
@@ -310,6 +324,9 @@ class TransferPlan(ReadOnlyArrays):
     tokens: tuple[int, int] | None = None  # the request's token range, None for whole lists
     dst_from: str = "zero"  # how the destination lists are anchored (TransferMap.plan)
     regions: tuple[int, ...] | None = None  # a part's destination regions; None: the whole plan
+    # True when some runs were merged across the layer slots of an allocation (a run then
+    # copies several regions, listed under the first): such a plan cannot be cut into parts
+    spans_regions: bool = attrs.field(default=False, eq=False)
 
     def part(self, regions: Iterable[str]) -> TransferPlan:
         """The slice of this plan that copies only the named regions (e.g. one layer's).
@@ -323,6 +340,12 @@ class TransferPlan(ReadOnlyArrays):
         """
         if isinstance(regions, str):
             regions = (regions,)
+        if self.spans_regions:
+            raise RequestError(
+                "part: this plan merges runs across the layer slots of an allocation (a run "
+                "copies several layers), so it cannot be cut by region; plan the request with "
+                "TransferMap.plan(..., merge_slots=False) to post it layer by layer"
+            )
         dst, ids = self.map.dst, self.map.region_ids
         idx = set()
         for name in regions:
@@ -350,7 +373,7 @@ class TransferPlan(ReadOnlyArrays):
         return TransferPlan(
             map=self.map, src_blocks=self.src_blocks, dst_blocks=self.dst_blocks, rows=rows,
             lane_bounds=_frozen(bounds), tokens=self.tokens, dst_from=self.dst_from,
-            regions=tuple(sorted(idx)),
+            regions=tuple(sorted(idx)), spans_regions=False,
         )
 
     def copies(self) -> np.ndarray:
@@ -388,32 +411,11 @@ class TransferPlan(ReadOnlyArrays):
     __hash__ = None  # type: ignore[assignment]  # holds arrays: a value, but not hashable
 
     def summary(self) -> str:
-        """Per peer rank: bytes, runs, and per region its placement and streams."""
-        m = self.map
-        me, other = ("d", "p") if m.mode is Mode.PULL else ("p", "d")
-        lines = [
-            f"TransferPlan {m.mode.value} {me}{m.rank}: {_human(self.nbytes)} in {len(self)} runs, "
-            f"{sum(len(b) for b in self.dst_blocks)} destination blocks in "
-            f"{len(self.dst_blocks)} group(s){self._scope()}"
-        ]
-        cum = np.concatenate(([0], np.cumsum(self.rows["length"])))  # lanes may be empty
-        b = self.lane_bounds
-        per_lane = list(zip((cum[b[1:]] - cum[b[:-1]]).tolist(), np.diff(b).tolist()))
-        peer_of = (lambda x: x.src_rank) if m.mode is Mode.PULL else (lambda x: x.dst_rank)
-        for peer in sorted({peer_of(x) for x in m.lanes}):
-            mine = [k for k, x in enumerate(m.lanes) if peer_of(x) == peer]
-            nbytes = sum(per_lane[k][0] for k in mine)
-            runs = sum(per_lane[k][1] for k in mine)
-            lines.append(f"  {other}{peer}: {_human(nbytes)}, {runs} runs")
-            for k in mine:
-                lane = m.lanes[k]
-                r = m.dst.regions[lane.dst_region]
-                to = f" -> d{lane.dst_rank}" if m.mode is Mode.PUSH else ""
-                lines.append(
-                    f"    {r.name}{to}: {lane.describe(m.dst)} {_streams(r)}, "
-                    f"{_human(per_lane[k][0])} in {per_lane[k][1]} runs"
-                )
-        return "\n".join(lines)
+        """Per peer rank: bytes, runs, and per set of alike regions (layers of one geometry on
+        one line, ``layers.[0-79].attn x80``) its placement, streams, bytes and runs."""
+        from kvplan.views import plan_summary
+
+        return plan_summary(self)
 
     def _scope(self) -> str:
         """The request's token range (and list anchoring) and a part's regions, for summary."""

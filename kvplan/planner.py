@@ -327,6 +327,7 @@ class TransferMap:
         *,
         tokens: tuple[int, int] | None = None,
         dst_from: str = "zero",
+        merge_slots: bool = True,
     ) -> TransferPlan:
         """The byte copies for one request: one block-id sequence per KV-cache group per side.
 
@@ -349,10 +350,15 @@ class TransferMap:
         ignore ``tokens``: the ``j``-th source slot moves whole to the ``j``-th destination
         slot. Raises :class:`~kvplan.RequestError` (a ``ValueError``) for a wrong group count,
         an id out of range, a repeated id, or a range the lists do not cover, naming the group.
+
+        ``merge_slots=False`` keeps every run inside one region even where the layer slots of
+        one allocation are contiguous on both sides (``BL...`` orders). That costs more runs,
+        and is what layer-wise posting needs: :meth:`TransferPlan.part` refuses a plan whose
+        runs span several regions, since such a run would carry layers not computed yet.
         """
         from kvplan.plan import build_plan
 
-        return build_plan(self, src_blocks, dst_blocks, tokens, dst_from)
+        return build_plan(self, src_blocks, dst_blocks, tokens, dst_from, merge_slots)
 
     def summary(self) -> str:
         """Per peer rank: each region's placement, head interval, streams and runs per block."""

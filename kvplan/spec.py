@@ -29,6 +29,20 @@ DTYPE_SIZES: Mapping[str, int] = {
 }
 
 
+#: Bounds a spec must respect (see docs/design.md, "Limits"): they keep every byte offset a plan
+#: computes inside int64 and make a forged or mistyped spec cheap to refuse.
+MAX_TP_SIZE = 256
+MAX_PP_SIZE = 256
+MAX_REGIONS = 1024
+MAX_BLOCK_SIZE = 1 << 16
+#: Largest buffer (bytes on one rank) of a region, pool or allocation: offsets plus lengths
+#: stay < 2**63 even where the planner lays a V buffer one block above its K buffer.
+MAX_ALLOCATION_BYTES = 1 << 61
+#: Largest number of (stream, unit, token) atoms in one block on one rank; the handshake builds
+#: a template of that many rows per lane, so this bounds its time and memory.
+MAX_BLOCK_ATOMS = 1 << 20
+
+
 class Kind(enum.Enum):
     """What a region's blocks hold; decides its components and their placement over TP."""
 
@@ -46,10 +60,50 @@ class Layout(enum.Enum):
 
 
 class KV(enum.Enum):
-    """Where the K and V streams live relative to the block axis."""
+    """Where the K and V streams live relative to the block axis (with ``HND``/``NHD`` only)."""
 
     SPLIT = "split"  # (2, num_blocks, ...): all K blocks, then all V blocks
     JOINT = "joint"  # (num_blocks, 2, ...): K and V of one block side by side
+
+
+#: The axes of an allocation, outermost first in the canonical spelling: layer slot, block
+#: (kernel block), stream (K, V), head, token in a block, and the bytes of one head of one token.
+AXES = "LBSHND"
+#: vLLM's six physical orders of its logical shape [L, B, H, N, C], C being the content
+#: [2, head_dim] of one head and token (K then V side by side), so ``C`` reads ``SD``.
+VLLM_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+#: The orders the legacy names stand for, by (layout, kv).
+LEGACY_ORDERS: Mapping[tuple[str, str], str] = {
+    ("HND", "split"): "LSBHND",
+    ("HND", "joint"): "LBSHND",
+    ("NHD", "split"): "LSBNHD",
+    ("NHD", "joint"): "LBSNHD",
+}
+
+
+def layout_order(layout: str, kv: str = "split") -> str:
+    """The six-letter axis order (a permutation of :data:`AXES`, ``D`` last) a layout names.
+
+    ``layout`` is ``"HND"``/``"NHD"`` (with ``kv``: ``"split"`` puts S outermost, ``"joint"``
+    right after B), a permutation of ``LBSHN`` followed by ``D``, one of ``LBHN`` followed by
+    ``D`` (no S: a buffer of one stream, read as S outermost), or one of ``LBHN`` followed by
+    ``C`` (= ``SD``; vLLM's six names are such). Raises ``ValueError`` naming the letters
+    otherwise.
+    """
+    if (layout, kv) in LEGACY_ORDERS:
+        return LEGACY_ORDERS[(layout, kv)]
+    if not isinstance(layout, str):
+        raise ValueError(f"a layout is a string, got {layout!r}")
+    order = layout.replace("C", "SD") if layout.endswith("C") else layout
+    if sorted(order) == sorted("LBHND") and order.endswith("D"):
+        order = "S" + order  # no S: one stream per buffer (separate K/V, or MLA / state)
+    if sorted(order) != sorted(AXES) or not order.endswith("D"):
+        raise ValueError(
+            f"layout {layout!r} is not HND/NHD, a permutation of {AXES[:-1]!r} (or of 'LBHN' "
+            f"without S) followed by 'D', nor of 'LBHN' followed by 'C' "
+            f"(e.g. {', '.join(VLLM_ORDERS)})"
+        )
+    return order
 
 
 def _positive(name: str, field: str, value: Any) -> int:
@@ -97,15 +151,31 @@ def _parts(value: Any) -> tuple[StatePart, ...] | None:
     return None if value is None else tuple(value)
 
 
+def _layout(value: Any) -> Any:
+    """Keep the legacy names as :class:`Layout` members (as before); other orders as strings."""
+    if isinstance(value, str) and value in ("HND", "NHD"):
+        return Layout(value)
+    return value
+
+
+def _allocation(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
+
+
 _TOKEN_KINDS_ONLY = ("block_size", "kernel_block_size")
 _OWN_FIELDS = {
-    Kind.ATTENTION: ("num_kv_heads", "head_dim", "layout", "kv", "window", *_TOKEN_KINDS_ONLY),
+    Kind.ATTENTION: ("num_kv_heads", "head_dim", "kv", "window", *_TOKEN_KINDS_ONLY),
     Kind.MLA: ("dim", *_TOKEN_KINDS_ONLY),
     Kind.INDEXER: ("dim", *_TOKEN_KINDS_ONLY),
     Kind.STATE: ("parts",),
 }
-_COMMON = ("name", "kind", "group", "num_blocks", "dtype", "pool", "page_bytes", "stage")
+_COMMON = ("name", "kind", "group", "num_blocks", "dtype", "pool", "page_bytes", "stage",
+           "layout", "allocation")
 _OPTIONAL = ("kernel_block_size", "pool", "page_bytes", "stage")  # written only when set
+#: Axes whose size is 1 for a kind whatever the rank (so their place in an order is moot).
+_UNIT_AXES = {Kind.ATTENTION: "", Kind.MLA: "SH", Kind.INDEXER: "SH", Kind.STATE: "SHN"}
 
 
 @attrs.frozen(kw_only=True)
@@ -119,6 +189,12 @@ class RegionSpec:
     many tokens, a logical block being consecutive kernel blocks), ``pool`` (regions naming the
     same pool share one allocation, block ``b`` at ``b * page_bytes``), ``page_bytes`` and
     ``stage`` (pipeline stage). Construct from JSON with :meth:`from_dict`.
+
+    ``layout`` is the order of the axes of the region's allocation (see :func:`layout_order`
+    and :attr:`order`): ``HND``/``NHD`` with ``kv`` as before, any order of ``LBSHND`` (``D``
+    last) or vLLM's names (``BLHNC`` ...). ``allocation`` names the buffer the region is a layer
+    slot of (regions naming one allocation are its slots in spec order), or is a pair
+    ``(k, v)`` of buffer names holding K and V separately. Both apply to every kind.
     """
 
     name: str
@@ -129,7 +205,7 @@ class RegionSpec:
     group: int = 0
     num_kv_heads: int | None = None
     head_dim: int | None = None
-    layout: Layout = Layout.HND
+    layout: Layout | str = attrs.field(default=Layout.HND, converter=_layout)
     kv: KV = KV.SPLIT
     window: int | None = None
     dim: int | None = None
@@ -138,6 +214,7 @@ class RegionSpec:
     pool: str | None = None
     page_bytes: int | None = None
     stage: int | None = None
+    allocation: str | tuple[str, str] | None = attrs.field(default=None, converter=_allocation)
 
     def __attrs_post_init__(self) -> None:
         name = self.name
@@ -147,11 +224,16 @@ class RegionSpec:
             raise SpecError(f"region {name!r}: kind must be a Kind, got {self.kind!r}")
         _positive(name, "num_blocks", self.num_blocks)
         _positive(name, "block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise SpecError(f"region {name!r}: block_size {self.block_size} exceeds the limit "
+                            f"{MAX_BLOCK_SIZE}")
         for field in ("group", "stage"):
             v = getattr(self, field)
+            if v is None and field == "group":  # only stage is optional
+                raise SpecError(f"region {name!r}: group must be an integer >= 0, got None")
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise SpecError(f"region {name!r}: {field} must be an integer >= 0, got {v!r}")
-        if self.dtype not in DTYPE_SIZES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise SpecError(
                 f"region {name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}"
             )
@@ -184,15 +266,78 @@ class RegionSpec:
         if self.pool is not None:
             if not isinstance(self.pool, str) or not self.pool:
                 raise SpecError(f"region {name!r}: pool must be a non-empty string")
-            if self.kind is Kind.ATTENTION and self.kv is KV.SPLIT:
-                raise SpecError(
-                    f"region {name!r}: an attention region in pool {self.pool!r} needs kv "
-                    "'joint' (a pooled block must be contiguous in its page)"
-                )
         if self.page_bytes is not None:
             _positive(name, "page_bytes", self.page_bytes)
             if self.pool is None:
                 raise SpecError(f"region {name!r}: page_bytes is only meaningful with a pool")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        name = self.name
+        if not isinstance(self.layout, (Layout, str)):
+            raise SpecError(f"region {name!r}: layout must be a string, got {self.layout!r}")
+        if not isinstance(self.kv, KV):
+            raise SpecError(f"region {name!r}: kv must be a KV, got {self.kv!r}")
+        if not isinstance(self.layout, Layout) and self.kv is not KV.SPLIT:
+            raise SpecError(
+                f"region {name!r}: kv {self.kv.value!r} applies only to layout HND or NHD; "
+                f"layout {self.layout!r} already places S"
+            )
+        try:
+            order = self.order
+        except ValueError as e:
+            raise SpecError(f"region {name!r}: {e}") from None
+        a = self.allocation
+        if (self.kind is Kind.ATTENTION and "S" not in self.layout_name.replace("C", "SD")
+                and not isinstance(a, tuple) and not isinstance(self.layout, Layout)):
+            raise SpecError(
+                f"region {name!r}: layout {self.layout_name!r} has no S axis, which only a "
+                "region keeping K and V in separate buffers (allocation [k, v]) may omit"
+            )
+        if a is not None:
+            pair = isinstance(a, tuple)
+            names = a if pair else (a,)
+            if (pair and len(a) != 2) or not all(isinstance(x, str) and x for x in names):
+                raise SpecError(
+                    f"region {name!r}: allocation must be a buffer name or a pair [k, v] of "
+                    f"buffer names, got {a!r}"
+                )
+            if pair and a[0] == a[1]:
+                raise SpecError(f"region {name!r}: allocation [k, v] names {a[0]!r} twice")
+            if pair and self.kind is not Kind.ATTENTION:
+                raise SpecError(
+                    f"region {name!r}: separate K and V buffers need an attention region, "
+                    f"a {self.kind.value} region has one stream"
+                )
+            if pair and self.pool is not None:
+                raise SpecError(
+                    f"region {name!r}: a pooled region cannot keep K and V in separate buffers "
+                    f"(its block must be contiguous in its page of pool {self.pool!r})"
+                )
+        if self.pool is not None:  # a block must be contiguous in its page: L, B outermost
+            outer = [x for x in order if x not in _UNIT_AXES[self.kind]][:2]
+            if sorted(outer) != ["B", "L"]:
+                raise SpecError(
+                    f"region {name!r}: a region in pool {self.pool!r} needs its block "
+                    f"contiguous in its page, so axes L and B outermost; layout "
+                    f"{self.layout_name!r} is {order}"
+                    + (" (use kv 'joint')" if isinstance(self.layout, Layout) else "")
+                )
+
+    @property
+    def layout_name(self) -> str:
+        """The layout as written in the spec: ``HND``, ``NHD``, ``BLHNC``, ``LBSHND``..."""
+        return self.layout.value if isinstance(self.layout, Layout) else self.layout
+
+    @property
+    def order(self) -> str:
+        """The allocation's axis order, six letters of :data:`AXES`, outermost first."""
+        return layout_order(self.layout_name, self.kv.value)
+
+    @property
+    def separate_kv(self) -> bool:
+        """True when K and V live in two buffers (``allocation`` is a pair)."""
+        return isinstance(self.allocation, tuple)
 
     def _check_parts(self) -> None:
         name = self.name
@@ -269,8 +414,9 @@ class RegionSpec:
         kwargs: dict[str, Any] = {k: d[k] for k in (*_COMMON, *own) if k in d}
         kwargs["kind"] = kind
         if kind is Kind.ATTENTION:
-            kwargs["layout"] = _enum(Layout, name, "layout", d.get("layout", "HND"))
             kwargs["kv"] = _enum(KV, name, "kv", d.get("kv", "split"))
+        if "layout" in d and not isinstance(d["layout"], str):
+            raise SpecError(f"region {name!r}: layout must be a string, got {d['layout']!r}")
         if kind is Kind.STATE:
             kwargs["parts"] = _parts_from_json(name, d["parts"])
         return cls(**kwargs)
@@ -287,31 +433,36 @@ class RegionSpec:
             d["block_size"] = self.block_size
         d["dtype"] = self.dtype
         if self.kind is Kind.ATTENTION:
-            d.update(
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                layout=self.layout.value,
-                kv=self.kv.value,
-                window=self.window,
-            )
+            d.update(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                     layout=self.layout_name)
+            if isinstance(self.layout, Layout):
+                d["kv"] = self.kv.value
+            d["window"] = self.window
         elif self.kind is Kind.STATE:
             d["parts"] = [attrs.asdict(p) for p in self.parts or ()]
         else:
             d["dim"] = self.dim
+        if self.kind is not Kind.ATTENTION and self.layout is not Layout.HND:
+            d["layout"] = self.layout_name
         d.update({k: getattr(self, k) for k in _OPTIONAL if getattr(self, k) is not None})
+        if self.allocation is not None:
+            a = self.allocation
+            d["allocation"] = list(a) if isinstance(a, tuple) else a
         return d
 
     def __str__(self) -> str:
         if self.kind is Kind.ATTENTION:
             win = f" window {self.window}" if self.window else ""
-            shape = f"{self.num_kv_heads}x{self.head_dim} {self.layout.value} {self.kv.value}{win}"
+            kv = f" {self.kv.value}" if isinstance(self.layout, Layout) else ""
+            shape = f"{self.num_kv_heads}x{self.head_dim} {self.layout_name}{kv}{win}"
         elif self.kind is Kind.STATE:
             shape = " ".join(f"{p.name}:{p.units}x{p.unit_bytes}B" for p in self.parts or ())
         else:
             shape = f"dim {self.dim}"
         extra = "".join(
             f", {label} {getattr(self, k)}"
-            for k, label in (("kernel_block_size", "kernel"), ("pool", "pool"), ("stage", "stage"))
+            for k, label in (("kernel_block_size", "kernel"), ("pool", "pool"), ("stage", "stage"),
+                             ("allocation", "allocation"))
             if getattr(self, k) is not None
         )
         blocks = "slots" if self.kind is Kind.STATE else f"blocks of {self.block_size}"
@@ -338,6 +489,16 @@ def _regions(value: Any) -> tuple[RegionSpec, ...]:
     return tuple(value)
 
 
+@attrs.frozen
+class Buffers:
+    """Where an engine's regions live: buffer names; per region ``(K buffer, V buffer, slot,
+    slots)`` (one buffer twice unless K and V are separate); per buffer its bytes on a rank."""
+
+    names: tuple[str, ...]
+    slots: tuple[tuple[int, int, int, int], ...]
+    nbytes: tuple[int, ...]
+
+
 @attrs.frozen(kw_only=True)
 class EngineSpec:
     """One engine's KV cache: TP and PP sizes and its regions.
@@ -357,14 +518,20 @@ class EngineSpec:
     # cp_kv_cache_interleave_size)
     _stages: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     _pages: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
+    _buffers: Buffers = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         for field in ("tp_size", "pp_size", "dcp_size", "dcp_interleave"):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SpecError(f"{field} must be a positive integer, got {v!r}")
+        for field, top in (("tp_size", MAX_TP_SIZE), ("pp_size", MAX_PP_SIZE)):
+            if getattr(self, field) > top:
+                raise SpecError(f"{field} {getattr(self, field)} exceeds the limit {top}")
         if not self.regions:
             raise SpecError("an engine spec needs at least one region")
+        if len(self.regions) > MAX_REGIONS:
+            raise SpecError(f"{len(self.regions)} regions exceed the limit {MAX_REGIONS}")
         seen: set[str] = set()
         for r in self.regions:
             if not isinstance(r, RegionSpec):
@@ -377,9 +544,31 @@ class EngineSpec:
         self._check_dcp()
         object.__setattr__(self, "_stages", self._assign_stages())
         object.__setattr__(self, "_pages", self._assign_pages())
+        object.__setattr__(self, "_buffers", self._assign_buffers())
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        """Refuse buffers whose byte offsets would not fit in int64 (see MAX_ALLOCATION_BYTES)."""
+        for b, nbytes in enumerate(self._buffers.nbytes):
+            if nbytes > MAX_ALLOCATION_BYTES:
+                i = next(k for k, sl in enumerate(self._buffers.slots) if b in sl[:2])
+                r = self.regions[i]
+                raise SpecError(
+                    f"region {r.name!r}: {nbytes} bytes on a rank in buffer "
+                    f"{self._buffers.names[b]!r} ({r.num_blocks} blocks of {self._pages[i]} "
+                    f"bytes) exceed the limit {MAX_ALLOCATION_BYTES} (2**61): byte offsets must "
+                    "fit in int64"
+                )
 
     def _check_components(self, r: RegionSpec) -> None:
         tp = self.tp_size
+        atoms = r.block_size * sum(c.streams * c.units for c in r.components)
+        if atoms > MAX_BLOCK_ATOMS:
+            raise SpecError(
+                f"region {r.name!r}: a block holds {atoms} (stream, unit, token) pieces, over the "
+                f"limit {MAX_BLOCK_ATOMS}: block_size {r.block_size} or the unit counts are too "
+                "large"
+            )
         for c in r.components:
             k = c.units
             if k % tp and tp % k:
@@ -423,8 +612,11 @@ class EngineSpec:
             raise SpecError(
                 f"group ids must be 0..{len(groups) - 1} with none missing, got {groups}"
             )
+        kinds_of: dict[int, set[bool]] = {}  # one pass over the regions, not one per group
+        for r in self.regions:
+            kinds_of.setdefault(r.group, set()).add(r.is_state)
         for g in groups:
-            kinds = {r.is_state for r in self.regions if r.group == g}
+            kinds = kinds_of[g]
             if len(kinds) > 1:
                 names = [r.name for r in self.regions if r.group == g]
                 raise SpecError(
@@ -473,6 +665,11 @@ class EngineSpec:
             explicit = {r.page_bytes for r in regions}
             if None in explicit and len(explicit) > 1:
                 raise SpecError(f"pool {pool!r}: give page_bytes on every region or on none")
+            if len(explicit) > 1:  # one allocation has one page size
+                raise SpecError(
+                    f"pool {pool!r}: its regions give different page_bytes "
+                    f"{sorted(r.page_bytes for r in regions)}; one pool has one page size"
+                )
             page = max(blocks[i] for i in members) if None in explicit else explicit.pop()
             for i in members:
                 if blocks[i] > page:  # type: ignore[operator]
@@ -482,6 +679,99 @@ class EngineSpec:
                     )
                 pages[i] = page  # type: ignore[call-overload]
         return tuple(pages)
+
+    def _slot_signature(self, i: int) -> tuple[tuple[str, Any], ...]:
+        """What sizes one layer slot of region ``i`` (compared across an allocation's slots)."""
+        r = self.regions[i]
+        if r.pool is not None or any(self.regions[m].pool is not None
+                                     for m in self._alloc_members(i)):
+            outer = "".join(x for x in r.order if x not in _UNIT_AXES[r.kind])[:2]
+            blocks = max(x.num_blocks for x in self.regions if x.pool == r.pool) if r.pool \
+                else r.num_blocks
+            return (("pages", blocks), ("page bytes", self._pages[i]), ("outer axes", outer))
+        comps = tuple((c.units, c.unit_bytes, c.streams) for c in r.components)
+        order = "".join(x for x in r.order if x not in _UNIT_AXES[r.kind])
+        return (("num_blocks", r.num_blocks), ("block_size", r.block_size),
+                ("kernel block", r.kernel_size), ("units, unit bytes and streams", comps),
+                ("axis order", order))
+
+    def _alloc_members(self, i: int) -> list[int]:
+        a = self.regions[i].allocation
+        return [i] if a is None else [m for m, r in enumerate(self.regions) if r.allocation == a]
+
+    def _assign_buffers(self) -> Buffers:
+        """Name every buffer, give each region its buffer(s), slot and slot count, and check
+        that an allocation's slots agree on everything sizing a slot."""
+        def key_of(r: RegionSpec) -> tuple:  # what a region's buffer is: allocation, pool, own
+            if r.allocation is not None:
+                return ("alloc", r.allocation)
+            return ("pool", r.pool) if r.pool else ("region", r.name)
+
+        names: list[str] = []
+        owner: dict[str, str] = {}  # buffer name -> what names it, for clash messages
+        slots: list[tuple[int, int, int, int]] = []
+        slot_keys: dict[Any, list[Any]] = {}  # buffer key -> its slots in order of appearance
+        for i, r in enumerate(self.regions):
+            a = r.allocation
+            key = key_of(r)
+            bufs = a if isinstance(a, tuple) else (a,) if a is not None else (r.pool or r.name,)
+            what = (f"allocation {a!r}" if a is not None else
+                    f"pool {r.pool!r}" if r.pool else f"region {r.name!r}")
+            for b in bufs:
+                if b in owner and owner[b] != what:
+                    raise SpecError(
+                        f"buffer name {b!r} is used by {owner[b]} and by {what} (region "
+                        f"{r.name!r}); buffer names must be distinct"
+                    )
+                if b not in owner:
+                    owner[b] = what
+                    names.append(b)
+            if r.pool is not None:
+                first = next(m for m, x in enumerate(self.regions) if x.pool == r.pool)
+                if self.regions[first].allocation != a:
+                    raise SpecError(
+                        f"pool {r.pool!r}: regions {self.regions[first].name!r} and {r.name!r} "
+                        f"name different allocations ({self.regions[first].allocation!r}, "
+                        f"{a!r}); a pool is one layer slot of one allocation"
+                    )
+            slot = ("pool", r.pool) if r.pool else ("region", i)
+            members = slot_keys.setdefault(key, [])
+            if slot not in members:
+                members.append(slot)
+            slots.append((names.index(bufs[0]), names.index(bufs[-1]), members.index(slot), 0))
+        for key in slot_keys:
+            if key[0] != "alloc":
+                continue
+            key = key[1]
+            regs = [m for m, r in enumerate(self.regions) if r.allocation == key]
+            ref = regs[0]
+            for m in regs[1:]:
+                if self._stages[m] != self._stages[ref]:
+                    raise SpecError(
+                        f"allocation {key!r}: regions {self.regions[ref].name!r} and "
+                        f"{self.regions[m].name!r} lie on different pipeline stages"
+                    )
+                mine, theirs = self._slot_signature(ref), self._slot_signature(m)
+                for (field, x), (_, y) in zip(mine, theirs):
+                    if x != y:
+                        raise SpecError(
+                            f"allocation {key!r}: regions {self.regions[ref].name!r} and "
+                            f"{self.regions[m].name!r} are layer slots of one buffer but differ "
+                            f"in {field} ({x} vs {y})"
+                        )
+        count = {k: len(v) for k, v in slot_keys.items()}
+        full = []
+        for i, r in enumerate(self.regions):
+            full.append((*slots[i][:3], count[key_of(r)]))
+        sizes = [0] * len(names)
+        for i, (bk, bv, _, n) in enumerate(full):
+            r = self.regions[i]
+            blocks = max(x.num_blocks for x in self.regions if x.pool == r.pool) if r.pool \
+                else r.num_blocks
+            per = self._pages[i] // (2 if r.separate_kv else 1)
+            for b in {bk, bv}:
+                sizes[b] = n * blocks * per
+        return Buffers(names=tuple(names), slots=tuple(full), nbytes=tuple(sizes))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EngineSpec:
@@ -497,6 +787,8 @@ class EngineSpec:
         regions = d["regions"]
         if isinstance(regions, (str, bytes, Mapping)) or not hasattr(regions, "__iter__"):
             raise SpecError("engine spec: regions must be a list of region mappings")
+        if hasattr(regions, "__len__") and len(regions) > MAX_REGIONS:  # before building any
+            raise SpecError(f"{len(regions)} regions exceed the limit {MAX_REGIONS}")
         return cls(
             tp_size=d["tp_size"],
             pp_size=d.get("pp_size", 1),
@@ -563,23 +855,45 @@ class EngineSpec:
         return self._pages[index]
 
     def allocation_of(self, index: int) -> int:
-        """Index of the first region sharing region ``index``'s allocation (itself if unpooled).
+        """Index of the first region sharing region ``index``'s allocation (itself if it has
+        its own).
 
-        Regions of one pool share one registered buffer; copies carry offsets from its base.
+        Regions of one pool, or naming one ``allocation``, share one registered buffer (two
+        for a K/V pair); copies carry offsets from its base.
         """
-        pool = self.regions[index].pool
-        if pool is None:
-            return index
-        return next(i for i, r in enumerate(self.regions) if r.pool == pool)
+        k = self._buffers.slots[index][0]
+        return next(i for i, s in enumerate(self._buffers.slots) if s[0] == k)
 
     def rank_region_nbytes(self, index: int) -> int:
-        """Bytes of the allocation region ``index`` lives in on a rank that holds it: its own
-        ``num_blocks`` pages, or for a pooled region the pool's (largest ``num_blocks`` of its
-        regions, times the page)."""
-        pool = self.regions[index].pool
-        members = [i for i, r in enumerate(self.regions) if pool is not None and r.pool == pool]
-        blocks = max(self.regions[i].num_blocks for i in members or [index])
-        return blocks * self._pages[index]
+        """Bytes of the buffer region ``index`` lives in on a rank that holds it (of each of
+        its two buffers when K and V are separate): slots x pages x the page."""
+        return self._buffers.nbytes[self._buffers.slots[index][0]]
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        """Names of the engine's buffers, in order of first use by the regions: an allocation's
+        name, a pool's, a K or V buffer's, or a region's own name when it has its own buffer.
+        ``copies()``' ``src_buffer``/``dst_buffer`` columns index this tuple."""
+        return self._buffers.names
+
+    def buffer_of(self, index: int, stream: int = 0) -> int:
+        """Index in :attr:`buffers` of the buffer holding ``stream`` of region ``index``."""
+        bk, bv, _, _ = self._buffers.slots[index]
+        return bv if stream else bk
+
+    def slot_of(self, index: int) -> tuple[int, int]:
+        """``(slot, slots)``: region ``index`` is layer slot ``slot`` of an allocation of
+        ``slots`` slots (``(0, 1)`` for a region with its own buffer)."""
+        _, _, slot, n = self._buffers.slots[index]
+        return slot, n
+
+    def rank_buffer_nbytes(self, buffer: int) -> int:
+        """Bytes of buffer ``buffer`` (an index in :attr:`buffers`) on a rank that holds it."""
+        return self._buffers.nbytes[buffer]
+
+    def buffer_regions(self, buffer: int) -> tuple[int, ...]:
+        """Indices of the regions living (wholly or one stream) in buffer ``buffer``."""
+        return tuple(i for i, s in enumerate(self._buffers.slots) if buffer in s[:2])
 
     def __str__(self) -> str:
         pp = f", pp={self.pp_size}" if self.pp_size != 1 else ""
@@ -604,6 +918,39 @@ class EngineSpec:
         return from_hf_config(config, tp_size=tp_size, block_size=block_size,
                               num_blocks=num_blocks, dtype=dtype, pp_size=pp_size, draft=draft,
                               **kwargs)
+
+    def with_layout(self, layout: str, kv: str = "split") -> EngineSpec:
+        """This engine with every region laid out by ``layout``.
+
+        ``HND``/``NHD`` (with ``kv``) set attention regions' layout with one allocation per
+        region, as before. An axis order (``BLHNC``, ``LBSHND``...) applies to every region
+        and packs the regions of a group that size a slot alike (same kind, shape, blocks and
+        stage) into one allocation ``kv.{k}`` in spec order, as vLLM allocates each KV-cache
+        group's layers in one buffer; an order without ``S`` (``LBNHD``) keeps attention's K
+        and V in two buffers ``kv.{k}.k`` / ``kv.{k}.v``, as SGLang does; pooled regions keep
+        their pool.
+        """
+        legacy = layout in ("HND", "NHD")
+        if not legacy:
+            layout_order(layout)  # refuse a bad name before touching the regions
+        regions = []
+        keys: dict[tuple, str] = {}
+        for i, r in enumerate(self.regions):
+            d = {k: v for k, v in r.to_dict().items() if k not in ("layout", "kv", "allocation")}
+            if legacy:
+                if r.kind is Kind.ATTENTION:
+                    d.update(layout=layout, kv=kv)
+                regions.append(d)
+                continue
+            d["layout"] = layout
+            if r.pool is None:
+                shape = (self.stage_of(i), *sorted((k, str(v)) for k, v in d.items()
+                                                   if k != "name"))
+                name = keys.setdefault(shape, f"kv.{len(keys)}")
+                apart = r.kind is Kind.ATTENTION and "S" not in layout.replace("C", "SD")
+                d["allocation"] = [f"{name}.k", f"{name}.v"] if apart else name
+            regions.append(d)
+        return EngineSpec.from_dict({**self.to_dict(), "regions": regions})
 
     def _repr_html_(self) -> str:
         """The regions as an HTML table for notebooks (layers alike on one row)."""

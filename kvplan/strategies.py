@@ -21,6 +21,11 @@ to exercise default handling.
 
 A request is ``(src_blocks, dst_blocks)``: two lists indexed by group id, each a list of
 unique block ids of that group on that side.
+
+:func:`layout_spec_pairs` (and :func:`layouts_and_allocations` on one spec) adds axis-order
+layouts (:data:`LAYOUTS`: vLLM's six, TensorRT-LLM's ``BLSHND``, others), the legacy names,
+``"allocation"`` (regions of one shape as layer slots of one buffer) and separate K/V buffers
+(``"allocation": [k, v]``) on each side independently.
 """
 
 from __future__ import annotations
@@ -36,11 +41,14 @@ from kvplan.spec import DTYPE_SIZES, EngineSpec
 __all__ = [
     "DTYPES",
     "ELEMENT_SIZE",
+    "LAYOUTS",
     "block_lists",
     "block_size_pairs",
     "dcp_spec_pairs",
     "engine_pairs",
     "head_counts",
+    "layout_spec_pairs",
+    "layouts_and_allocations",
     "region_pairs",
     "requests",
     "spec_pairs",
@@ -622,3 +630,59 @@ def dcp_spec_pairs(draw, **kwargs) -> tuple[dict, dict]:
         g = int(np.gcd.reduce(sizes)) if sizes else 1
         spec["dcp_interleave"] = draw(st.sampled_from([i for i in range(1, g + 1) if g % i == 0]))
     return src, dst
+#: vLLM's six orders, TensorRT-LLM's pool order, and a few other permutations (``D`` last).
+LAYOUTS: tuple[str, ...] = (
+    "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "BLSHND", "SLBNHD", "HSBLND",
+)
+_LEGACY = (("HND", "split"), ("HND", "joint"), ("NHD", "split"), ("NHD", "joint"))
+
+
+def _slot_shape(r: dict, stage: int) -> tuple:
+    keys = ("kind", "num_blocks", "block_size", "kernel_block_size", "num_kv_heads", "head_dim",
+            "dim", "dtype")
+    parts = tuple((p["units"], p["unit_bytes"]) for p in r.get("parts", ()))
+    return (*(r.get(k) for k in keys), parts, stage)
+
+
+@st.composite
+def layouts_and_allocations(draw, spec: dict) -> dict:
+    """A copy of ``spec`` whose regions get axis orders (:data:`LAYOUTS`, the legacy names)
+    and, sometimes, allocations: regions of one shape and stage become layer slots of one
+    buffer, and attention ones sometimes keep K and V in two buffers. A pooled region gets an
+    order with L and B outermost. An allocation's slots share one drawn order."""
+    spec = {**spec, "regions": [dict(r) for r in spec["regions"]]}
+    stages = EngineSpec.from_dict(spec)
+    by_shape: dict[tuple, list[dict]] = {}
+    for i, r in enumerate(spec["regions"]):
+        if r.get("pool") is not None:
+            r.pop("kv", None)
+            r["layout"] = draw(st.sampled_from(("LBHNC", "BLHNC", "BLNHC", "LBNHC", "BLSHND")))
+            continue
+        by_shape.setdefault(_slot_shape(r, stages.stage_of(i)), []).append(r)
+    for k, members in enumerate(by_shape.values()):
+        how = draw(st.sampled_from(("own", "own", "alloc", "alloc", "kv")))
+        if how == "kv" and members[0]["kind"] != "attention":
+            how = "alloc"
+        legacy = draw(st.booleans())
+        layout, kv = draw(st.sampled_from(_LEGACY)) if legacy else (
+            draw(st.sampled_from(LAYOUTS)), None)
+        if how != "own":
+            cut = draw(st.integers(1, len(members)))  # the slots, the rest keep their own
+            for r in members[:cut]:
+                r["allocation"] = [f"k.{k}", f"v.{k}"] if how == "kv" else f"alloc.{k}"
+        for r in members:
+            if how == "own" and draw(st.booleans()):
+                layout, kv = draw(st.sampled_from(_LEGACY)) if legacy else (
+                    draw(st.sampled_from(LAYOUTS)), None)
+            r.pop("kv", None)
+            r["layout"] = layout
+            if kv is not None and r["kind"] == "attention":
+                r["kv"] = kv
+    return spec
+
+
+@st.composite
+def layout_spec_pairs(draw, **kwargs) -> tuple[dict, dict]:
+    """:func:`spec_pairs` with :func:`layouts_and_allocations` drawn on each side."""
+    src, dst = draw(spec_pairs(**kwargs))
+    return draw(layouts_and_allocations(src)), draw(layouts_and_allocations(dst))

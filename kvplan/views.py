@@ -108,10 +108,16 @@ def _shape(region: RegionSpec, tp_size: int) -> tuple[str, str]:
 
 
 def _layout(region: RegionSpec) -> str:
+    alloc = region.allocation
+    where = "" if alloc is None else (
+        f", K/V in {alloc[0]}/{alloc[1]}" if isinstance(alloc, tuple) else f", in {alloc}")
     if region.kind.value == "attention":
         win = f", window {region.window}" if region.window else ""
-        return f"{region.layout.value} {region.kv.value}{win}"
-    return "slot" if region.is_state else "(NB, bs, F)"
+        kv = f" {region.kv.value}" if region.layout_name in ("HND", "NHD") else ""
+        return f"{region.layout_name}{kv}{win}{where}"
+    if region.layout_name not in ("HND", "NHD"):
+        return f"{region.layout_name}{where}"
+    return ("slot" if region.is_state else "(NB, bs, F)") + where
 
 
 def _spec_rows(spec: EngineSpec) -> list[dict[str, Any]]:
@@ -248,9 +254,12 @@ class Edge:
 
 
 def _lane_stats(item) -> list[tuple[Lane, int, int]]:
-    """(lane, bytes, runs) per lane: of the request for a plan, per block for a map."""
+    """(lane, bytes, runs) per lane: of the request for a plan, per block for a map; an object
+    with ``map`` and ``lane_stats()`` (kvplan explain's counts) gives its own."""
     from kvplan.plan import TransferPlan
 
+    if hasattr(item, "lane_stats"):
+        return item.lane_stats()
     if isinstance(item, TransferPlan):
         b = item.lane_bounds
         lengths = item.rows["length"]
@@ -383,6 +392,28 @@ def plan_html(plan: TransferPlan) -> str:
         parts.append(_table(rows, f"{other}{peer}: {human_bytes(nbytes)} in {runs} runs",
                             drop=("first run (src -> dst in block)",)))
     return "".join(parts)
+
+
+def plan_summary(plan: TransferPlan) -> str:
+    """:meth:`TransferPlan.summary`: per peer rank its bytes and runs, then one line per set of
+    alike lanes (``layers.[0-79].attn x80: S(heads 0:4) K+V, 40.0 MiB in 10240 runs``)."""
+    from kvplan.planner import _streams
+
+    m = plan.map
+    me, other = ("d", "p") if m.mode.value == "pull" else ("p", "d")
+    lines = [
+        f"TransferPlan {m.mode.value} {me}{m.rank}: {human_bytes(plan.nbytes)} in {len(plan)} "
+        f"runs, {sum(len(b) for b in plan.dst_blocks)} destination blocks in "
+        f"{len(plan.dst_blocks)} group(s){plan._scope()}"
+    ]
+    for peer, rows in peer_rows(plan).items():
+        nbytes, runs = sum(r["bytes"] for r in rows), sum(r["runs"] for r in rows)
+        lines.append(f"  {other}{peer}: {human_bytes(nbytes)}, {runs} runs")
+        for r in rows:
+            region = m.dst.regions[m.dst.region_index(r["region_names"][0])]
+            lines.append(f"    {r['regions']}: {r['placement']} {_streams(region)}, "
+                         f"{human_bytes(r['bytes'])} in {r['runs']} runs")
+    return "\n".join(lines)
 
 
 def map_frame(m: TransferMap):

@@ -7,6 +7,8 @@ The whole public API::
     plan = ep.map("prefill").plan(src_blocks, dst_blocks)
     t = ep.read(plan, "prefill", notify=b"req-7")       # or ep.write(plan, "decode") to push
     t.wait(timeout=5.0)                                 # TransferFailed / TransferTimeout
+    st = Stager(ep, pool_bytes=64 << 20)                # staged transfers (bounce buffers):
+    st.post(plan, "prefill", how="auto").wait()         #   Stager made before metadata()
     ep.close()
 
 nixl is imported on first use of ``Endpoint``, ``Transfer`` or ``State`` (PEP 562), so the
@@ -34,12 +36,17 @@ from kvplan_nixl.errors import (
 if TYPE_CHECKING:
     from kvplan_nixl.endpoint import Endpoint, Notification, Peer
     from kvplan_nixl.parts import RequestTransfer
+    from kvplan_nixl.staged import Stager
+    from kvplan_nixl.staged_transfer import MixedTransfer, StagedTransfer
     from kvplan_nixl.transfer import State, Transfer
 
 _LAZY = {
     "Endpoint": "kvplan_nixl.endpoint",
     "Notification": "kvplan_nixl.endpoint",
     "Peer": "kvplan_nixl.endpoint",
+    "MixedTransfer": "kvplan_nixl.staged_transfer",
+    "StagedTransfer": "kvplan_nixl.staged_transfer",
+    "Stager": "kvplan_nixl.staged",
     "RequestTransfer": "kvplan_nixl.parts",
     "State": "kvplan_nixl.transfer",
     "Transfer": "kvplan_nixl.transfer",
@@ -52,12 +59,15 @@ __all__ = [
     "Endpoint",
     "ExecutorError",
     "MetadataError",
+    "MixedTransfer",
     "NixlError",
     "NotConnectedError",
     "Notification",
     "Peer",
     "PlanMismatchError",
     "RequestTransfer",
+    "StagedTransfer",
+    "Stager",
     "State",
     "Transfer",
     "TransferFailed",

@@ -1,15 +1,27 @@
-"""The one place nixl is imported (meta package first, then the CUDA-12 wheel directly).
+"""The one place nixl is imported (meta package first, then a CUDA-12 or -13 wheel directly).
 
 ``import nixl`` costs ~1.2 s when CPU torch is installed (it imports torch to detect CUDA);
-importing ``nixl_cu12`` directly avoids that when the meta package is missing or broken.
+importing ``nixl_cu12`` directly avoids that when the meta package is missing or broken. The
+``nixl`` extra installs ``nixl-cu12`` alone (one build, no meta package); a machine whose
+torch is built for CUDA 13 may install ``nixl-cu13`` instead.
+
+NIXL logs an INFO line per agent and backend to stderr; unless the user set
+``NIXL_LOG_LEVEL`` we ask for warnings and errors only (it is read when nixl is imported).
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
 try:
     from nixl._api import nixl_agent, nixl_agent_config
-except ImportError:  # meta package absent: use the backend wheel directly
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+except ImportError:  # meta package absent: use a backend wheel directly
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
 
 __all__ = ["NIXL_LOCAL", "make_agent"]
 
@@ -17,15 +29,18 @@ __all__ = ["NIXL_LOCAL", "make_agent"]
 NIXL_LOCAL = "NIXL_INIT_AGENT"
 
 
-def make_agent(name: str, backends: tuple[str, ...], telemetry: bool) -> nixl_agent:
-    """A NIXL agent without a progress thread (NIXL's thread spins a core at 100% when idle).
+def make_agent(name: str, backends: tuple[str, ...], telemetry: bool,
+               progress_thread: bool = False) -> nixl_agent:
+    """A NIXL agent, by default without a progress thread (NIXL's thread spins a core at 100%
+    even when idle: NIXL 1.5 hard-codes a zero delay between its polls).
 
     Without it, the agent is progressed by our own calls: ``check_xfer_state`` on the initiator
-    and ``get_new_notifs`` on the target (see ``Endpoint.progress``).
+    and ``get_new_notifs`` on the target (see ``Endpoint.progress``). With it, NIXL progresses
+    transfers and receives notifications on its own thread.
     """
     missing_ok = list(backends)
     cfg = nixl_agent_config(
-        enable_prog_thread=False,
+        enable_prog_thread=bool(progress_thread),
         enable_listen_thread=False,
         capture_telemetry=telemetry,
         backends=missing_ok,

@@ -1,10 +1,12 @@
 """Which allocations a rank holds and the buffers its caller gave for them (transport-free).
 
-An allocation is a region, or a whole pool of regions sharing one buffer. ``resolve_buffers``
-turns the caller's buffers (a mapping by region or pool name, or a sequence in spec order) into
-one ``(address, nbytes, device, memory)`` per allocation the rank holds, refusing, before any
-transport is touched, a buffer of the wrong size, for a region of another pipeline stage, a
-missing one, two different buffers for one pool, or allocations that overlap in memory.
+A buffer (``EngineSpec.buffers``) is a region's own, a pool's, an allocation's (its regions
+being layer slots), or the K or V buffer of regions keeping them apart. ``resolve_buffers``
+turns the caller's buffers (a mapping by region, pool, allocation or buffer name, or a
+sequence in spec order) into one ``(address, nbytes, device, memory)`` per buffer the rank
+holds, refusing, before any transport is touched, a buffer of the wrong size, for a region of
+another pipeline stage, a missing one, two different buffers for one pool or allocation, or
+buffers that overlap in memory.
 """
 
 from __future__ import annotations
@@ -20,20 +22,28 @@ from kvplan import EngineSpec
 from kvplan_nixl.errors import BufferSizeError
 
 
-def _alloc_label(spec: EngineSpec, a: int) -> str:
-    """How error messages name allocation ``a``: a region, or a pool and its regions."""
-    r = spec.regions[a]
-    if r.pool is None:
-        return f"region {r.name!r}"
-    names = [x.name for x in spec.regions if x.pool == r.pool]
-    return f"pool {r.pool!r} (regions {', '.join(map(repr, names))})"
+def _alloc_label(spec: EngineSpec, b: int) -> str:
+    """How error messages name buffer ``b`` (an index of ``spec.buffers``): a region, a pool,
+    an allocation, or a K or V buffer, and the regions living in it."""
+    name = spec.buffers[b]
+    regions = [spec.regions[i] for i in spec.buffer_regions(b)]
+    r = regions[0]
+    names = ", ".join(repr(x.name) for x in regions)
+    if r.separate_kv:
+        which = "K" if spec.buffer_of(spec.regions.index(r), 0) == b else "V"
+        return f"{which} buffer {name!r} (regions {names})"
+    if r.allocation is not None:
+        return f"allocation {name!r} (regions {names})"
+    if r.pool is not None:
+        return f"pool {r.pool!r} (regions {names})"
+    return f"region {r.name!r}"
 
 
 def _buffer(buf: Any, spec: EngineSpec, a: int, key: str) -> tuple[int, int, int, str]:
-    """(address, nbytes, device, mem_type) of allocation ``a``'s buffer, given as ``key``;
-    refuses a wrong size at once."""
+    """(address, nbytes, device, mem_type) of buffer ``a`` (an index of ``spec.buffers``),
+    given as ``key``; refuses a wrong size at once."""
     what = _alloc_label(spec, a)
-    if key not in (spec.regions[a].name, spec.regions[a].pool):
+    if key != spec.buffers[a]:
         what += f", given as {key!r}"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buf, torch.Tensor):
@@ -59,13 +69,15 @@ def _buffer(buf: Any, spec: EngineSpec, a: int, key: str) -> tuple[int, int, int
             f"{what}: a buffer is a contiguous torch tensor, a numpy array or an "
             f"(address, nbytes) pair, got {type(buf).__name__}"
         )
-    want = spec.rank_region_nbytes(a)
+    want = spec.rank_buffer_nbytes(a)
     if nbytes != want:
-        page = spec.rank_page_nbytes(a)
+        i = spec.buffer_regions(a)[0]
+        page = spec.rank_page_nbytes(i) // (2 if spec.regions[i].separate_kv else 1)
+        slots = spec.slot_of(i)[1]
         how = (
-            f"{want // page} pages of {page} bytes" if spec.regions[a].pool is not None
-            else f"{spec.regions[a].num_blocks} blocks x {page} bytes per block"
-        )
+            f"{want // page} pages of {page} bytes" if spec.regions[i].pool is not None
+            else f"{spec.regions[i].num_blocks} blocks x {page} bytes per block"
+        ) + (f" x {slots} layer slots" if slots > 1 else "")
         raise BufferSizeError(
             f"{what}: buffer has {nbytes} bytes, the spec implies {want} ({how} on one of "
             f"{spec.tp_size} TP ranks)"
@@ -83,53 +95,65 @@ def _stage_text(spec: EngineSpec, stage: int) -> str:
 def resolve_buffers(
     spec: EngineSpec, rank: int, buffers: Sequence[Any] | Mapping[str, Any]
 ) -> dict[int, tuple[Any, tuple[int, int, int, str]]]:
-    """``{allocation index: (buffer, (address, nbytes, device, mem))}`` for the allocations
-    ``rank`` holds, in spec order; every refusal is a :class:`BufferSizeError` naming what."""
+    """``{buffer index: (buffer, (address, nbytes, device, mem))}`` for the buffers ``rank``
+    holds (indices of ``spec.buffers``: regions, pools, allocations, K and V buffers), in that
+    order; every refusal is a :class:`BufferSizeError` naming what."""
     held = spec.regions_on(rank)
-    allocs = sorted({spec.allocation_of(i) for i in held})
+    allocs = sorted({spec.buffer_of(i, s) for i in held for s in (0, 1)})
     labels = [_alloc_label(spec, a) for a in allocs]
-    entries: list[tuple[str, int, Any]] = []  # (key, allocation, buffer)
+    entries: list[tuple[str, int, Any]] = []  # (key, buffer, buffer object)
     if isinstance(buffers, Mapping):
         by_name = {r.name: i for i, r in enumerate(spec.regions)}
-        pools = {}
-        for i, r in enumerate(spec.regions):
-            if r.pool is not None:
-                pools.setdefault(r.pool, i)
+        names = {name: b for b, name in enumerate(spec.buffers)}
+        for r in spec.regions:  # a region's or pool's name reaches the buffer holding it
+            if r.pool is not None and not r.separate_kv:
+                names.setdefault(r.pool, spec.buffer_of(spec.regions.index(r)))
         for key, buf in buffers.items():
-            if key in by_name:
-                i = by_name[key]
-            elif key in pools:
-                i = pools[key]
+            if key in by_name and not spec.regions[by_name[key]].separate_kv:
+                b = spec.buffer_of(by_name[key])
+            elif key in names:
+                b = names[key]
+            elif key in by_name:
+                k, v = spec.regions[by_name[key]].allocation
+                raise BufferSizeError(
+                    f"buffers: region {key!r} keeps K and V in two buffers; give them by "
+                    f"their names {k!r} and {v!r}"
+                )
             else:
                 raise BufferSizeError(
-                    f"buffers: {key!r} is neither a region nor a pool of the spec "
+                    f"buffers: {key!r} is neither a region nor a pool nor a buffer of the spec "
                     f"(rank {rank} needs {', '.join(labels)})"
                 )
-            if i not in held:
-                what = "pool" if key not in by_name else "region"
+            if b not in allocs:
+                i = spec.buffer_regions(b)[0]
+                short = _alloc_label(spec, b).split(" (")[0]  # without its regions
+                if key in by_name:
+                    short = f"region {key!r}"
                 raise BufferSizeError(
-                    f"buffers: {what} {key!r} lies on {_stage_text(spec, spec.stage_of(i))}, "
-                    f"not on rank {rank}'s {_stage_text(spec, rank // spec.tp_size)}; give "
-                    f"buffers only for what rank {rank} holds: {', '.join(labels)}"
+                    f"buffers: {short} lies on "
+                    f"{_stage_text(spec, spec.stage_of(i))}, not on rank {rank}'s "
+                    f"{_stage_text(spec, rank // spec.tp_size)}; give buffers only for what "
+                    f"rank {rank} holds: {', '.join(labels)}"
                 )
-            entries.append((key, spec.allocation_of(i), buf))
+            entries.append((key, b, buf))
     else:
         bufs = list(buffers)
+        separate = any(spec.regions[i].separate_kv for i in held)
         if len(bufs) == len(allocs):
-            entries = [(spec.regions[a].name, a, b) for a, b in zip(allocs, bufs, strict=True)]
-        elif len(bufs) == len(held):
+            entries = [(spec.buffers[a], a, b) for a, b in zip(allocs, bufs, strict=True)]
+        elif len(bufs) == len(held) and not separate:
             entries = [
-                (spec.regions[i].name, spec.allocation_of(i), b)
+                (spec.regions[i].name, spec.buffer_of(i), b)
                 for i, b in zip(held, bufs, strict=True)
             ]
         else:
-            per_region = "" if len(held) == len(allocs) else (
+            per_region = "" if len(held) == len(allocs) or separate else (
                 f" (or one per region it holds, {len(held)})"
             )
             raise BufferSizeError(
                 f"{len(bufs)} buffers for rank {rank}, which holds {len(allocs)} "
                 f"allocation(s){per_region}: {', '.join(labels)}; pass them in spec order, or "
-                "a mapping by region or pool name"
+                "a mapping by region, pool, allocation or buffer name"
             )
     got: dict[int, tuple[str, Any, tuple[int, int, int, str]]] = {}
     for key, a, buf in entries:
@@ -138,9 +162,9 @@ def resolve_buffers(
             k0, _, r0 = got[a]
             raise BufferSizeError(
                 f"{_alloc_label(spec, a)}: {k0!r} and {key!r} give two different buffers "
-                f"(at {r0[0]:#x} and {reg[0]:#x}); the regions of a pool share one allocation, "
-                "so give them the same buffer, or give it once (by the pool's name or one "
-                "region's)"
+                f"(at {r0[0]:#x} and {reg[0]:#x}); the regions of a pool or of an allocation "
+                "share one allocation, so give them the same buffer, or give it once (by its "
+                "name or one region's)"
             )
         got.setdefault(a, (key, buf, reg))
     missing = [_alloc_label(spec, a) for a in allocs if a not in got]
@@ -152,6 +176,7 @@ def resolve_buffers(
         if x[:2] == y[:2] and y[2] < x[3]:
             raise BufferSizeError(
                 f"buffers of {_alloc_label(spec, x[4])} and {_alloc_label(spec, y[4])} overlap "
-                "in memory; regions share memory only through a pool of the spec"
+                "in memory; regions share memory only through a pool or an allocation of the "
+                "spec"
             )
     return out

@@ -15,7 +15,9 @@
 
 ``--json`` prints one JSON document for machines; otherwise ``rich`` tables (plain text when
 rich is not installed). Requests use non-adjacent block ids (0, 2, 4, ...), the worst case for
-merging: real allocators rarely hand out neighbours.
+merging: real allocators rarely hand out neighbours. Runs are counted (:func:`count`) one set of
+alike lanes at a time, never materialised as a rank's whole plan, so memory does not grow with
+the layer count or the number of ranks.
 """
 
 from __future__ import annotations
@@ -23,23 +25,44 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 import kvplan
-from kvplan import EngineSpec, presets
+from kvplan import EngineSpec, TransferMap, presets
 from kvplan.compat import region_pairs
+from kvplan.planner import Lane, Mode
 from kvplan.views import human_bytes, peer_rows
+from kvplan_nixl.cliargs import (
+    LEGEND,
+    MAX_BLOCK_SIZE,
+    MAX_BLOCKS,
+    MAX_TOKENS,
+    MAX_TP,
+    UsageError,
+    int_in,
+)
+
+_Usage = UsageError  # the name this module used before
 
 #: Above this many runs per request on one rank, explain warns that descriptors dominate.
 MANY_RUNS = 10_000
 
 
-class _Usage(Exception):
-    """A command-line mistake: printed as ``kvplan: ...``, exit status 2."""
+def layout_arg(value: str) -> str:
+    """An argparse type: ``HND``, ``NHD``, vLLM's ``BLHNC``..., or any order of ``LBSHND``."""
+    try:
+        kvplan.spec.layout_order(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+#: The layouts ``explain`` compares: today's per-layer HND split and vLLM's six orders.
+COMPARED_LAYOUTS = ("HND", *kvplan.spec.VLLM_ORDERS)
 
 
 def _load_json(path: Path) -> Any:
@@ -47,8 +70,19 @@ def _load_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise _Usage(f"cannot read {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise _Usage(f"{str(path)!r} is not UTF-8 text (byte {exc.start}): expected JSON") from None
     except json.JSONDecodeError as exc:
         raise _Usage(f"{str(path)!r} is not JSON: {exc}") from None
+    except RecursionError:
+        raise _Usage(f"{str(path)!r} nests JSON too deeply") from None
+
+
+def _opt(args: argparse.Namespace, name: str, default: Any) -> Any:
+    """``args.name`` unless the user left it unset (None): a user's 0 is kept (and refused
+    where it is invalid), never replaced by the default."""
+    value = getattr(args, name, None)
+    return default if value is None else value
 
 
 def _model(arg: str) -> tuple[str, Any]:
@@ -86,15 +120,14 @@ def _engine(arg: str, tp: int | None, args: argparse.Namespace, side: str,
         return spec
     if tp is None:
         raise _Usage(f"--{side}-tp is needed for the model {arg!r}")
-    own = getattr(args, f"{side}_layout", None)
     return EngineSpec.from_hf_config(
         data,
         tp_size=tp,
-        pp_size=getattr(args, f"{side}_pp", 1) or 1,
-        block_size=getattr(args, f"{side}_block_size", None) or args.block_size,
-        num_blocks=args.num_blocks or max(1024, min_blocks),
+        pp_size=_opt(args, f"{side}_pp", 1),
+        block_size=_opt(args, f"{side}_block_size", args.block_size),
+        num_blocks=_opt(args, "num_blocks", max(1024, min_blocks)),
         dtype=args.dtype,
-        layout=own or args.layout,
+        layout=_opt(args, f"{side}_layout", args.layout),
         kv=args.kv,
         draft=_draft(args.draft),
     )
@@ -107,26 +140,37 @@ def _blocks_needed(tokens: int, block_size: int) -> int:
 def request(spec: EngineSpec, tokens: int) -> list[list[int]]:
     """Block ids of one request of ``tokens`` tokens: per token group non-adjacent ids
     ``0, 2, 4, ...`` (consecutive when the regions are too small); per state group one slot,
-    counted down from the last block so that views of a shared pool use distinct pages."""
-    out = []
-    states = 0
-    for g in range(spec.num_groups):
-        regions = [r for r in spec.regions if r.group == g]
-        if regions[0].is_state:
-            states += 1
-            out.append([max(0, min(r.num_blocks for r in regions) - states)])
-            continue
-        need = -(-tokens // max(r.block_size for r in regions))
+    the highest free id. Groups viewing a shared pool get distinct pages (a page belongs to one
+    group's view at a time)."""
+    groups = [[r for r in spec.regions if r.group == g] for g in range(spec.num_groups)]
+    taken: dict[str, set[int]] = {}  # pool -> pages earlier groups use
+    out: list[list[int]] = [[] for _ in groups]
+    # token groups first (they need the most pages), then one slot per state group
+    for g in sorted(range(len(groups)), key=lambda g: groups[g][0].is_state):
+        regions = groups[g]
         limit = min(r.num_blocks for r in regions)
-        if need > limit:
-            raise _Usage(f"{tokens} tokens need {need} blocks in group {g}, but its regions hold "
-                         f"{limit}; lower --tokens or raise --num-blocks")
-        step = 2 if 2 * need - 1 <= limit else 1
-        out.append(list(range(0, step * need, step)))
+        pools = {r.pool for r in regions if r.pool is not None}
+        used = set().union(*(taken.get(p, set()) for p in pools))
+        if regions[0].is_state:
+            need, ids = 1, (b for b in range(limit - 1, -1, -1) if b not in used)
+        else:
+            need = -(-tokens // max(r.block_size for r in regions))
+            step = 2 if 2 * need - 1 <= limit - len(used) else 1
+            ids = (b for b in range(0, limit, step) if b not in used)
+        out[g] = [b for _, b in zip(range(need), ids)]
+        if len(out[g]) < need:
+            what = "a state slot" if regions[0].is_state else f"{tokens} tokens"
+            raise _Usage(f"{what} need(s) {need} blocks in group {g}, but its regions hold "
+                         f"{limit} ({len(used)} used by groups sharing a pool); lower --tokens "
+                         "or raise --num-blocks")
+        for p in pools:
+            taken.setdefault(p, set()).update(out[g])
     return out
 
 
 def _with_layout(spec: EngineSpec, layout: str) -> EngineSpec:
+    if any(r.allocation is not None for r in spec.regions):
+        return spec.with_layout(layout)  # one allocation per layer again
     regions = tuple(
         attrs.evolve(r, layout=kvplan.Layout(layout)) if r.kind is kvplan.Kind.ATTENTION else r
         for r in spec.regions
@@ -139,28 +183,133 @@ def _has_nhd(spec: EngineSpec) -> bool:
                for r in spec.regions)
 
 
+@attrs.frozen
+class Counted:
+    """One rank's bytes and runs per lane for one request, without the plan's rows.
+
+    What :func:`kvplan.views.peer_rows` reads (``map`` and ``lane_stats()``), so that explain
+    prints the same rows as for a :class:`~kvplan.TransferPlan` of the same request.
+    """
+
+    map: TransferMap
+    stats: tuple[tuple[Lane, int, int], ...]  # (lane, bytes, runs), in lane order
+
+    def lane_stats(self) -> list[tuple[Lane, int, int]]:
+        """``(lane, bytes, runs)`` of every lane of :attr:`map`, in lane order."""
+        return list(self.stats)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the request on this rank."""
+        return sum(b for _, b, _ in self.stats)
+
+    @property
+    def runs(self) -> int:
+        """Runs (NIXL descriptors) of the request on this rank."""
+        return sum(n for _, _, n in self.stats)
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The other engine's ranks the request copies with (lanes with at least one run)."""
+        attr = "src_rank" if self.map.mode is Mode.PULL else "dst_rank"
+        return tuple(sorted({getattr(lane, attr) for lane, _, n in self.stats if n}))
+
+
+def count(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence, *,
+          tokens: tuple[int, int] | None = None, part: Sequence[str] | None = None) -> Counted:
+    """Bytes and runs per lane of ``tmap.plan(src_blocks, dst_blocks)``, in memory independent
+    of the request's run count across layers and peers.
+
+    Lanes alike but for their region and ranks (every layer of one geometry shares its block
+    templates) have equal runs; each such set is planned once, one lane at a time, so memory
+    is one lane's runs for this request, never every rank's (or layer's) full array. Lanes
+    whose regions are layer slots of one allocation on both sides can share runs (a ``BL...``
+    order merges every layer of a block), so they are planned together, one (source rank,
+    allocation pair) at a time. The counts equal the full plan's (tested). ``tokens`` is the
+    plan's token range; ``part`` keeps only those regions' lanes, counted as a layer-wise
+    request posts them (``merge_slots=False``: runs never span two layers).
+    """
+    src, dst = tmap.src, tmap.dst
+    if part:
+        keep = {tmap.region_ids[name] for name in part if name in tmap.region_ids}
+        missing = [name for name in part if name not in tmap.region_ids]
+        if missing:
+            raise kvplan.RequestError(f"--part: no region named {missing[0]!r}")
+        tmap = attrs.evolve(tmap, lanes=tuple(x for x in tmap.lanes if x.dst_region in keep))
+    plan_kw = {"tokens": tokens, "merge_slots": not part}
+    done: dict[tuple, tuple[int, int]] = {}
+    packed: dict[tuple, list[int]] = {}
+    stats: list = [None] * len(tmap.lanes)
+    for k, lane in enumerate(tmap.lanes):
+        if src.slot_of(lane.src_region)[1] > 1 and dst.slot_of(lane.dst_region)[1] > 1:
+            key = (lane.src_rank, lane.dst_rank, src.buffer_of(lane.src_region),
+                   dst.buffer_of(lane.dst_region))
+            packed.setdefault(key, []).append(k)
+            continue
+        key = (id(lane.templates),
+               attrs.evolve(lane, src_rank=0, dst_rank=0, src_region=0, dst_region=0))
+        hit = done.get(key)
+        if hit is None:
+            one = attrs.evolve(tmap, lanes=(lane,)).plan(src_blocks, dst_blocks, **plan_kw)
+            hit = done[key] = (one.nbytes, len(one))
+        stats[k] = (lane, *hit)
+    for members in packed.values():
+        lanes = tuple(tmap.lanes[k] for k in members)
+        some = attrs.evolve(tmap, lanes=lanes).plan(src_blocks, dst_blocks, **plan_kw)
+        b, lengths = some.lane_bounds, some.rows["length"]
+        for j, k in enumerate(members):
+            stats[k] = (lanes[j], int(lengths[b[j]:b[j + 1]].sum()), int(b[j + 1] - b[j]))
+    return Counted(tmap, tuple(stats))
+
+
+def runs_by_layout(src: EngineSpec, dst: EngineSpec, tokens: int,
+                   ranks: Sequence[int] | None = None) -> dict[str, int]:
+    """Runs (NIXL descriptors) per request on ``ranks`` with each of :data:`COMPARED_LAYOUTS`
+    on both sides (``EngineSpec.with_layout``: an order packs a group's layers in one buffer),
+    counted as :func:`count` does."""
+    ranks = list(range(dst.num_ranks)) if ranks is None else list(ranks)
+    src_blocks, dst_blocks = request(src, tokens), request(dst, tokens)
+    out = {}
+    for name in COMPARED_LAYOUTS:
+        s, d = src.with_layout(name), dst.with_layout(name)
+        out[name] = sum(count(kvplan.pull_map(s, d, r), src_blocks, dst_blocks).runs
+                        for r in ranks)
+    return out
+
+
+#: ``explain`` compares layouts (:func:`runs_by_layout`) up to this many tokens unless asked:
+#: a packed layout's runs are counted per (peer, allocation), which at 128k tokens of a 70B
+#: model means millions of rows per count.
+COMPARE_LAYOUTS_TOKENS = 32768
+
+
 def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
-            ranks: Sequence[int] | None = None, *, cached: int | None = None,
+            ranks: Sequence[int] | None = None,
+            progress: Callable[[str], Any] | None = None, *, cached: int | None = None,
             part: Sequence[str] | None = None) -> dict[str, Any]:
     """The explanation as a JSON-able dict: per destination rank its rows, and warnings.
 
     ``cached``: positions the destination already holds (a prefix-cache hit), so the request
     copies exactly positions ``[cached, tokens)``; ``part``: region names, to show only that
     part of each plan (the layers a layer-wise connector posts together).
-    Raises :class:`kvplan.IncompatibleLayoutError` when the two engines cannot talk.
+
+    Runs are counted per lane (:func:`count`), never materialised for a whole rank: a 128k-token
+    NHD request of a 70B model answers in seconds in a few hundred MiB. ``progress`` (e.g.
+    :func:`kvplan_nixl.progress.step`) wraps each rank's work. Raises
+    :class:`kvplan.IncompatibleLayoutError` when the two engines cannot talk.
     """
     ranks = list(range(dst.num_ranks)) if ranks is None else list(ranks)
     src_blocks, dst_blocks = request(src, tokens), request(dst, tokens)
     rng = None if cached is None else (cached, tokens)
     out_ranks = []
-    plans = []
+    counted = []
     for d in ranks:
-        plan = kvplan.pull_map(src, dst, d).plan(src_blocks, dst_blocks, tokens=rng)
-        if part:
-            plan = plan.part(part)
-        plans.append(plan)
+        with _maybe(progress, f"planning decode rank {d} of {dst.num_ranks}"):
+            c = count(kvplan.pull_map(src, dst, d), src_blocks, dst_blocks, tokens=rng,
+                      part=part)
+        counted.append(c)
         rows = []
-        for peer, peer_list in peer_rows(plan).items():
+        for peer, peer_list in peer_rows(c).items():
             for row in peer_list:
                 first = row["first_run"] or (None, None)
                 rows.append({
@@ -169,9 +318,10 @@ def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
                     "src_offset": first[0], "dst_offset": first[1],
                     "bytes": row["bytes"], "runs": row["runs"],
                 })
-        out_ranks.append({"rank": d, "peers": list(plan.peers), "nbytes": plan.nbytes,
-                          "runs": len(plan), "rows": rows})
-    warnings = _warnings(src, dst, src_blocks, dst_blocks, ranks, plans)
+        out_ranks.append({"rank": d, "peers": list(c.peers), "nbytes": c.nbytes,
+                          "runs": c.runs, "rows": rows})
+    with _maybe(progress, "comparing with HND layouts"):
+        warnings = _warnings(src, dst, src_blocks, dst_blocks, ranks, counted)
     return {
         "source": {"tp_size": src.tp_size, "pp_size": src.pp_size, "regions": len(src.regions)},
         "destination": {"tp_size": dst.tp_size, "pp_size": dst.pp_size,
@@ -186,12 +336,18 @@ def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
     }
 
 
-def _warnings(src, dst, src_blocks, dst_blocks, ranks, plans) -> list[str]:
+def _maybe(progress, text: str):
+    from contextlib import nullcontext
+
+    return nullcontext() if progress is None else progress(text)
+
+
+def _warnings(src, dst, src_blocks, dst_blocks, ranks, counted: list[Counted]) -> list[str]:
     out = []
-    runs = sum(len(p) for p in plans)
+    runs = sum(c.runs for c in counted)
     if _has_nhd(src) or _has_nhd(dst):
         s2, d2 = _with_layout(src, "HND"), _with_layout(dst, "HND")
-        hnd = sum(len(kvplan.pull_map(s2, d2, d).plan(src_blocks, dst_blocks)) for d in ranks)
+        hnd = sum(count(kvplan.pull_map(s2, d2, d), src_blocks, dst_blocks).runs for d in ranks)
         if runs > hnd:
             sides = " and ".join(n for n, s in (("prefill", src), ("decode", dst)) if _has_nhd(s))
             hetero = (f"under heterogeneous TP (TP{src.tp_size} -> TP{dst.tp_size})"
@@ -215,9 +371,9 @@ def _warnings(src, dst, src_blocks, dst_blocks, ranks, plans) -> list[str]:
             what = f"each source block feeds {bs // bd} destination blocks"
         out.append(f"block sizes differ on {name_set(names)}: source {bs}, destination {bd} "
                    f"tokens; {what}, and runs do not merge across blocks")
-    for d, p in zip(ranks, plans):
-        if len(p) > MANY_RUNS:
-            out.append(f"d{d}: {len(p)} runs per request ({human_bytes(p.nbytes / len(p))} on "
+    for d, c in zip(ranks, counted):
+        if c.runs > MANY_RUNS:
+            out.append(f"d{d}: {c.runs} runs per request ({human_bytes(c.nbytes / c.runs)} on "
                        "average): descriptor count dominates the transfer's cost")
     return out
 
@@ -241,6 +397,7 @@ def _title(args, src: EngineSpec, dst: EngineSpec) -> str:
             f"one request of {args.tokens} tokens (non-adjacent block ids), pull{scope}")
 
 
+OFFSETS = "+a -> +b = where the first run starts in the source block and in the destination block"
 _COLUMNS = ("from", "regions", "placement", "streams", "offsets", "bytes", "runs")
 
 
@@ -271,12 +428,11 @@ def _print_text(doc: dict[str, Any], title: str) -> None:
                 print("  " + "  ".join(c.ljust(w) for c, w in zip(line, widths)))
         for w in doc["warnings"]:
             print(f"warning: {w}")
+        print(f"\noffsets: {OFFSETS}\n{LEGEND}")
         return
     from rich.table import Table
 
     console.print(f"[bold]{title}[/bold]")
-    console.print("offsets: the first run's byte offset inside the source block and inside the "
-                  "destination block")
     for r in doc["ranks"]:
         table = Table(
             title=f"d{r['rank']}: {human_bytes(r['nbytes'])} in {r['runs']} runs from "
@@ -292,30 +448,46 @@ def _print_text(doc: dict[str, Any], title: str) -> None:
         console.print(table)
     for w in doc["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {w}")
+    console.print(f"\noffsets: {OFFSETS}\n{LEGEND}", style="dim")
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """``kvplan explain``: per destination rank, what it reads from which source rank."""
     try:
         need = max(_blocks_needed(args.tokens, args.block_size),
-                   _blocks_needed(args.tokens, args.prefill_block_size or args.block_size),
-                   _blocks_needed(args.tokens, args.decode_block_size or args.block_size))
+                   _blocks_needed(args.tokens, _opt(args, "prefill_block_size", args.block_size)),
+                   _blocks_needed(args.tokens, _opt(args, "decode_block_size", args.block_size)))
         src = _engine(args.prefill, args.prefill_tp, args, "prefill", need)
         dst = _engine(args.decode, args.decode_tp, args, "decode", need)
         if args.rank is not None and not 0 <= args.rank < dst.num_ranks:
             raise _Usage(f"--rank {args.rank} is not a decode rank (0..{dst.num_ranks - 1})")
+        from kvplan_nixl.progress import step
+
         doc = explain(src, dst, args.tokens, None if args.rank is None else [args.rank],
-                      cached=args.cached, part=args.part)
+                      progress=step, cached=args.cached, part=args.part)
     except (_Usage, kvplan.RequestError) as exc:
         print(f"kvplan: {exc}", file=sys.stderr)
         return 2
     except kvplan.IncompatibleLayoutError as exc:
         return _refused(args, exc)
     doc["source"]["model"], doc["destination"]["model"] = args.prefill, args.decode
+    compare = args.compare_layouts
+    if compare is None:
+        compare = args.tokens <= COMPARE_LAYOUTS_TOKENS
+    if compare:
+        with step("counting runs for each layout"):
+            doc["runs_by_layout"] = runs_by_layout(src, dst, args.tokens,
+                                                   None if args.rank is None else [args.rank])
     if args.json:
         print(json.dumps(doc, indent=2))
+        return 0
+    _print_text(doc, _title(args, src, dst))
+    if compare:
+        print("\nruns per request with one layout on both sides (decode ranks shown): "
+              + ", ".join(f"{k} {v:,}" for k, v in doc["runs_by_layout"].items()))
     else:
-        _print_text(doc, _title(args, src, dst))
+        print(f"\n(runs per layout are compared up to {COMPARE_LAYOUTS_TOKENS} tokens; "
+              "pass --compare-layouts to count them for this request)")
     return 0
 
 
@@ -398,40 +570,58 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="blocks per region (default: enough for the request)")
-    p.add_argument("--dtype", default=None, help="KV dtype (default: the config's torch_dtype)")
-    p.add_argument("--layout", choices=["HND", "NHD"], default="HND",
-                   help="attention layout on both sides (default HND)")
-    p.add_argument("--kv", choices=["split", "joint"], default="split")
-    p.add_argument("--draft", default=None, help="an Eagle-3 draft: preset or config.json")
+    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=16,
+                   help="tokens per block")
+    p.add_argument("--num-blocks", type=int_in(1, MAX_BLOCKS), default=None,
+                   help="blocks per region (default: enough for the request, at least 1024)")
+    p.add_argument("--dtype", default=None, choices=sorted(kvplan.DTYPE_SIZES), metavar="DTYPE",
+                   help="KV-cache dtype (default: the config's torch_dtype; needed when the "
+                        "config has none)")
+    p.add_argument("--layout", type=layout_arg, default="HND",
+                   help="layout on both sides: HND, NHD (with --kv), vLLM's LBHNC, BLHNC... "
+                        "or any order of LBSHND")
+    p.add_argument("--kv", choices=["split", "joint"], default="split",
+                   help="K and V in two tensors (split) or one (joint)")
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="add an Eagle-3 draft's layers: preset or config.json")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``explain``, ``check``, ``spec`` and ``presets`` to the ``kvplan`` command."""
+    tp, pp = int_in(1, MAX_TP), int_in(1, MAX_TP)
     text = "per destination rank, what it reads from which source rank, and what it costs"
     p = sub.add_parser("explain", help=text, description=text)
     p.set_defaults(fn=cmd_explain)
     p.add_argument("--prefill", required=True, metavar="MODEL",
                    help="preset, HF config.json (or its directory), or engine-spec JSON")
-    p.add_argument("--decode", required=True, metavar="MODEL")
-    p.add_argument("--prefill-tp", type=int, default=None)
-    p.add_argument("--decode-tp", type=int, default=None)
-    p.add_argument("--prefill-pp", type=int, default=1)
-    p.add_argument("--decode-pp", type=int, default=1)
-    p.add_argument("--prefill-block-size", type=int, default=None)
-    p.add_argument("--decode-block-size", type=int, default=None)
-    p.add_argument("--prefill-layout", choices=["HND", "NHD"], default=None)
-    p.add_argument("--decode-layout", choices=["HND", "NHD"], default=None)
-    p.add_argument("--rank", type=int, default=None, help="only this decode rank")
-    p.add_argument("--tokens", type=int, default=2048, help="request length (default 2048)")
-    p.add_argument("--cached", type=int, default=None, metavar="N",
+    p.add_argument("--decode", required=True, metavar="MODEL", help="as --prefill")
+    p.add_argument("--prefill-tp", type=tp, default=None,
+                   help="tensor-parallel ranks of prefill (needed unless MODEL is a spec)")
+    p.add_argument("--decode-tp", type=tp, default=None,
+                   help="tensor-parallel ranks of decode (needed unless MODEL is a spec)")
+    p.add_argument("--prefill-pp", type=pp, default=1, help="pipeline stages of prefill")
+    p.add_argument("--decode-pp", type=pp, default=1, help="pipeline stages of decode")
+    p.add_argument("--prefill-block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
+                   help="tokens per block on prefill (default: --block-size)")
+    p.add_argument("--decode-block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
+                   help="tokens per block on decode (default: --block-size)")
+    p.add_argument("--prefill-layout", type=layout_arg, default=None,
+                   help="layout on prefill (default: --layout)")
+    p.add_argument("--decode-layout", type=layout_arg, default=None,
+                   help="layout on decode (default: --layout)")
+    p.add_argument("--rank", type=int_in(0, MAX_TP * MAX_TP), default=None,
+                   help="only this decode rank (default: every decode rank)")
+    p.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=2048,
+                   help="request length in tokens")
+    p.add_argument("--cached", type=int_in(0, MAX_TOKENS), default=None, metavar="N",
                    help="positions the decode engine already holds (prefix-cache hit): copy "
-                        "exactly positions N..tokens")
+                        "exactly positions N..tokens (default: none)")
     p.add_argument("--part", action="append", default=None, metavar="REGION",
                    help="show only this region's part of each plan (repeat for several)")
-    p.add_argument("--json", action="store_true", help="one JSON document")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--compare-layouts", action=argparse.BooleanOptionalAction, default=None,
+                   help="count runs per request for HND and each of vLLM's six orders (default: "
+                        f"on up to {COMPARE_LAYOUTS_TOKENS} tokens)")
     _model_options(p)
 
     text = "validate two engine-spec JSON files; exit 1 with the refusal if they cannot talk"
@@ -439,18 +629,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_check)
     p.add_argument("source", metavar="A.json", help="prefill (source) engine spec")
     p.add_argument("destination", metavar="B.json", help="decode (destination) engine spec")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
 
     text = "print the engine-spec JSON of a model on one engine"
     p = sub.add_parser("spec", help=text, description=text)
     p.set_defaults(fn=cmd_spec)
-    p.add_argument("model", metavar="MODEL", help="preset or HF config.json")
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--pp", dest="model_pp", type=int, default=1)
+    p.add_argument("model", metavar="MODEL", help="preset or HF config.json (or its directory)")
+    p.add_argument("--tp", type=tp, required=True, help="tensor-parallel ranks")
+    p.add_argument("--pp", dest="model_pp", type=pp, default=1, help="pipeline stages")
     p.add_argument("--indent", action="store_true", help="pretty-print")
     _model_options(p)
 
     text = "list the packaged model presets"
     p = sub.add_parser("presets", help=text, description=text)
     p.set_defaults(fn=cmd_presets)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON document")

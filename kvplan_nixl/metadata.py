@@ -11,16 +11,26 @@ Wire format (all integers big-endian)::
                                   region the rank holds (its pipeline stage's), indices those
                                   of the whole spec; the regions of one pool repeat the pool's
                                   base and size (one allocation)
-    agent                         NIXL's own agent metadata (opaque)
-    digest                        sha256 of everything above, 32 bytes
+    agent                         NIXL's own agent metadata (opaque but for its first field,
+                                  the agent's name: see :func:`nixl_agent_name`)
+    digest                        32 bytes: sha256 of everything above, or, when the endpoint
+                                  has a deployment secret, HMAC-SHA256 of it under that secret
+
+Signing changes no byte but the digest, so the format version is the same either way. A reader
+with a secret accepts only a correct HMAC (and says "unsigned" when the digest is a plain
+sha256); a reader without one accepts only a correct sha256, which anyone can recompute: without
+a secret, peers are trusted (docs/executor.md, "Trust boundary").
 
 Pure: no NIXL import; :func:`decode` raises :class:`~kvplan_nixl.errors.MetadataError` with a
-message saying which of foreign / other version / corrupt / inconsistent it is.
+message saying which of foreign / other version / unsigned / wrongly signed / corrupt /
+inconsistent it is, and naming the peer once the header is readable. Every check is linear in
+the blob's size and done before anything is handed to NIXL.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 
@@ -36,8 +46,71 @@ MAGIC = b"KVPLNIXL"
 FORMAT_VERSION = 2
 _FIXED = struct.Struct(">8sHII")
 _DIGEST = 32
-#: Refuse headers larger than this before parsing JSON (a spec of thousands of regions fits).
-MAX_HEADER_BYTES = 16 << 20
+#: Refuse headers larger than this before parsing JSON (a spec of kvplan.spec.MAX_REGIONS
+#: regions is about 0.25 MiB).
+MAX_HEADER_BYTES = 4 << 20
+#: Refuse NIXL sections larger than this (NIXL's metadata is ~0.5 KiB plus ~50 B per allocation).
+MAX_AGENT_BYTES = 16 << 20
+#: Separator of the fields of an agent name, ``engine#rank#nonce`` (parsed from the right).
+AGENT_SEP = "#"
+#: Memory types an endpoint registers (NIXL's names).
+MEM_TYPES = ("DRAM", "VRAM")
+#: Domain-separation prefixes: a MAC made for one kind of message is no MAC of another.
+_MAC_METADATA = b"kvplan_nixl metadata\x00"
+_NIXL_PREFIX = b"nixlSerDes|Agent"
+
+
+def check_secret(secret: bytes | str | None) -> bytes | None:
+    """The deployment secret as bytes (``None`` stays ``None``); empty or odd types refused."""
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)) or not secret:
+        raise MetadataError(
+            f"secret must be non-empty bytes or str, got {type(secret).__name__}"
+            + (" (empty)" if isinstance(secret, (bytes, bytearray)) else "")
+        )
+    return bytes(secret)
+
+
+def mac(secret: bytes, domain: bytes, data: bytes) -> bytes:
+    """HMAC-SHA256 of ``data`` under ``secret``, bound to the kind of message ``domain``."""
+    return hmac.new(secret, domain + data, hashlib.sha256).digest()
+
+
+def agent_name(engine: str, rank: int, nonce: str) -> str:
+    """The NIXL agent name of an endpoint: binds its engine and rank (``engine#rank#nonce``)."""
+    return f"{engine}{AGENT_SEP}{rank}{AGENT_SEP}{nonce}"
+
+
+def parse_agent_name(name: str) -> tuple[str, int] | None:
+    """``(engine, rank)`` of an agent name made by :func:`agent_name`, or None."""
+    parts = name.rsplit(AGENT_SEP, 2)
+    if len(parts) == 3 and parts[0] and parts[1].isdigit() and parts[1].isascii() and parts[2]:
+        return parts[0], int(parts[1])
+    return None
+
+
+def nixl_agent_name(agent_md: bytes) -> str | None:
+    """The agent name NIXL's metadata blob starts with, read without NIXL, or None.
+
+    NIXL (1.5) serializes an agent as ``nixlSerDes|`` then tagged fields, each ``tag``, its
+    length as 8 little-endian bytes, the value and ``|``; the first field is ``Agent``, the
+    agent's name. Only this prefix is read: the rest (connection info, registered memory) is
+    NIXL's to parse, which is why a secret is needed to keep forged bytes away from it.
+    """
+    n = len(_NIXL_PREFIX)
+    if len(agent_md) < n + 8 or agent_md[:n] != _NIXL_PREFIX:
+        return None
+    (size,) = struct.unpack_from("<Q", agent_md, n)
+    end = n + 8 + size
+    if size > 4096 or len(agent_md) < end + 1 or agent_md[end : end + 1] != b"|":
+        return None
+    try:
+        return agent_md[n + 8 : end].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 @attrs.frozen(kw_only=True)
@@ -58,6 +131,9 @@ class PeerInfo:
     nbytes: tuple[int, ...]
     devices: tuple[int, ...]
     agent_metadata: bytes = attrs.field(repr=False)
+    #: per region, the base of its V buffer when it keeps K and V apart (else 0); empty when
+    #: no region does. ``bases`` then holds the K buffer's.
+    v_bases: tuple[int, ...] = ()
 
     @property
     def held(self) -> tuple[int, ...]:
@@ -65,8 +141,9 @@ class PeerInfo:
         return self.spec.regions_on(self.rank)
 
 
-def encode(info: PeerInfo) -> bytes:
-    """Serialize ``info``; :func:`decode` inverts it."""
+def encode(info: PeerInfo, secret: bytes | str | None = None) -> bytes:
+    """Serialize ``info``, signed under ``secret`` when given; :func:`decode` inverts it."""
+    key = check_secret(secret)
     header = json.dumps(
         {
             "engine": info.engine,
@@ -80,17 +157,24 @@ def encode(info: PeerInfo) -> bytes:
                                                   strict=True))
                 if n
             ],
+            **({"v_bases": list(info.v_bases)} if any(info.v_bases) else {}),
         },
         sort_keys=True,
         separators=(",", ":"),
     ).encode()
     body = _FIXED.pack(MAGIC, FORMAT_VERSION, len(header), len(info.agent_metadata))
     body += header + info.agent_metadata
-    return body + hashlib.sha256(body).digest()
+    digest = hashlib.sha256(body).digest() if key is None else mac(key, _MAC_METADATA, body)
+    return body + digest
 
 
-def decode(blob: bytes) -> PeerInfo:
-    """Parse and check a blob from :func:`encode` (another process, another version maybe)."""
+def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
+    """Parse and check a blob from :func:`encode` (another process, another version maybe).
+
+    With ``secret``, only a blob signed under it is read past its digest; without, the digest
+    must be the blob's sha256 (integrity only: see the module docstring).
+    """
+    key = check_secret(secret)
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise MetadataError(f"metadata must be bytes, got {type(blob).__name__}")
     blob = bytes(blob)
@@ -109,32 +193,60 @@ def decode(blob: bytes) -> PeerInfo:
             f"{FORMAT_VERSION} (the peer runs {which} kvplan_nixl): upgrade or downgrade one "
             "side so both speak the same version"
         )
-    if hlen > MAX_HEADER_BYTES or len(blob) != _FIXED.size + hlen + alen + _DIGEST:
+    size = _FIXED.size + hlen + alen + _DIGEST
+    if hlen > MAX_HEADER_BYTES or alen > MAX_AGENT_BYTES or len(blob) != size:
         raise MetadataError(
             f"kvplan_nixl metadata corrupt: {len(blob)} bytes, but its lengths say "
             f"{_FIXED.size} + {hlen} + {alen} + {_DIGEST}"
         )
     body, digest = blob[:-_DIGEST], blob[-_DIGEST:]
-    if hashlib.sha256(body).digest() != digest:
-        raise MetadataError("kvplan_nixl metadata corrupt: checksum mismatch")
+    plain = hashlib.sha256(body).digest()
+    if key is not None:
+        if not hmac.compare_digest(mac(key, _MAC_METADATA, body), digest):
+            if hmac.compare_digest(plain, digest):
+                raise MetadataError(
+                    f"kvplan_nixl metadata from {_claimed(body, hlen)} is unsigned, but this "
+                    "endpoint has a secret: give the peer the deployment's secret too"
+                )
+            raise MetadataError(
+                f"kvplan_nixl metadata from {_claimed(body, hlen)} is not signed with this "
+                "endpoint's secret (forged, corrupt, or signed under another secret)"
+            )
+    elif not hmac.compare_digest(plain, digest):
+        raise MetadataError(
+            "kvplan_nixl metadata corrupt: checksum mismatch (or signed with a secret: "
+            "pass the deployment's secret to this endpoint too)"
+        )
     header = body[_FIXED.size : _FIXED.size + hlen]
     agent_md = body[_FIXED.size + hlen :]
     try:
         h = json.loads(header)
         engine, rank, agent, mem = h["engine"], h["rank"], h["agent"], h["mem_type"]
-        regions = [tuple(int(x) for x in t) for t in h["regions"]]
-        spec = EngineSpec.from_dict(h["spec"])
-    except KVPlanError as exc:
-        raise MetadataError(f"peer metadata carries an invalid spec: {exc}") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise MetadataError(f"kvplan_nixl metadata header unreadable: {exc!r}") from exc
-    if not isinstance(engine, str) or isinstance(rank, bool) or not isinstance(rank, int):
+        raw_rows = h["regions"]
+        raw_v = h.get("v_bases", [])
+        spec_dict = h["spec"]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise MetadataError(f"kvplan_nixl metadata header unreadable: {exc!r}") from None
+    if (not isinstance(engine, str) or not engine or isinstance(rank, bool)
+            or not isinstance(rank, int)):
         raise MetadataError(f"metadata header: bad engine {engine!r} or rank {rank!r}")
+    who = f"metadata of {engine!r} rank {rank}"
+    try:
+        spec = EngineSpec.from_dict(spec_dict)
+    except KVPlanError as exc:
+        raise MetadataError(f"{who} carries an invalid spec: {exc}") from exc
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise MetadataError(f"{who} carries an unreadable spec: {exc!r}") from None
     if not 0 <= rank < spec.num_ranks:
         raise MetadataError(f"metadata of {engine!r}: rank {rank} not in [0, {spec.num_ranks})")
-    who = f"metadata of {engine!r} rank {rank}"
-    if any(len(t) != 4 for t in regions):
-        raise MetadataError(f"{who}: region rows must be [index, base, nbytes, device]")
+    if not isinstance(agent, str) or parse_agent_name(agent) != (engine, rank):
+        raise MetadataError(
+            f"{who}: agent name {agent!r} does not name that engine and rank (expected "
+            f"'{agent_name(engine, rank, '<nonce>')}')"
+        )
+    if mem not in MEM_TYPES:
+        raise MetadataError(f"{who}: memory type {mem!r} is not one of {list(MEM_TYPES)}")
+    regions = _rows(raw_rows, who)
     held = spec.regions_on(rank)
     indices = [t[0] for t in regions]
     if indices != list(held):
@@ -144,6 +256,7 @@ def decode(blob: bytes) -> PeerInfo:
         )
     n = len(spec.regions)
     bases, sizes, devs = [0] * n, [0] * n, [0] * n
+    alloc = _allocations(spec)
     for i, base, size, dev in regions:
         want = spec.rank_region_nbytes(i)
         if size != want:
@@ -151,14 +264,27 @@ def decode(blob: bytes) -> PeerInfo:
                 f"{who}: region {spec.regions[i].name!r} registers {size} bytes, its spec "
                 f"implies {want}"
             )
-        a = spec.allocation_of(i)
+        a = alloc[i]
         if a != i and (base, dev) != (bases[a], devs[a]):
             raise MetadataError(
                 f"{who}: regions {spec.regions[a].name!r} and {spec.regions[i].name!r} of pool "
                 f"{spec.regions[i].pool!r} are registered at different addresses; a pool is one "
                 "allocation"
             )
+        if not (0 <= base and base + size <= 1 << 64 and 0 <= dev < 1 << 32):
+            raise MetadataError(
+                f"{who}: region {spec.regions[i].name!r} at base {base} device {dev} with "
+                f"{size} bytes does not fit a 64-bit address space"
+            )
         bases[i], sizes[i], devs[i] = base, size, dev
+    v_bases = _v_bases(raw_v, n, sizes, who)
+    separate = [i for i in indices if spec.regions[i].separate_kv]
+    if v_bases and len(v_bases) != n:
+        raise MetadataError(f"{who}: {len(v_bases)} V buffer bases for {n} regions")
+    missing = [spec.regions[i].name for i in separate if not v_bases or v_bases[i] <= 0]
+    if missing:
+        raise MetadataError(f"{who}: regions {missing} keep K and V in separate buffers, but "
+                            "the metadata carries no V buffer base for them")
     return PeerInfo(
         engine=engine,
         rank=rank,
@@ -169,4 +295,51 @@ def decode(blob: bytes) -> PeerInfo:
         nbytes=tuple(sizes),
         devices=tuple(devs),
         agent_metadata=agent_md,
+        v_bases=v_bases,
     )
+
+
+def _rows(raw: object, who: str) -> list[tuple[int, int, int, int]]:
+    """The header's region rows, each four JSON integers (no floats, strings or booleans)."""
+    if not isinstance(raw, list) or not all(
+        isinstance(t, list) and len(t) == 4
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in t)
+        for t in raw
+    ):
+        raise MetadataError(f"{who}: region rows must be [index, base, nbytes, device] integers")
+    return [(t[0], t[1], t[2], t[3]) for t in raw]
+
+
+def _claimed(body: bytes, hlen: int) -> str:
+    """Who an unverified blob claims to be, for an error message only (never trusted)."""
+    header = body[_FIXED.size : _FIXED.size + min(hlen, 4096)]
+    for field in (b'"agent":"', b'"engine":"'):
+        at = header.find(field)
+        if at >= 0:
+            end = header.find(b'"', at + len(field))
+            if end > 0:
+                name = header[at + len(field) : end].decode(errors="replace")[:80]
+                return f"peer {name!r} (as it claims)"
+    return "an unnamed peer"
+
+
+def _allocations(spec: EngineSpec) -> list[int]:
+    """Per region, the index of the first region living in the same buffer: what
+    ``spec.allocation_of`` answers, in one linear pass (a spec may be big)."""
+    first: dict[int, int] = {}
+    return [first.setdefault(spec.buffer_of(i), i) for i in range(len(spec.regions))]
+
+
+def _v_bases(raw: object, n: int, sizes: list[int], who: str) -> tuple[int, ...]:
+    """The header's V buffer bases (empty, or one per region of the spec): JSON integers that
+    place each V buffer inside a 64-bit address space."""
+    if not isinstance(raw, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in raw
+    ):
+        raise MetadataError(f"{who}: v_bases must be a list of integers")
+    if raw and len(raw) == n:
+        bad = [i for i, v in enumerate(raw) if not 0 <= v <= (1 << 64) - sizes[i]]
+        if bad:
+            raise MetadataError(f"{who}: V buffer base {raw[bad[0]]} of region {bad[0]} does "
+                                "not fit a 64-bit address space")
+    return tuple(raw)

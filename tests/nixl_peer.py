@@ -54,6 +54,11 @@ def main() -> int:
         help="oracle: tests/oracle.py source bytes; sentinel: its destination pattern",
     )
     ap.add_argument("--metadata-out", required=True)
+    ap.add_argument("--stager", default="", help="POOL_BYTES,SLOT_BYTES: serve staged "
+                    "transfers (kvplan_nixl.staged) from a pool of that size")
+    ap.add_argument("--connect", nargs=2, metavar=("FILE", "MODE"), action="append",
+                    default=[], help="wait for an initiator's metadata in FILE, connect it in "
+                    "MODE (repeatable)")
     args = ap.parse_args()
 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -63,13 +68,29 @@ def main() -> int:
     spec = EngineSpec.from_dict(json.loads(args.spec))
     bufs = buffers(spec, args.rank, args.seed, args.fill)
     notes = []
+    stager_handles = None
     with Endpoint(args.engine, spec, args.rank, bufs) as ep:
+        stager = None
+        if args.stager:  # before metadata(): the peer's NIXL metadata must include the pool
+            from kvplan_nixl.staged import Stager
+
+            pool, slot = (int(x) for x in args.stager.split(","))
+            stager = Stager(ep, pool_bytes=pool, slot_bytes=slot)
         tmp = args.metadata_out + ".tmp"
         with open(tmp, "wb") as f:
             f.write(ep.metadata())
         os.replace(tmp, args.metadata_out)
         print("ready", flush=True)
+        for path, mode in args.connect:
+            while not os.path.exists(path):
+                time.sleep(1e-3)
+            with open(path, "rb") as f:
+                ep.connect(f.read(), mode=mode)
+        if args.connect:
+            print("connected", flush=True)
         while True:
+            if stager is not None:
+                stager.poll()
             notes += [[n.engine, n.rank, n.message.decode()] for n in ep.notifications()]
             ready, _, _ = select.select([sys.stdin], [], [], 0.001)
             if ready:
@@ -78,10 +99,16 @@ def main() -> int:
                     break
         grace = time.monotonic() + 0.2  # a notification may trail its transfer a moment
         while time.monotonic() < grace:
+            if stager is not None:
+                stager.poll()
             notes += [[n.engine, n.rank, n.message.decode()] for n in ep.notifications()]
             time.sleep(1e-3)
+        if stager is not None:
+            stager_handles = stager.handles()
+            stager.close()
     digests = [hashlib.sha256(b.tobytes()).hexdigest() for b in bufs]
-    print(json.dumps({"notifications": notes, "sha256": digests}), flush=True)
+    print(json.dumps({"notifications": notes, "sha256": digests, "stager": stager_handles}),
+          flush=True)
     return 0
 
 

@@ -58,7 +58,7 @@ class Pair:
     """
 
     def __init__(self, src: EngineSpec, dst: EngineSpec, *, telemetry: bool = False,
-                 src_blocks=None) -> None:
+                 src_blocks=None, **endpoint_kw) -> None:
         self.src, self.dst = src, dst
         self.src_bufs = oracle.source_buffers(src.to_dict(), seed=3, request_blocks=src_blocks)
         self.dst_bufs = oracle.destination_buffers(dst.to_dict(), seed=4)
@@ -70,7 +70,8 @@ class Pair:
                                           (self.d, "decode", dst, self.dst_bufs)):
                 for r in range(sp.num_ranks):
                     mine = {sp.regions[i].name: bufs[(r, i)] for i in sp.regions_on(r)}
-                    eps.append(Endpoint(engine, sp, r, mine, telemetry=telemetry))
+                    eps.append(Endpoint(engine, sp, r, mine, telemetry=telemetry,
+                                        **endpoint_kw))
         except BaseException:
             self.close()
             raise

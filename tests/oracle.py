@@ -77,10 +77,32 @@ REPLICATE_KINDS = ("mla", "indexer")
 TOKEN_KINDS = SPLIT_KINDS + REPLICATE_KINDS
 STATE_KINDS = ("state",)
 
-_COMMON_DEFAULTS = {"group": 0, "pool": None, "page_bytes": None, "stage": None}
+_COMMON_DEFAULTS = {"group": 0, "pool": None, "page_bytes": None, "stage": None,
+                    "allocation": None, "layout": "HND"}
 _DEFAULTS = {"window": None, "layout": "HND", "kv": "split", "kernel_block_size": None}
-_TOKEN_ONLY = ("block_size", "layout", "kv", "window", "num_kv_heads", "head_dim", "dim",
+_TOKEN_ONLY = ("block_size", "kv", "window", "num_kv_heads", "head_dim", "dim",
                "kernel_block_size")
+
+#: The legacy names as axis orders (L layer slot, B block, S stream, H head, N token, D bytes).
+LEGACY_ORDERS = {("HND", "split"): "LSBHND", ("HND", "joint"): "LBSHND",
+                 ("NHD", "split"): "LSBNHD", ("NHD", "joint"): "LBSNHD"}
+#: Axes that have size 1 whatever the rank, per kind (their place in an order is moot).
+UNIT_AXES = {"attention": "", "mla": "SH", "indexer": "SH", "state": "SHN"}
+
+
+def axis_order(region: Mapping) -> str:
+    """The six-letter order of ``region``'s layout: legacy HND/NHD with kv, ``C`` = ``SD``."""
+    lay, kv = region.get("layout", "HND"), region.get("kv", "split")
+    if lay in ("HND", "NHD"):
+        return LEGACY_ORDERS[(lay, kv)]
+    if "kv" in region and region["kv"] != "split":
+        raise ValueError(f"region {region['name']!r}: kv with an axis order")
+    order = lay[:-1] + "SD" if lay.endswith("C") else lay
+    if len(order) == 5 and "S" not in order:
+        order = "S" + order  # one stream per buffer
+    if sorted(order) != sorted("LBSHND") or order[-1] != "D":
+        raise ValueError(f"region {region['name']!r}: bad layout {lay!r}")
+    return order
 
 # ---------------------------------------------------------------------------------------------
 # Region helpers
@@ -111,14 +133,16 @@ def normalize_region(region: Mapping) -> dict:
             r["kernel_block_size"] = r["block_size"]
         if r["block_size"] % r["kernel_block_size"]:
             raise ValueError(f"region {r['name']!r}: kernel_block_size does not divide block_size")
-        if kind in SPLIT_KINDS and (
-            r["layout"] not in ("NHD", "HND") or r["kv"] not in ("split", "joint")
-        ):
-            raise ValueError(f"bad layout/kv {r['layout']!r}/{r['kv']!r}")
-        if r["pool"] is not None and kind in SPLIT_KINDS and r["kv"] != "joint":
-            raise ValueError(f"region {r['name']!r}: a pooled attention region must be joint")
+        if kind in SPLIT_KINDS and r["kv"] not in ("split", "joint"):
+            raise ValueError(f"bad kv {r['kv']!r}")
     else:
         raise ValueError(f"unknown kind {kind!r}")
+    order = [a for a in axis_order(r) if a not in UNIT_AXES[kind]]
+    if r["pool"] is not None and sorted(order[:2]) != ["B", "L"]:
+        raise ValueError(f"region {r['name']!r}: a pooled region needs L and B outermost "
+                         "(a pooled attention region must be joint)")
+    if isinstance(r["allocation"], (list, tuple)) and kind not in SPLIT_KINDS:
+        raise ValueError(f"region {r['name']!r}: separate K/V buffers need attention")
     if r["dtype"] not in ELEMENT_SIZE:
         raise ValueError(f"unknown dtype {r['dtype']!r}")
     return r
@@ -224,6 +248,10 @@ def rank_region_nbytes(region: Mapping, tp_size: int, spec: Mapping | None = Non
     the pool's regions, and ``spec`` (the engine holding it) is required.
     """
     r = normalize_region(region)
+    if r["allocation"] is not None:
+        if spec is None or spec["tp_size"] != tp_size:
+            raise ValueError(f"region {r['name']!r} names an allocation: pass its spec")
+        return buffer_nbytes(spec, region_buffers(r)[0])
     if r["pool"] is None:
         return r["num_blocks"] * rank_block_nbytes(r, tp_size)
     if spec is None:
@@ -481,43 +509,223 @@ def _grid(*sizes: int) -> list[np.ndarray]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Allocations: buffers, layer slots, and addresses from the axis order
+# ---------------------------------------------------------------------------------------------
+#
+# A region's layout is an order of the axes L (layer slot), B (kernel block), S (stream), H
+# (local head), N (token of a kernel block), D (bytes of one head of one token), outermost
+# first, over a dense tensor: its buffer. Regions naming one "allocation" are its L slots in
+# spec order (the regions of one pool are one slot); a pair [k, v] puts each stream in its
+# own buffer, laid out by the order without S. A pooled slot is pages (L and B outermost),
+# the rest of the order inside a page after the kernel blocks. The addresses below are
+# Horner's rule over the order (no strides); the views are reshape/transpose of the buffer.
+
+
+def region_buffers(region: Mapping) -> list[str]:
+    """Names of the buffers holding ``region``: [K, V] when separate, else one."""
+    a = region.get("allocation")
+    if isinstance(a, (list, tuple)):
+        return list(a)
+    if a is not None:
+        return [a]
+    return [region["pool"] if region.get("pool") is not None else region["name"]]
+
+
+def buffer_list(spec: Mapping) -> list[str]:
+    """All buffer names of an engine, in order of first use by the regions."""
+    out: list[str] = []
+    for r in _spec_regions(spec):
+        out += [b for b in region_buffers(r) if b not in out]
+    return out
+
+
+def slot_of(spec: Mapping, index: int) -> tuple[int, int]:
+    """(slot, slots) of region ``index`` in its allocation."""
+    regions = _spec_regions(spec)
+    r = regions[index]
+    if r["allocation"] is None:
+        return 0, 1
+    keys: list = []
+    for m in regions:
+        if m["allocation"] is not None and list(np.atleast_1d(m["allocation"])) == list(
+                np.atleast_1d(r["allocation"])):
+            k = ("pool", m["pool"]) if m["pool"] is not None else ("region", m["name"])
+            keys += [k] if k not in keys else []
+    me = ("pool", r["pool"]) if r["pool"] is not None else ("region", r["name"])
+    return keys.index(me), len(keys)
+
+
+def _num_pages(spec: Mapping, index: int) -> int:
+    regions = _spec_regions(spec)
+    return max(regions[m]["num_blocks"] for m in pool_members(spec, index))
+
+
+def buffer_nbytes(spec: Mapping, name: str) -> int:
+    """Bytes of buffer ``name`` on one rank: slots x pages x (page, or half a block per stream
+    buffer)."""
+    regions = _spec_regions(spec)
+    i = next(i for i, r in enumerate(regions) if name in region_buffers(r))
+    per = page_nbytes(spec, i) // len(region_buffers(regions[i]))
+    return slot_of(spec, i)[1] * _num_pages(spec, i) * per
+
+
+def _sizes(spec: Mapping, index: int) -> dict[str, int]:
+    r = normalize_region(spec["regions"][index])
+    tp = spec["tp_size"]
+    slots = slot_of(spec, index)[1]
+    if is_state(r):
+        return dict(L=slots, B=r["num_blocks"], S=1, H=1, N=1, D=rank_block_nbytes(r, tp))
+    n = r["block_size"] // r["kernel_block_size"]
+    return dict(L=slots, B=r["num_blocks"] * n, S=_num_streams(r), H=_local_heads(r, tp),
+                N=r["kernel_block_size"], D=_features(r) * ELEMENT_SIZE[r["dtype"]])
+
+
+def _own_order(r: Mapping) -> str:
+    order = axis_order(r)
+    return order.replace("S", "") if len(region_buffers(r)) == 2 else order
+
+
+def _horner(order, sizes: Mapping, coords: Mapping):
+    off = 0
+    for a in order:
+        off = off * sizes[a] + coords[a]
+    return off
+
+
+def token_offset(spec: Mapping, index: int, s, b, h, t, byte):
+    """Offset in its buffer (see :func:`stream_buffer`) of byte ``byte`` of (stream s, logical
+    block b, LOCAL head h, token t) of token region ``index``."""
+    r = normalize_region(spec["regions"][index])
+    sz = _sizes(spec, index)
+    kbs = r["kernel_block_size"]
+    n = r["block_size"] // kbs
+    order = _own_order(r)
+    slot = slot_of(spec, index)[0]
+    coords = dict(L=slot, B=b * n + t // kbs, S=s, H=h, N=t % kbs, D=byte)
+    if r["pool"] is None:
+        return _horner(order, sz, coords)
+    outer = [a for a in order if a in "LB"]
+    page_no = _horner(outer, dict(L=sz["L"], B=_num_pages(spec, index)), dict(L=slot, B=b))
+    inner = ["J", *(a for a in order if a not in "LB")]
+    within = _horner(inner, {**sz, "J": n}, {**coords, "J": t // kbs})
+    return page_no * page_nbytes(spec, index) + within
+
+
+def slot_offset(spec: Mapping, index: int, b, byte):
+    """Offset of byte ``byte`` of the state slot (block) ``b`` of state region ``index``."""
+    r = normalize_region(spec["regions"][index])
+    outer = [a for a in axis_order(r) if a in "LB"]
+    slot, slots = slot_of(spec, index)
+    page = page_nbytes(spec, index)
+    return _horner(outer, dict(L=slots, B=_num_pages(spec, index)), dict(L=slot, B=b)) * page + byte
+
+
+def stream_buffer(spec: Mapping, index: int, s: int) -> str:
+    """Name of the buffer holding stream ``s`` of region ``index``."""
+    bufs = region_buffers(normalize_region(spec["regions"][index]))
+    return bufs[s] if len(bufs) == 2 else bufs[0]
+
+
+def _select(v: np.ndarray, axes: list, axis: str, index: int) -> tuple[np.ndarray, list]:
+    k = axes.index(axis)
+    return v[(slice(None),) * k + (index,)], axes[:k] + axes[k + 1:]
+
+
+def region_views(spec: Mapping, index: int, bufs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Views of one rank's buffers (by name) for region ``index``: per stream a
+    ``[block, local head, kernel block j, token in kernel block, feature, byte]`` view (token
+    regions), or per part a ``[slot, local unit, byte]`` view (state regions). Reshape and
+    transpose only."""
+    r = normalize_region(spec["regions"][index])
+    tp = spec["tp_size"]
+    sz = _sizes(spec, index)
+    slot = slot_of(spec, index)[0]
+    nb = r["num_blocks"]
+    if is_state(r):
+        buf = bufs[region_buffers(r)[0]]
+        outer = [a for a in axis_order(r) if a in "LB"]
+        page = page_nbytes(spec, index)
+        v = buf.reshape(*(sz["L"] if a == "L" else _num_pages(spec, index) for a in outer), page)
+        v, _ = _select(v, [*outer, "P"], "L", slot)
+        m = v[:nb, : sz["D"]]
+        out = []
+        for start, lu, ub in part_layout(r, tp):
+            out.append(_check_view(m[:, start: start + lu * ub].reshape(nb, lu, ub), buf))
+        return out
+    e = ELEMENT_SIZE[r["dtype"]]
+    ff, kbs = _features(r), r["kernel_block_size"]
+    n = r["block_size"] // kbs
+    order = _own_order(r)
+    views = []
+    for name in region_buffers(r):
+        buf = bufs[name]
+        if r["pool"] is None:
+            axes = [a for a in order if a != "D"] + ["F", "E"]
+            v = buf.reshape(*(sz[a] for a in order if a != "D"), ff, e)
+        else:
+            outer = [a for a in order if a in "LB"]
+            page = page_nbytes(spec, index)
+            v = buf.reshape(*(sz["L"] if a == "L" else _num_pages(spec, index) for a in outer),
+                            page)
+            v, _ = _select(v, [*outer, "P"], "L", slot)
+            inner = [a for a in order if a not in "LB" and a != "D"]
+            size = n * sz["S"] * sz["H"] * kbs * sz["D"]
+            v = v[:nb, :size].reshape(nb, n, *(sz[a] for a in inner), ff, e)
+            axes = ["B", "J", *inner, "F", "E"]
+            slot = None
+        if slot is not None:
+            v, axes = _select(v, axes, "L", slot)
+            # B counts kernel blocks here: split it into (logical block, j)
+            k = axes.index("B")
+            v = v.reshape(*v.shape[:k], nb, n, *v.shape[k + 1:])
+            axes = [*axes[:k], "B", "J", *axes[k + 1:]]
+        slot = slot_of(spec, index)[0]
+        if "S" not in axes:
+            v, axes = v[None], ["S", *axes]
+        v = v.transpose([axes.index(a) for a in ("S", "B", "H", "J", "N", "F", "E")])
+        views += [_check_view(v[x], buf) for x in range(v.shape[0])]
+    return views
+
+
 def _virtual_token(t, dcp: int, interleave: int, dcp_rank: int):
     """Offset, in its block id's positions, of token ``t`` of a block on DCP rank
     ``dcp_rank`` (vLLM's interleaved slot mapping, inverted); ``t`` itself without DCP."""
     return (t // interleave) * (dcp * interleave) + dcp_rank * interleave + t % interleave
 
 
-def _fill_view(region: dict, tp: int, tp_rank: int, seed: int, buf, page, blocks,
-               cp: tuple[int, int] = (1, 1)) -> None:
-    """Write region's content hashes for logical ``blocks`` into ``buf`` through its view.
-
-    ``cp`` is the engine's ``(dcp_size, dcp_interleave)``: a token's hash names its position
-    in the block id, so DCP ranks holding different positions hold different bytes."""
-    blocks = np.asarray(blocks, dtype=np.int64)
-    if is_state(region):
-        for p, (part, view) in enumerate(
-            zip(region["parts"], state_views(region, tp, buf, page), strict=True)
-        ):
-            gu = np.array(units_on_rank(part["units"], tp, tp_rank), dtype=np.int64)
-            _, u, k = _grid(1, gu.size, part["unit_bytes"])
-            view[blocks] = state_hash(region["name"], seed, p, blocks[:, None, None], gu[u], k)
-        return
-    view = token_view(region, tp, buf, page)
-    ns, _, hh, n, kbs, ff, e = view.shape
-    s, _, h, j, tk, f, k = _grid(ns, 1, hh, n, kbs, ff, e)
-    if is_split(region):
-        gh = np.array(heads_on_rank(region["num_kv_heads"], tp, tp_rank), dtype=np.int64)[h]
-    else:
-        gh = np.zeros_like(h)
-    b = blocks.reshape(1, -1, 1, 1, 1, 1, 1)
-    t = _virtual_token(j * kbs + tk, cp[0], cp[1], tp_rank % cp[0])
-    view[:, blocks] = content_hash(region["name"], seed, s, b, t, gh, f, k)
-
-
 def _cp(spec: Mapping) -> tuple[int, int]:
     """``(dcp_size, dcp_interleave)`` of an engine (1, 1 without decode context parallelism)."""
     dcp = spec.get("dcp_size", 1)
     return dcp, spec.get("dcp_interleave", 1) if dcp > 1 else 1
+
+
+def _fill(spec: Mapping, index: int, tp_rank: int, seed: int, bufs, blocks) -> None:
+    """Write region ``index``'s content hashes for logical ``blocks`` through its views.
+
+    Under decode context parallelism a token's hash names its position in the block id, so
+    DCP ranks holding different positions hold different bytes."""
+    region = normalize_region(spec["regions"][index])
+    tp = spec["tp_size"]
+    blocks = np.asarray(blocks, dtype=np.int64)
+    views = region_views(spec, index, bufs)
+    if is_state(region):
+        for p, (part, view) in enumerate(zip(region["parts"], views, strict=True)):
+            gu = np.array(units_on_rank(part["units"], tp, tp_rank), dtype=np.int64)
+            _, u, k = _grid(1, gu.size, part["unit_bytes"])
+            view[blocks] = state_hash(region["name"], seed, p, blocks[:, None, None], gu[u], k)
+        return
+    for s, view in enumerate(views):
+        _, hh, n, kbs, ff, e = view.shape
+        _, h, j, tk, f, k = _grid(1, hh, n, kbs, ff, e)
+        if is_split(region):
+            gh = np.array(heads_on_rank(region["num_kv_heads"], tp, tp_rank), dtype=np.int64)[h]
+        else:
+            gh = np.zeros_like(h)
+        b = blocks.reshape(-1, 1, 1, 1, 1, 1)
+        dcp, il = _cp(spec)
+        t = _virtual_token(j * kbs + tk, dcp, il, tp_rank % dcp)
+        view[blocks] = content_hash(region["name"], seed, s, b, t, gh, f, k)
 
 
 def _group_list(blocks, group: int) -> list[int]:
@@ -530,12 +738,38 @@ def _group_list(blocks, group: int) -> list[int]:
     return []
 
 
+def _rank_buffer_names(spec: Mapping, rank: int) -> list[str]:
+    regions = _spec_regions(spec)
+    out: list[str] = []
+    for i in rank_regions(spec, rank):
+        out += [b for b in region_buffers(regions[i]) if b not in out]
+    return out
+
+
+def _keyed(spec: Mapping, rank: int, bufs: Mapping[str, np.ndarray]) -> dict:
+    """``(rank, region)`` keys for regions living in one buffer, ``(rank, name)`` for the
+    buffers no such region names (separate K and V buffers)."""
+    regions = _spec_regions(spec)
+    out: dict = {}
+    for i in rank_regions(spec, rank):
+        names = region_buffers(regions[i])
+        if len(names) == 1:
+            out[(rank, i)] = bufs[names[0]]
+    named = {id(b) for b in out.values()}
+    out.update({(rank, name): b for name, b in bufs.items() if id(b) not in named})
+    return out
+
+
 def source_buffers(
     spec: Mapping,
     seed: int = 0,
     request_blocks: Sequence[Sequence[int]] | Mapping | None = None,
-) -> dict[tuple[int, int], np.ndarray]:
-    """Buffers of every (flat rank, region index) of an engine, filled with content hashes.
+) -> dict[tuple, np.ndarray]:
+    """Buffers of every flat rank of an engine, filled with content hashes.
+
+    Keys: ``(flat rank, region index)`` for a region living in one buffer (the regions of one
+    pool or allocation map to the same array object), and ``(flat rank, buffer name)`` for a
+    K or V buffer of regions with separate K/V buffers.
 
     Each byte of a token region is a hash of (region name, stream, block id, token-in-block,
     global head, feature, byte-within-element, seed); each byte of a state region a hash of
@@ -551,32 +785,31 @@ def source_buffers(
     rank-dependent bytes: :func:`expected_destination` refuses such ambiguous sources.
     """
     regions = check_spec(spec)
-    tp = spec["tp_size"]
-    out: dict[tuple[int, int], np.ndarray] = {}
+    out: dict = {}
     for rank in range(world_size(spec)):
-        tp_rank = rank % tp
-        pools: dict[str, np.ndarray] = {}
-        for i in rank_regions(spec, rank):
+        tp_rank = rank % spec["tp_size"]
+        held = rank_regions(spec, rank)
+        bufs = {}
+        for name in _rank_buffer_names(spec, rank):
+            pooled = any(regions[i]["pool"] is not None and name in region_buffers(regions[i])
+                         for i in held)
+            n = buffer_nbytes(spec, name)
+            bufs[name] = _pool_fill(name, seed, n) if pooled else np.zeros(n, dtype=np.uint8)
+        done: set[str] = set()
+        for i in held:
             r = regions[i]
             if r["pool"] is None:
-                buf = np.zeros(rank_region_nbytes(r, tp), dtype=np.uint8)
-                _fill_view(r, tp, tp_rank, seed, buf, None, np.arange(r["num_blocks"]),
-                           _cp(spec))
-                out[(rank, i)] = buf
-                continue
-            if r["pool"] not in pools:
-                pools[r["pool"]] = _source_pool(spec, regions, i, tp_rank, seed, request_blocks)
-            out[(rank, i)] = pools[r["pool"]]
+                _fill(spec, i, tp_rank, seed, bufs, np.arange(r["num_blocks"]))
+            elif r["pool"] not in done:
+                done.add(r["pool"])
+                _fill_pool(spec, regions, i, tp_rank, seed, bufs, request_blocks)
+        out.update(_keyed(spec, rank, bufs))
     return out
 
 
-def _source_pool(spec, regions, index, tp_rank, seed, request_blocks) -> np.ndarray:
-    tp = spec["tp_size"]
+def _fill_pool(spec, regions, index, tp_rank, seed, bufs, request_blocks) -> None:
     members = pool_members(spec, index)
-    page = page_nbytes(spec, index)
-    nbytes = rank_region_nbytes(regions[index], tp, spec)
-    buf = _pool_fill(regions[index]["pool"], seed, nbytes)
-    owner = np.full(nbytes // page, -1, dtype=np.int64)
+    owner = np.full(_num_pages(spec, index), -1, dtype=np.int64)
     for m in members:
         for b in _group_list(request_blocks, regions[m]["group"]):
             if not 0 <= b < regions[m]["num_blocks"]:
@@ -588,31 +821,25 @@ def _source_pool(spec, regions, index, tp_rank, seed, request_blocks) -> np.ndar
     for b in np.flatnonzero(owner == -1):
         owner[b] = next(m for m in members if regions[m]["num_blocks"] > b)
     for m in members:
-        _fill_view(regions[m], tp, tp_rank, seed, buf, page, np.flatnonzero(owner == m),
-                   _cp(spec))
-    return buf
+        _fill(spec, m, tp_rank, seed, bufs, np.flatnonzero(owner == m))
 
 
-def destination_buffers(spec: Mapping, seed: int = 1) -> dict[tuple[int, int], np.ndarray]:
-    """Buffers of every (flat rank, region index), filled with a pseudo-random sentinel
-    pattern; the regions of one pool share one array per rank."""
-    regions = check_spec(spec)
-    tp = spec["tp_size"]
-    out = {}
+def destination_buffers(spec: Mapping, seed: int = 1) -> dict[tuple, np.ndarray]:
+    """Buffers of every flat rank, keyed as in :func:`source_buffers`, filled with a
+    pseudo-random sentinel pattern."""
+    check_spec(spec)
+    regions = _spec_regions(spec)
+    out: dict = {}
     for rank in range(world_size(spec)):
-        pools: dict[str, np.ndarray] = {}
-        for i in rank_regions(spec, rank):
-            region = regions[i]
-            if region["pool"] is not None and region["pool"] in pools:
-                out[(rank, i)] = pools[region["pool"]]
-                continue
-            n = rank_region_nbytes(region, tp, spec)
-            tag = region["name"] if region["pool"] is None else f"pool/{region['pool']}"
-            key = int(_name_key(f"dst/{rank}/{i}/{tag}", seed))
-            rng = np.random.default_rng(key)
-            out[(rank, i)] = rng.integers(0, 256, size=n, dtype=np.uint8)
-            if region["pool"] is not None:
-                pools[region["pool"]] = out[(rank, i)]
+        bufs = {}
+        for name in _rank_buffer_names(spec, rank):
+            i = next(i for i in rank_regions(spec, rank) if name in region_buffers(regions[i]))
+            r = regions[i]
+            tag = (f"buf/{name}" if r["allocation"] is not None else
+                   r["name"] if r["pool"] is None else f"pool/{r['pool']}")
+            rng = np.random.default_rng(int(_name_key(f"dst/{rank}/{i}/{tag}", seed)))
+            bufs[name] = rng.integers(0, 256, size=buffer_nbytes(spec, name), dtype=np.uint8)
+        out.update(_keyed(spec, rank, bufs))
     return out
 
 
@@ -686,15 +913,14 @@ def _check_blocks(ids: list[int], num_blocks: int, name: str) -> None:
         raise ValueError(f"region {name!r}: block id out of range 0..{num_blocks - 1}")
 
 
-def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, tokens=None,
-            dst_from="zero"):
-    """Yield ``(d_off, candidates)`` for one region pair: ``d_off`` a grid of destination
-    offsets whose first axis is the destination's local head / unit, and ``candidates`` a list
-    (one per replica choice c) of lists of ``(src tp rank, rows, s_off)``: source offsets for
-    the ``rows`` of ``d_off``'s first axis read from that rank."""
+def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, s_base, d_base,
+            tokens=None, dst_from="zero"):
+    """Yield ``(d_addr, candidates)`` for one region pair: ``d_addr`` a grid of destination
+    addresses (in the rank's concatenated buffers, ``d_base[name]`` + offset) whose first axis
+    is the destination's local head / unit, and ``candidates`` a list (one per replica choice
+    c) of lists of ``(src tp rank, rows, s_addr)``: source addresses (``s_base``) for the
+    ``rows`` of ``d_addr``'s first axis read from that rank."""
     src_tp, dst_tp = src_spec["tp_size"], dst_spec["tp_size"]
-    s_page = page_nbytes(src_spec, i) if sreg["pool"] is not None else None
-    d_page = page_nbytes(dst_spec, j) if dreg["pool"] is not None else None
 
     def split_candidates(count, wanted, s_off_fn, dcp=1, dcp_rank=0):
         ranks, local = _candidates(count, src_tp, wanted, dcp, dcp_rank)
@@ -712,14 +938,18 @@ def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, token
             raise ValueError(f"state region {dreg['name']!r}: block lists differ in length")
         sl = np.array(slist, dtype=np.int64).reshape(1, -1, 1)
         dl = np.array(dlist, dtype=np.int64).reshape(1, -1, 1)
+        s_parts, d_parts = part_layout(sreg, src_tp), part_layout(dreg, dst_tp)
+        sb, db = s_base[stream_buffer(src_spec, i, 0)], d_base[stream_buffer(dst_spec, j, 0)]
         for p, part in enumerate(dreg["parts"]):
             wanted = units_on_rank(part["units"], dst_tp, d_tp_rank)
-            k = np.arange(part["unit_bytes"], dtype=np.int64).reshape(1, 1, -1)
+            ub = part["unit_bytes"]
+            k = np.arange(ub, dtype=np.int64).reshape(1, 1, -1)
             u = np.arange(len(wanted), dtype=np.int64).reshape(-1, 1, 1)
-            d_off = state_offset(dreg, dst_tp, dl, p, u, k, d_page)
+            d_off = db + slot_offset(dst_spec, j, dl, d_parts[p][0] + u * ub + k)
 
-            def s_fn(lu, p=p, k=k):
-                return state_offset(sreg, src_tp, sl, p, lu.reshape(-1, 1, 1), k, s_page)
+            def s_fn(lu, p=p, k=k, ub=ub):
+                lu = lu.reshape(-1, 1, 1)
+                return sb + slot_offset(src_spec, i, sl, s_parts[p][0] + lu * ub + k)
 
             yield d_off, split_candidates(part["units"], wanted, s_fn)
         return
@@ -748,60 +978,71 @@ def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, token
         # Broadcast grids: head x position x stream x feature x byte.
         p = mine.reshape(1, -1, 1, 1, 1)
         s = np.arange(_num_streams(dreg), dtype=np.int64).reshape(1, 1, -1, 1, 1)
-        f = np.arange(_features(dreg), dtype=np.int64).reshape(1, 1, 1, -1, 1)
-        k = np.arange(e, dtype=np.int64).reshape(1, 1, 1, 1, -1)
+        byte = (np.arange(_features(dreg), dtype=np.int64).reshape(1, 1, 1, -1, 1) * e
+                + np.arange(e, dtype=np.int64).reshape(1, 1, 1, 1, -1))
         o_d, o_s = p % bs_d, p % bs_s
         d_b = np.array(dlist, dtype=np.int64)[p // bs_d - d_first]
         d_t = o_d // (dcp_d * il_d) * il_d + o_d % il_d
         s_b = np.array(slist, dtype=np.int64)[p // bs_s]
         s_t = o_s // (dcp_s * il_s) * il_s + o_s % il_s
+        # each stream's buffer: its start in the rank's concatenated buffers
+        sb = np.array([s_base[stream_buffer(src_spec, i, x)] for x in range(s.size)])[s]
+        db = np.array([d_base[stream_buffer(dst_spec, j, x)] for x in range(s.size)])[s]
+        s_s = 0 * s if len(region_buffers(sreg)) == 2 else s  # a stream buffer has no S axis
+        d_s = 0 * s if len(region_buffers(dreg)) == 2 else s
 
-        def s_fn(hs, s=s, s_b=s_b, s_t=s_t, f=f, k=k):
-            return element_offset(sreg, src_tp, s, s_b, hs.reshape(-1, 1, 1, 1, 1), s_t, f,
-                                  s_page) + k
+        def s_fn(hs, sb=sb, s_s=s_s, s_b=s_b, s_t=s_t, byte=byte):
+            return sb + token_offset(src_spec, i, s_s, s_b, hs.reshape(-1, 1, 1, 1, 1), s_t,
+                                     byte)
 
         if is_split(dreg):
             wanted = heads_on_rank(dreg["num_kv_heads"], dst_tp, d_tp_rank)
             h = np.arange(len(wanted), dtype=np.int64).reshape(-1, 1, 1, 1, 1)
-            d_off = element_offset(dreg, dst_tp, s, d_b, h, d_t, f, d_page) + k
+            d_off = db + token_offset(dst_spec, j, d_s, d_b, h, d_t, byte)
             yield d_off, split_candidates(dreg["num_kv_heads"], wanted, s_fn, dcp_s,
                                           src_dcp_rank)
         else:
             # Replicated: every source rank of the stage (of that DCP rank) holds it all.
-            d_off = element_offset(dreg, dst_tp, s, d_b, 0, d_t, f, d_page) + k
+            d_off = db + token_offset(dst_spec, j, s, d_b, 0, d_t, byte)
             zero = np.zeros(1, dtype=np.int64)
             yield d_off, [[(r, zero, s_fn(zero))] for r in range(src_tp)
                           if r % dcp_s == src_dcp_rank]
 
 
-def expected_destination(
+def _concat(spec: Mapping, rank: int, buffers: Mapping) -> tuple[np.ndarray, dict[str, int]]:
+    """One rank's buffers concatenated (a copy), and each buffer's start in it."""
+    regions = _spec_regions(spec)
+    names = _rank_buffer_names(spec, rank)
+    arrays = []
+    for name in names:
+        if (rank, name) in buffers:
+            arrays.append(buffers[(rank, name)])
+            continue
+        i = next(i for i in rank_regions(spec, rank) if region_buffers(regions[i]) == [name])
+        arrays.append(buffers[(rank, i)] if (rank, i) in buffers else buffers[i])
+    starts = np.cumsum([0] + [a.size for a in arrays])
+    return np.concatenate(arrays).astype(np.uint8), dict(zip(names, starts.tolist()))
+
+
+def expected_buffers(
     src_spec: Mapping,
     dst_spec: Mapping,
     src_blocks: Sequence[Sequence[int]] | Mapping,
     dst_blocks: Sequence[Sequence[int]] | Mapping,
     dst_rank: int,
-    src_buffers: Mapping[tuple[int, int], np.ndarray],
+    src_buffers: Mapping,
     dst_before: Mapping,
     tokens: tuple[int, int] | None = None,
     dst_from: str = "zero",
-) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """Ground truth for flat destination rank ``dst_rank`` after transferring one request.
+) -> tuple[dict[str, np.ndarray], dict[tuple[int, str], np.ndarray]]:
+    """Ground truth for flat destination rank ``dst_rank`` after one request, per buffer.
 
-    Returns ``(expected, must_write)``, both keyed by the indices of the destination regions
-    that ``dst_rank`` holds (its stage's): ``expected[j]`` is a copy of the rank's buffer in
-    ``dst_before`` (keyed ``(dst_rank, j)``, or ``j``) with every required byte replaced by
-    the source's byte for the same logical element; ``must_write[j]`` is a bool array of the
-    bytes that region ``j``'s copies must write (and no others). For a pooled region,
-    ``expected[j]`` is the whole pool buffer after ALL the pool's regions were copied (the
-    same array object for each of them) while ``must_write[j]`` marks only region ``j``'s
-    bytes. ``src_blocks[g]`` / ``dst_blocks[g]`` are the block ids of group ``g``; each side
-    uses its own region's group id. Each source region is read from the stage that holds it.
-    ``tokens=(start, end)`` copies exactly those positions of token regions (state slots move
-    whole); ``dst_from="start"`` makes each destination list start at the block holding
-    ``start`` instead of at position 0.
-
-    Raises ValueError for requests or specs outside the contract, and when source replicas of
-    a needed byte differ (e.g. a pooled source filled without ``request_blocks``).
+    Returns ``(expected, must_write)``: ``expected[name]`` is buffer ``name`` of the rank
+    (from ``dst_before``, keyed ``(rank, name)``, ``(rank, region)`` or ``region``) with every
+    required byte replaced by the source's byte for the same logical element;
+    ``must_write[(j, name)]`` marks the bytes of buffer ``name`` that region ``j``'s copies
+    must write (and no others). ``tokens`` and ``dst_from`` as :func:`expected_destination`.
+    Raises ValueError as :func:`expected_destination`.
     """
     src_regions, dst_regions = check_spec(src_spec), check_spec(dst_spec)
     src_tp, dst_tp = src_spec["tp_size"], dst_spec["tp_size"]
@@ -810,20 +1051,12 @@ def expected_destination(
         raise ValueError("region names differ between source and destination")
     src_stages = region_stages(src_spec)
     d_tp_rank = dst_rank % dst_tp
-
-    expected: dict[int, np.ndarray] = {}
-    must_write: dict[int, np.ndarray] = {}
-    arrays: dict[tuple[str, object], np.ndarray] = {}
-    written: dict[tuple[str, object], np.ndarray] = {}
+    exp, d_base = _concat(dst_spec, dst_rank, dst_before)
+    written = np.zeros(exp.shape, dtype=bool)
+    src_cat: dict[int, tuple[np.ndarray, dict[str, int]]] = {}
+    masks: dict[int, np.ndarray] = {}
     for j in rank_regions(dst_spec, dst_rank):
         dreg = dst_regions[j]
-        key = ("region", j) if dreg["pool"] is None else ("pool", dreg["pool"])
-        if key not in arrays:
-            before = dst_before[(dst_rank, j)] if (dst_rank, j) in dst_before else dst_before[j]
-            arrays[key] = np.array(before, dtype=np.uint8, copy=True)
-            written[key] = np.zeros(arrays[key].shape, dtype=bool)
-            assert arrays[key].size == rank_region_nbytes(dreg, dst_tp, dst_spec)
-        exp = arrays[key]
         mask = np.zeros(exp.shape, dtype=bool)
         i = src_index[dreg["name"]]
         sreg = src_regions[i]
@@ -837,9 +1070,13 @@ def expected_destination(
         _check_blocks(slist, sreg["num_blocks"], sreg["name"])
         _check_blocks(dlist, dreg["num_blocks"], dreg["name"])
         base = src_stages[i] * src_tp  # flat rank of the source stage's TP rank 0
-
+        for r in range(base, base + src_tp):
+            if r not in src_cat:
+                src_cat[r] = _concat(src_spec, r, src_buffers)
+        s_base = src_cat[base][1]
         for d_off, choices in _pieces(
-            sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, tokens, dst_from
+            sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, s_base, d_base,
+            tokens, dst_from,
         ):
             if d_off.size == 0:
                 continue
@@ -847,7 +1084,7 @@ def expected_destination(
             for lst in choices:
                 vals = np.empty(d_off.shape, dtype=np.uint8)
                 for r, rows, s_off in lst:
-                    src = src_buffers[(base + r, i)]
+                    src, _ = src_cat[base + r]
                     s_off = np.broadcast_to(s_off, (len(rows), *d_off.shape[1:]))
                     assert s_off.min() >= 0 and s_off.max() < src.size, "oracle bug: source"
                     vals[rows] = src[s_off]
@@ -863,12 +1100,58 @@ def expected_destination(
             if np.unique(d_flat).size != d_flat.size:
                 raise ValueError(f"region {dreg['name']!r}: a destination byte is written twice "
                                  "(duplicate block ids?)")
-            if written[key][d_flat].any():
+            if written[d_flat].any():
                 raise ValueError(f"region {dreg['name']!r}: writes overlap another region of "
                                  f"pool {dreg['pool']!r} (groups list the same page)")
             exp[d_flat] = values[0].reshape(-1)
             mask[d_flat] = True
-            written[key][d_flat] = True
-        expected[j] = exp
-        must_write[j] = mask
-    return expected, must_write
+            written[d_flat] = True
+        masks[j] = mask
+    bounds = sorted(d_base.items(), key=lambda x: x[1])
+    ends = [b for _, b in bounds[1:]] + [exp.size]
+    expected = {name: exp[a:z] for (name, a), z in zip(bounds, ends)}
+    must = {(j, name): m[a:z] for j, m in masks.items() for (name, a), z in zip(bounds, ends)
+            if name in region_buffers(dst_regions[j])}
+    return expected, must
+
+
+def expected_destination(
+    src_spec: Mapping,
+    dst_spec: Mapping,
+    src_blocks: Sequence[Sequence[int]] | Mapping,
+    dst_blocks: Sequence[Sequence[int]] | Mapping,
+    dst_rank: int,
+    src_buffers: Mapping,
+    dst_before: Mapping,
+    tokens: tuple[int, int] | None = None,
+    dst_from: str = "zero",
+) -> tuple[dict, dict]:
+    """Ground truth for flat destination rank ``dst_rank`` after transferring one request.
+
+    Returns ``(expected, must_write)``, both keyed by the indices of the destination regions
+    that ``dst_rank`` holds (its stage's): ``expected[j]`` is a copy of the rank's buffer in
+    ``dst_before`` (keyed ``(dst_rank, j)``, or ``j``) with every required byte replaced by
+    the source's byte for the same logical element; ``must_write[j]`` is a bool array of the
+    bytes that region ``j``'s copies must write (and no others). For a region sharing a
+    buffer (pool, allocation), ``expected[j]`` is the whole buffer after ALL its regions were
+    copied (the same array object for each of them) while ``must_write[j]`` marks only region
+    ``j``'s bytes. A region with separate K/V buffers is keyed ``(j, 0)`` and ``(j, 1)``.
+    ``src_blocks[g]`` / ``dst_blocks[g]`` are the block ids of group ``g``; each side uses
+    its own region's group id. Each source region is read from the stage that holds it.
+    ``tokens=(start, end)`` copies exactly those positions of token regions (state slots move
+    whole); ``dst_from="start"`` makes each destination list start at the block holding
+    ``start`` instead of at position 0.
+
+    Raises ValueError for requests or specs outside the contract, and when source replicas of
+    a needed byte differ (e.g. a pooled source filled without ``request_blocks``).
+    """
+    expected, must = expected_buffers(src_spec, dst_spec, src_blocks, dst_blocks, dst_rank,
+                                      src_buffers, dst_before, tokens, dst_from)
+    regions = _spec_regions(dst_spec)
+    out_e, out_m = {}, {}
+    for j in rank_regions(dst_spec, dst_rank):
+        names = region_buffers(regions[j])
+        for s, name in enumerate(names):
+            key = j if len(names) == 1 else (j, s)
+            out_e[key], out_m[key] = expected[name], must[(j, name)]
+    return out_e, out_m

@@ -9,9 +9,10 @@ from kvplan import EngineSpec, Kind, SpecError, presets
 from kvplan.hf import describe, from_hf_config
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 4,
-         "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+         "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+         "torch_dtype": "bfloat16"}
 MLA = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 3,
-       "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+       "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}
 EAGLE_GQA = {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
              "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
 EAGLE_MLA = {"architectures": ["Eagle3DeepseekV3ForCausalLM"], "num_hidden_layers": 1,
@@ -34,16 +35,27 @@ def test_classmethod_equals_module_function_and_options_apply():
         ("float16", "NHD", "joint")}
 
 
-def test_mha_config_without_kv_heads_uses_attention_heads():
+def test_config_without_kv_heads_is_refused_naming_the_field_and_the_mha_reading():
     cfg = {k: v for k, v in LLAMA.items() if k != "num_key_value_heads"}
-    assert from_hf_config(cfg, tp_size=1).regions[0].num_kv_heads == 32
+    with pytest.raises(SpecError, match=r"config\.json lacks num_key_value_heads; for "
+                                        r"multi-head attention add \"num_key_value_heads\": 32"):
+        from_hf_config(cfg, tp_size=1)
+    assert from_hf_config({**cfg, "num_key_value_heads": 32}, tp_size=1).regions[0]\
+        .num_kv_heads == 32
 
 
-def test_dtype_defaults_to_the_configs_torch_dtype():
+def test_dtype_is_the_configs_or_the_callers_never_a_guess():
     assert from_hf_config({**LLAMA, "torch_dtype": "float16"}, tp_size=1).regions[0].dtype == (
         "float16")
-    assert from_hf_config({**LLAMA, "torch_dtype": "float64"}, tp_size=1).regions[0].dtype == (
-        "bfloat16")
+    no_dtype = {k: v for k, v in LLAMA.items() if k != "torch_dtype"}
+    assert from_hf_config({**no_dtype, "dtype": "float16"}, tp_size=1).regions[0].dtype == (
+        "float16")  # the field's newer name
+    with pytest.raises(SpecError, match=r"config\.json lacks torch_dtype \(or dtype\): "
+                                        r"pass .*dtype='bfloat16'.*--dtype"):
+        from_hf_config(no_dtype, tp_size=1)
+    with pytest.raises(SpecError, match=r"torch_dtype 'float64' is not a KV-cache dtype"):
+        from_hf_config({**LLAMA, "torch_dtype": "float64"}, tp_size=1)
+    assert from_hf_config(no_dtype, tp_size=1, dtype="float16").regions[0].dtype == "float16"
     with pytest.raises(SpecError, match=r"dtype 'int4'"):
         from_hf_config(LLAMA, tp_size=1, dtype="int4")
 
@@ -65,7 +77,7 @@ def test_deepseek_v32_indexer_bytes_follow_index_head_dim():
 
 def test_sliding_window_from_layer_types_pattern_or_gpt_oss_alternation():
     base = {"num_hidden_layers": 6, "num_key_value_heads": 4, "head_dim": 64,
-            "sliding_window": 256}
+            "sliding_window": 256, "torch_dtype": "bfloat16"}
     by_types = from_hf_config({**base, "architectures": ["GptOssForCausalLM"],
                                "layer_types": ["full_attention"] * 5 + ["sliding_attention"]},
                               tp_size=1)
@@ -167,7 +179,8 @@ def test_unknown_architecture_is_named():
 
 
 def test_family_override_reads_an_unknown_architecture_and_names_missing_fields():
-    cfg = {"architectures": ["FalconForCausalLM"], "num_hidden_layers": 2}
+    cfg = {"architectures": ["FalconForCausalLM"], "num_hidden_layers": 2,
+           "torch_dtype": "bfloat16"}
     with pytest.raises(SpecError, match=r"FalconForCausalLM: config\.json lacks head_dim or "
                                         r"hidden_size"):
         from_hf_config(cfg, tp_size=1, family="gqa")

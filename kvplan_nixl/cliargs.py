@@ -1,0 +1,93 @@
+"""What the ``kvplan`` command's parts share: argument types with bounds, the help format,
+one-line usage errors, and the legend printed under plans.
+
+Other modules add options to the command with these (``type=int_in(1, MAX_TP)``), so that a
+user's value is either used or refused in one ``kvplan: ...`` line, never replaced by a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import kvplan.spec as spec_limits
+
+__all__ = [
+    "LEGEND",
+    "MAX_BLOCKS",
+    "MAX_BLOCK_SIZE",
+    "MAX_TOKENS",
+    "MAX_TP",
+    "HelpFormatter",
+    "Parser",
+    "UsageError",
+    "int_in",
+]
+
+#: Bounds of the command line's integers (a larger value is a usage error, exit 2). 2**21 tokens
+#: is longer than any preset's context; explain's memory grows with one layer's runs of one
+#: request, so the bound also bounds its memory.
+MAX_TOKENS = 1 << 21
+MAX_TP = spec_limits.MAX_TP_SIZE  # TP and PP sizes: the spec's own limits (both 256)
+MAX_BLOCKS = 1 << 31  # blocks or slots per region
+MAX_BLOCK_SIZE = spec_limits.MAX_BLOCK_SIZE  # tokens per block
+
+#: What the outputs' notation means, printed under ``explain``, ``plan`` and ``demo`` output.
+LEGEND = """\
+legend: S(heads a:b) = SPLIT placement, the pair copies KV heads a..b-1; R = REPLICATE, the
+  whole block (every rank holds it: MLA, indexer); S(x a:b, B c:d, ...) = slices of a
+  recurrent state's parts. K+V = key and value streams, K = one stream (a latent).
+  run = one contiguous byte copy (one NIXL descriptor); group = KV-cache group (layers
+  sharing one block table); layers.[0-79].attn x80 = 80 alike layers on one line.
+units: KiB/MiB/GiB = 2^10/2^20/2^30 bytes; GB/s = 10^9 bytes per second."""
+
+
+class UsageError(Exception):
+    """A command-line mistake: printed as one ``kvplan: ...`` line, exit status 2."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse help that states every option's default (unless it is None or a flag's False);
+    descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.help is argparse.SUPPRESS or "%(default)" in text or not action.option_strings
+                or action.default in (None, False, argparse.SUPPRESS)):
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        return getattr(action.type, "metavar", None) or super()._get_default_metavar_for_optional(
+            action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one ``kvplan: ...`` line for a usage mistake (exit 2), not usage + error;
+    subcommand parsers inherit it (argparse makes them of the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"kvplan: {message} (see '{self.prog} --help')\n")
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[lo, hi]``, else a usage error naming the range
+    (a user's 0 is refused, never replaced by a default)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+
+    parse.__name__ = f"integer in [{lo}, {hi}]"
+    parse.metavar = "N"  # type: ignore[attr-defined]  # read by HelpFormatter
+    return parse

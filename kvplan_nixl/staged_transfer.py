@@ -1,0 +1,304 @@
+"""A staged request's state: the slot pool (credits), per-peer jobs, and StagedTransfer.
+
+Internal to :mod:`kvplan_nixl.staged`, which drives them: a :class:`StagedTransfer` is what
+``Stager.read`` / ``Stager.write`` return, with the surface of :class:`kvplan_nixl.Transfer`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvplan import Mode
+from kvplan.staging import StagedPlan
+from kvplan_nixl.errors import TransferFailed, TransferTimeout
+from kvplan_nixl.transfer import MAX_SLEEP_SECONDS, SPIN_SECONDS, State
+
+if TYPE_CHECKING:
+    from kvplan_nixl.staged import Stager
+
+__all__ = ["MixedTransfer", "StagedTransfer"]
+
+
+class _Pool:
+    """Slots of a registered staging tensor, handed out FIFO (a slot is a credit)."""
+
+    def __init__(self, tensor: torch.Tensor, slot_bytes: int) -> None:
+        self.tensor = tensor
+        self.slot_bytes = slot_bytes
+        self.nslots = tensor.numel() // slot_bytes
+        self.free: collections.deque[int] = collections.deque(range(self.nslots))
+        self.waiters: collections.deque[tuple[Any, Callable[[int], None]]] = collections.deque()
+        self._pumping = False
+
+    def slot(self, i: int) -> torch.Tensor:
+        return self.tensor[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+
+    @property
+    def in_use(self) -> int:
+        return self.nslots - len(self.free)
+
+    def acquire(self, owner: Any, then: Callable[[int], None]) -> None:
+        """Queue ``then(slot)``; it runs as soon as a slot is free and earlier waiters are
+        served (now, if one is)."""
+        self.waiters.append((owner, then))
+        self.pump()
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+        self.pump()
+
+    def forget(self, owner: Any) -> None:
+        """Drop the waits of ``owner`` (a failed request)."""
+        self.waiters = collections.deque(w for w in self.waiters if w[0] is not owner)
+
+    def pump(self) -> None:
+        if self._pumping:  # a callback that releases a slot must not recurse
+            return
+        self._pumping = True
+        try:
+            while self.free and self.waiters:
+                _, then = self.waiters.popleft()
+                then(self.free.popleft())
+        finally:
+            self._pumping = False
+
+
+class _Job:
+    """One peer rank's part of a staged request, on either side (internal, mutable)."""
+
+    def __init__(self, rid: str, agent: str, peer: int, sp: StagedPlan, mode: Mode,
+                 deadline: float | None) -> None:
+        self.rid, self.agent, self.peer, self.sp, self.mode = rid, agent, peer, sp, mode
+        self.chunks = sp.peer_chunks(peer)
+        self.deadline = deadline
+        self.state = State.PENDING
+        self.reason, self.kind = "", ""
+        self.slots: dict[int, int] = {}  # chunk -> local slot held
+        self.busy: set[int] = set()  # chunks whose local leg is running (slot kept till done)
+        self.server = False
+        self.xfers: dict[int, Any] = {}  # chunk -> NIXL handle in flight
+        self.finished = 0  # chunks through their local leg on this side
+        self.next = 0  # next chunk to grant (push server) or gather (pull server)
+        self.remote_done = False  # push initiator: DONE received
+        self.posted = 0  # bulk descriptors posted
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.chunks["nbytes"].sum())
+
+
+class StagedTransfer:
+    """One staged request to or from every peer rank of its plan (from :meth:`Stager.read` /
+    :meth:`Stager.write`); the same surface as :class:`kvplan_nixl.Transfer`: ``poll``,
+    ``wait``, ``cancel``, ``ok``, ``error``, plus ``chunks`` and ``descriptors``."""
+
+    def __init__(self, stager: Stager, sp: StagedPlan, remote: str, jobs: list[_Job]) -> None:
+        self._st = stager
+        self.staged = sp
+        self.plan = sp.plan
+        self.remote = remote
+        self._jobs = {j.peer: j for j in jobs}
+        self.rid = ""  # the request id its Stager gave it
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Peer ranks of this transfer, ascending."""
+        return tuple(sorted(self._jobs))
+
+    @property
+    def done(self) -> bool:
+        """True once no peer part is PENDING."""
+        return all(j.state is not State.PENDING for j in self._jobs.values())
+
+    @property
+    def ok(self) -> bool:
+        """True once every peer part is DONE."""
+        return all(j.state is State.DONE for j in self._jobs.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this transfer moves, over all peer ranks."""
+        return self.staged.nbytes
+
+    @property
+    def chunks(self) -> int:
+        """Chunks (= staging slots filled, = bulk descriptors) over all peer ranks."""
+        return len(self.staged.chunks)
+
+    @property
+    def descriptors(self) -> int:
+        """NIXL descriptors posted so far by this side (one per chunk)."""
+        return sum(j.posted for j in self._jobs.values())
+
+    @property
+    def seconds(self) -> float | None:
+        """From posting to the last part leaving PENDING, once done."""
+        return None if self.finished is None else self.finished - self.started
+
+    def states(self) -> dict[int, State]:
+        """``{peer_rank: State}`` as of the last poll."""
+        return {r: self._jobs[r].state for r in self.peers}
+
+    def poll(self) -> dict[int, State]:
+        """Drive the stager once (messages, transfers, deadlines) and report. Never blocks."""
+        self._st.poll()
+        return self.states()
+
+    def wait(self, timeout: float | None = None, *, progress: Iterable[Any] = ()
+             ) -> dict[int, State]:
+        """Block until every part is DONE; raise :class:`TransferFailed` /
+        :class:`TransferTimeout` otherwise. ``progress`` lists other Stagers (polled) or
+        Endpoints (progressed) of this process to drive while waiting."""
+        if timeout is not None:
+            limit = time.monotonic() + timeout
+            for j in self._jobs.values():
+                if j.deadline is None or limit < j.deadline:
+                    j.deadline = limit
+        others = tuple(progress)
+        spin_until = time.monotonic() + SPIN_SECONDS
+        nap = 10e-6
+        while True:
+            for o in others:
+                o.progress()
+            self._st.poll()
+            if self.done:
+                break
+            if time.monotonic() > spin_until:
+                time.sleep(nap)
+                nap = min(nap * 2, MAX_SLEEP_SECONDS)
+        err = self.error()
+        if err is not None:
+            raise err
+        return self.states()
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Fail the pending parts now: their slots and handles are freed, the peer told."""
+        for j in self._jobs.values():
+            self._st._fail(j, reason, "cancelled")
+
+    def error(self) -> TransferFailed | None:
+        """The exception ``wait`` raises, or None while pending or when every part is DONE."""
+        failed = {r: j for r, j in self._jobs.items() if j.state is State.FAILED}
+        if not failed or not self.done:
+            return None
+        m = self.plan.map
+        rows = self.plan.copies()
+        col = "src_rank" if m.mode is Mode.PULL else "dst_rank"
+        groups = np.unique(
+            np.array([r.group for r in m.dst.regions])[rows["dst_region"][
+                np.isin(rows[col], list(failed))]])
+        blocks = tuple(np.asarray(b) if g in groups else np.zeros(0, dtype=np.int64)
+                       for g, b in enumerate(self.plan.dst_blocks))
+        way = "from" if m.mode is Mode.PULL else "to"
+        what = (f"staged {m.mode.value} by {self._st.ep.engine!r} rank {self._st.ep.rank} "
+                f"{way} {self.remote!r} failed")
+        cls = TransferTimeout if all(j.kind == "timeout" for j in failed.values()) else (
+            TransferFailed)
+        return cls(what, {r: j.reason for r, j in failed.items()}, blocks)
+
+    def __repr__(self) -> str:
+        st = ", ".join(f"{r}: {s.value}" for r, s in self.states().items())
+        return (f"StagedTransfer({self.plan.map.mode.value} {self.remote!r}, "
+                f"{self.chunks} chunks, {{{st}}})")
+
+
+class MixedTransfer:
+    """A request split by peer rank: a direct :class:`~kvplan_nixl.Transfer` for some peers and
+    a :class:`StagedTransfer` for the others (``Stager.post(how="auto")``); the same surface."""
+
+    def __init__(self, plan, direct, staged: StagedTransfer) -> None:
+        self.plan = plan
+        self.direct = direct
+        self.staged = staged
+        self.started = min(direct.started, staged.started)
+
+    @property
+    def parts(self) -> tuple:
+        """``(direct transfer, staged transfer)``."""
+        return self.direct, self.staged
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Peer ranks of both parts, ascending."""
+        return tuple(sorted((*self.direct.peers, *self.staged.peers)))
+
+    @property
+    def done(self) -> bool:
+        """True once both parts are done."""
+        return self.direct.done and self.staged.done
+
+    @property
+    def ok(self) -> bool:
+        """True once both parts are done and every peer part succeeded."""
+        return self.direct.ok and self.staged.ok
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes both parts move."""
+        return self.direct.nbytes + self.staged.nbytes
+
+    @property
+    def seconds(self) -> float | None:
+        """From the first post to the last part's end, once done."""
+        ends = [p.finished for p in self.parts]
+        return None if None in ends else max(ends) - self.started
+
+    def states(self) -> dict[int, State]:
+        """``{peer_rank: State}`` of both parts."""
+        return {**self.direct.states(), **self.staged.states()}
+
+    def poll(self) -> dict[int, State]:
+        """Poll both parts once. Never blocks."""
+        self.direct.poll()
+        self.staged.poll()
+        return self.states()
+
+    def wait(self, timeout: float | None = None, *, progress: Iterable[Any] = ()
+             ) -> dict[int, State]:
+        """Block until both parts are done; raise as :meth:`StagedTransfer.wait` does, naming
+        the failed peers of both parts."""
+        limit = None if timeout is None else time.monotonic() + timeout
+        others = tuple(progress)
+        nap = 10e-6
+        while not self.done:
+            for o in others:
+                o.progress()
+            self.poll()
+            if limit is not None and time.monotonic() > limit:
+                self.cancel("deadline passed before completion")
+                break
+            time.sleep(nap)
+            nap = min(nap * 2, MAX_SLEEP_SECONDS)
+        err = self.error()
+        if err is not None:
+            raise err
+        return self.states()
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Cancel both parts' pending peers."""
+        self.direct.cancel(reason)
+        self.staged.cancel(reason)
+
+    def error(self) -> TransferFailed | None:
+        """The failures of both parts as one exception, or None."""
+        errs = [e for e in (self.direct.error(), self.staged.error()) if e is not None]
+        if not errs or not self.done:
+            return None
+        reasons = {r: why for e in errs for r, why in e.reasons.items()}
+        blocks = tuple(np.union1d(*(e.blocks[g] for e in errs)) if len(errs) > 1
+                       else errs[0].blocks[g] for g in range(len(errs[0].blocks)))
+        cls = TransferTimeout if all(isinstance(e, TransferTimeout) for e in errs) else (
+            TransferFailed)
+        what = str(errs[0]).split(":")[0].replace("staged ", "") + " (direct and staged parts)"
+        return cls(what, reasons, blocks)
+
+    def __repr__(self) -> str:
+        return f"MixedTransfer({self.direct!r}, {self.staged!r})"

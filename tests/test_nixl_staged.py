@@ -1,0 +1,366 @@
+"""Staged transfers end to end with real NIXL agents in one process (kvplan_nixl/staged.py).
+
+Every engine rank has an Endpoint and a Stager; both sides connect to each other. After a
+staged push or pull every destination byte must equal the oracle's expectation (untouched bytes
+included), and afterwards no staging slot, NIXL transfer or request may be left on any side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import pytest
+
+from kvplan import Costs, pull_map
+from kvplan_nixl import NotConnectedError, State, TransferFailed, TransferTimeout
+from kvplan_nixl.staged import Stager
+from tests import oracle
+from tests.nixl_util import ZERO, attn, blocks, mla, pair, spec
+
+IDLE = {"slots_in_use": 0, "xfer": 0, "requests": 0, "serving": 0}
+SLOT = 64 << 10
+
+
+def _idle(st: Stager) -> dict:
+    return {k: v for k, v in st.handles().items() if k in IDLE}
+
+
+def drain(stagers, timeout: float = 10.0) -> None:
+    """Poll every stager until all are idle: a server frees its last slots when the
+    initiator's final notification (TAKEN, ABORT) arrives, a moment after the initiator is done."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for st in stagers:
+            st.poll()
+        if all(_idle(st) == IDLE for st in stagers):
+            return
+        time.sleep(1e-3)
+
+
+@contextlib.contextmanager
+def staged_pair(src, dst, *, pool_slots: int = 4, window: int = 2, **kw):
+    with pair(src, dst, **kw) as pr:
+        stagers = {}
+        try:
+            for ep in pr.endpoints:
+                stagers[ep] = Stager(ep, pool_bytes=pool_slots * SLOT, slot_bytes=SLOT,
+                                     window=window)
+            pr.connect("pull")
+            pr.connect("push")
+            pr.stagers = stagers
+            yield pr
+            drain(stagers.values())
+            for st in stagers.values():
+                assert _idle(st) == IDLE, st.handles()
+        finally:
+            for st in stagers.values():
+                st.close()
+            for st in stagers.values():
+                assert st.handles()["dlist"] == st.handles()["registrations"] == 0
+
+
+def _run(pr, mode: str, sb, db, *, timeout: float = 30.0):
+    initiators = pr.d if mode == "pull" else pr.p
+    remote = "prefill" if mode == "pull" else "decode"
+    others = list(pr.stagers.values())
+    posted = []
+    for ep in initiators:
+        st = pr.stagers[ep]
+        plan = ep.map(remote, mode).plan(sb, db)
+        posted.append((st.read if mode == "pull" else st.write)(plan, remote, timeout=timeout))
+    for t in posted:
+        t.wait(timeout, progress=others)
+    return posted
+
+
+SRC = spec(2, attn(heads=4, nb=64), mla(nb=64), attn("layers.1.attn", heads=4, nb=64,
+                                                     layout="NHD"))
+DST = spec(1, attn(heads=4, nb=64), mla(nb=64), attn("layers.1.attn", heads=4, nb=64,
+                                                     layout="NHD"))
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_staged_hetero_tp_lands_the_oracle_bytes_in_chunks(mode):
+    """TP2 -> TP1, HND + MLA + NHD, scattered ids: more bytes per peer than the pool holds."""
+    rng = np.random.default_rng(5)
+    sb, db = blocks(rng, SRC, 40), blocks(rng, DST, 40)
+    with staged_pair(SRC, DST, pool_slots=3) as pr:
+        ts = _run(pr, mode, sb, db)
+        pr.check(sb, db, plans=[t.plan for t in ts])
+        for t in ts:
+            assert t.ok and t.states() == {r: State.DONE for r in t.peers}
+            assert t.chunks > 2 * len(t.peers)  # larger than the pool: streamed
+            assert t.descriptors == t.chunks  # one NIXL descriptor per chunk
+            assert len(t.plan) > 4 * t.chunks  # many more runs than descriptors
+
+
+def test_staged_and_direct_agree_and_post_chooses():
+    """Same request direct and staged land the same bytes; post() picks by the cost model."""
+    rng = np.random.default_rng(6)
+    sb, db = blocks(rng, SRC, 24), blocks(rng, DST, 24)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        plan = d.map("prefill").plan(sb, db)
+        t = st.post(plan, "prefill", how="staged")
+        t.wait(30, progress=list(pr.stagers.values()))
+        pr.check(sb, db, plans=[plan])
+        t = st.post(plan, "prefill", how="direct")
+        t.wait(30, progress=pr.p)
+        pr.check(sb, db, plans=[plan])
+        same = list(range(24))
+        one = spec(1, attn(heads=4, nb=64))
+        merged = pull_map(one, one, 0).plan([same], [same])
+        assert len(merged) == 2  # K and V: two big runs
+        assert not st.prefer(merged, "prefill")  # mergeable plans stay direct
+        assert not st.prefer(plan, "prefill")  # 0.6 MB in 10 chunks: round trips dominate
+        st.costs["prefill"] = Costs(per_descriptor=2.5e-6, per_byte=1e-10,
+                                    local_per_byte=2.5e-10, per_chunk=1e-5)
+        assert st.prefer(plan, "prefill")  # with cheap round trips (a fast peer): staged
+        assert not st.prefer(merged, "prefill")  # still: at most one run per chunk
+        with pytest.raises(ValueError, match="how"):
+            st.post(plan, "prefill", how="fast")
+
+
+def test_full_pool_queues_requests_and_all_complete():
+    """Three requests at once through a 2-slot pool with window 1: they wait, none deadlocks."""
+    rng = np.random.default_rng(7)
+    with staged_pair(SRC, DST, pool_slots=2, window=1) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        reqs = []
+        free = rng.permutation(64).tolist()
+        for _ in range(3):
+            sb = blocks(rng, SRC, 12)
+            db = [free[:12]]
+            free = free[12:]
+            reqs.append((sb, db, st.read(d.map("prefill").plan(sb, db), "prefill", timeout=30)))
+        peak = 0
+        while not all(t.done for *_, t in reqs):
+            for s in pr.stagers.values():
+                s.poll()
+                peak = max(peak, s.handles()["slots_in_use"])
+        assert peak <= 2
+        cur = dict(pr.before)  # the oracle, request after request (disjoint destinations)
+        for sb, db, t in reqs:
+            assert t.ok, t.error()
+            expected, _ = oracle.expected_destination(
+                SRC.to_dict(), DST.to_dict(), sb, db, 0, pr.src_bufs, cur)
+            cur = {(0, j): a for j, a in expected.items()}
+        for k, want in cur.items():
+            assert np.array_equal(pr.dst_bufs[k], want), k
+
+
+def test_deadline_frees_both_sides_and_names_blocks():
+    """The server (prefill) is never polled: the deadline fails the pull, frees the slots."""
+    rng = np.random.default_rng(8)
+    sb, db = blocks(rng, SRC, 8), blocks(rng, DST, 8)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        t = st.read(d.map("prefill").plan(sb, db), "prefill", timeout=0.2)
+        with pytest.raises(TransferTimeout) as ei:
+            t.wait()
+        assert set(ei.value.peer_ranks) == {0, 1}
+        assert np.array_equal(np.sort(ei.value.blocks[0]), np.sort(db[0]))
+        assert _idle(st) == IDLE
+        drain(pr.stagers.values())  # the servers get OPEN, then ABORT: nothing stays held
+        for s in pr.stagers.values():
+            assert _idle(s) == IDLE, s.handles()
+
+
+def test_cancel_mid_push_frees_slots_everywhere():
+    rng = np.random.default_rng(9)
+    sb, db = blocks(rng, SRC, 40), blocks(rng, DST, 40)
+    with staged_pair(SRC, DST, pool_slots=2) as pr:
+        p0 = pr.p[0]
+        st = pr.stagers[p0]
+        t = st.write(p0.map("decode", "push").plan(sb, db), "decode", timeout=30)
+        for _ in range(3):  # some chunks move
+            for s in pr.stagers.values():
+                s.poll()
+        t.cancel("user cancelled")
+        assert t.done and not t.ok
+        with pytest.raises(TransferFailed, match="user cancelled"):
+            t.wait()
+        drain(pr.stagers.values())
+        for s in pr.stagers.values():
+            assert _idle(s) == IDLE, s.handles()
+
+
+def test_refused_when_slot_sizes_differ():
+    rng = np.random.default_rng(10)
+    sb, db = blocks(rng, SRC, 4), blocks(rng, DST, 4)
+    with pair(SRC, DST) as pr:
+        sts = [Stager(ep, pool_bytes=4 * SLOT, slot_bytes=SLOT * (2 if ep in pr.p else 1))
+               for ep in pr.endpoints]
+        try:
+            pr.connect("pull")
+            pr.connect("push")
+            d = pr.d[0]
+            t = sts[-1].read(d.map("prefill").plan(sb, db), "prefill", timeout=10)
+            with pytest.raises(TransferFailed, match="slot sizes differ"):
+                t.wait(progress=sts)
+        finally:
+            for s in sts:
+                s.close()
+    assert ZERO  # the pair context checked every endpoint released everything
+
+
+def test_calibrate_measures_costs_the_chooser_then_uses():
+    rng = np.random.default_rng(11)
+    sb, db = blocks(rng, SRC, 24), blocks(rng, DST, 24)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        others = [s for s in pr.stagers.values() if s is not st]
+        costs = st.calibrate("prefill", progress=others)
+        assert st.costs["prefill"] is costs
+        assert costs.per_byte > 0 and costs.per_descriptor > 0 and costs.local_per_byte > 0
+        assert costs.per_chunk > 0
+        # a 4 KiB descriptor costs more than moving its 4 KiB inside a big one
+        assert costs.per_descriptor > 4096 * costs.per_byte / 10
+        plan = d.map("prefill").plan(sb, db)
+        t = st.post(plan, "prefill")  # auto, with the measured costs
+        t.wait(30, progress=list(pr.stagers.values()))
+        pr.check(sb, db, plans=[plan])
+        with pytest.raises(NotConnectedError, match="no rank of engine"):
+            st.calibrate("nobody")
+
+
+@pytest.mark.parametrize("extra", [[], ["--push", "--prefill-tp", "2", "--decode-tp", "4"]])
+def test_demo_shows_both_modes(capsys, extra):
+    from kvplan_nixl.cli import main
+
+    rc = main(["demo", "--tokens", "256", "--num-blocks", "32", *extra])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "staged: moved" in out and "NIXL descriptors for" in out
+    assert "verified: all" in out  # the final check covers the staged result
+    rc = main(["demo", "--tokens", "256", "--num-blocks", "32", "--direct-only", *extra])
+    assert rc == 0 and "staged:" not in capsys.readouterr().out
+
+
+def test_malformed_and_foreign_messages_are_refused_not_raised():
+    """A server answers garbage with FAIL and keeps serving; nothing is held afterwards."""
+    rng = np.random.default_rng(12)
+    sb, db = blocks(rng, SRC, 8), blocks(rng, DST, 8)
+    with staged_pair(SRC, DST) as pr:
+        d, p0 = pr.d[0], pr.p[0]
+        server = pr.stagers[p0]
+        open_ = b"kvs1 OPEN 9 pull 65536 0 10 1 1 1 "
+        garbage = (b"kvs1 OPEN 9 push x", open_ + b"1 1\n" + b"\0" * 16,
+                   open_ + b"1 1\n" + np.array([999, 999], "<i8").tobytes(),
+                   open_ + b"-1 3\n", b"kvs1 DATA", b"kvs1 GRANT 77 0 0", b"kvs1 NOPE 1")
+        for msg in garbage:
+            server._inbox.append((d.agent_name, msg))
+        server.poll()  # no exception
+        assert server.handles()["serving"] == 0
+        t = pr.stagers[d].read(d.map("prefill").plan(sb, db), "prefill", timeout=30)
+        t.wait(progress=list(pr.stagers.values()))
+        pr.check(sb, db)
+
+
+def test_empty_plan_is_done_at_once_and_holds_nothing():
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        t = st.read(d.map("prefill").plan([[]], [[]]), "prefill")
+        assert t.done and t.ok and t.peers == () and t.chunks == 0
+        assert st.handles()["requests"] == 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"slot_bytes": 1000}, "multiple of 4096"),
+    ({"pool_bytes": 3 * SLOT + 4096, "slot_bytes": SLOT}, "dividing"),
+    ({"pool_bytes": SLOT, "slot_bytes": 2 * SLOT}, "dividing"),
+    ({"window": 0}, "window"),
+])
+def test_stager_arguments_are_checked_before_anything_is_allocated(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Stager(None, **kw)
+
+
+def test_server_frees_a_silent_initiators_slots_at_its_deadline():
+    """The initiator stops acting after OPEN (as if dead, no ABORT): the servers hold gathered
+    slots until the deadline the OPEN carried, then free them."""
+    rng = np.random.default_rng(13)
+    sb, db = blocks(rng, SRC, 40), blocks(rng, DST, 40)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        t = st.read(d.map("prefill").plan(sb, db), "prefill", timeout=0.5)
+        servers = [pr.stagers[p] for p in pr.p]
+        held = 0
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            d.progress()  # the initiator's agent answers NIXL, its Stager does nothing
+            for s in servers:
+                s.poll()
+            held = max(held, sum(s.handles()["slots_in_use"] for s in servers))
+            if held and all(_idle(s) == IDLE for s in servers):
+                break
+            time.sleep(1e-3)
+        assert held > 0  # they had gathered chunks for it
+        assert all(_idle(s) == IDLE for s in servers), [s.handles() for s in servers]
+        with pytest.raises(TransferTimeout):
+            t.wait()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_staged_between_layouts_and_separate_kv_buffers(mode):
+    """TensorRT-LLM's block-major pool (TP2) <-> SGLang's separate K and V buffers (TP1),
+    staged: the legs name buffers, not regions, and land the oracle's bytes."""
+    from tests.test_nixl_layouts import BufferPair, model
+
+    src, dst = (model(2, "trt"), model(1, "sglang")) if mode == "pull" else (
+        model(1, "sglang"), model(2, "trt"))
+    rng = np.random.default_rng(14)
+    sb, db = blocks(rng, src, 12), blocks(rng, dst, 12)
+    pr = BufferPair(src, dst)
+    stagers = {}
+    try:
+        stagers = {ep: Stager(ep, pool_bytes=4 * SLOT, slot_bytes=SLOT) for ep in pr.endpoints}
+        pr.connect("pull")
+        pr.connect("push")
+        pr.stagers = stagers
+        ts = _run(pr, mode, sb, db)
+        pr.check(sb, db)
+        assert all(t.ok and t.descriptors == t.chunks for t in ts)
+        drain(stagers.values())
+        for st in stagers.values():
+            assert _idle(st) == IDLE, st.handles()
+    finally:
+        for st in stagers.values():
+            st.close()
+        pr.close()
+
+
+def test_auto_splits_a_request_by_peer_when_the_model_says_so(monkeypatch):
+    """post(how="auto") stages the peers the cost model picks and posts the others directly:
+    one MixedTransfer, the bytes of both parts exact, failures of both parts named together."""
+    from kvplan_nixl import MixedTransfer
+
+    rng = np.random.default_rng(15)
+    sb, db = blocks(rng, SRC, 24), blocks(rng, DST, 24)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        monkeypatch.setattr(st, "staged_peers", lambda plan, remote: (1,))
+        plan = d.map("prefill").plan(sb, db)
+        t = st.post(plan, "prefill", timeout=30)
+        assert isinstance(t, MixedTransfer)
+        assert t.direct.peers == (0,) and t.staged.peers == (1,) and t.peers == (0, 1)
+        assert t.nbytes == plan.nbytes
+        t.wait(progress=list(pr.stagers.values()))
+        assert t.ok and t.seconds is not None
+        pr.check(sb, db, plans=[plan])
+        # nobody serves the staged part: it fails at the deadline, the direct part (one-sided
+        # reads) completes; the error names the staged peer only
+        t = st.post(plan, "prefill", timeout=0.3)
+        with pytest.raises(TransferTimeout) as info:
+            t.wait()
+        assert info.value.peer_ranks == (1,) and t.direct.ok and not t.ok
+        drain(pr.stagers.values())

@@ -1,0 +1,206 @@
+"""Staged transfers across OS processes (tests/nixl_peer.py --stager), with peers killed and
+stalled at chosen protocol steps.
+
+Pull: decode rank 0 is this process, prefill ranks 0 and 1 serve from their own processes (they
+gather; this side reads and scatters). Push: prefill ranks 0 and 1 are this process, decode rank
+0 serves (it grants credits and scatters). After every fault, no staging slot, NIXL transfer or
+request may be left on this side, nor (reported by the peer when it exits) on the peer's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from kvplan import simulate
+from kvplan_nixl import Endpoint, State, TransferFailed, TransferTimeout
+from kvplan_nixl.staged import Stager
+from tests import oracle
+from tests.nixl_util import attn, mla, peer_cmd, peer_env, spec
+
+SRC = spec(2, attn(heads=4, nb=64), mla(nb=64))
+DST = spec(1, attn(heads=4, nb=64), mla(nb=64))
+SEED = 23
+SLOT = 64 << 10
+POOL = 4 * SLOT
+SRC_BLOCKS = [list(range(50, 10, -1))]  # 40 blocks
+DST_BLOCKS = [list(range(0, 64, 3))[:21] + list(range(1, 64, 3))[:19]]
+IDLE = {"slots_in_use": 0, "xfer": 0, "requests": 0, "serving": 0}
+
+
+def _idle(h: dict) -> dict:
+    return {k: v for k, v in h.items() if k in IDLE}
+
+
+def _write_md(path: str, ep: Endpoint) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(ep.metadata())
+    os.replace(path + ".tmp", path)
+
+
+class Peer:
+    """One staged peer rank in its own process, connected back to this process's endpoints."""
+
+    def __init__(self, tmp, engine, s, rank, fill, connect: list[tuple[str, str]]) -> None:
+        self.rank = rank
+        self.md_path = str(tmp / f"{engine}-{rank}-{time.monotonic_ns()}.md")
+        args = ["--engine", engine, "--rank", str(rank), "--spec", json.dumps(s.to_dict()),
+                "--seed", str(SEED), "--fill", fill, "--metadata-out", self.md_path,
+                "--stager", f"{POOL},{SLOT}"]
+        for path, mode in connect:
+            args += ["--connect", path, mode]
+        self.proc = subprocess.Popen(peer_cmd(*args), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=peer_env(), text=True)
+
+    def line(self, timeout: float = 60.0) -> str:
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert r, f"peer rank {self.rank} silent for {timeout} s"
+        return self.proc.stdout.readline().strip()
+
+    def metadata(self) -> bytes:
+        assert self.line() == "ready"
+        with open(self.md_path, "rb") as f:
+            return f.read()
+
+    def finish(self) -> dict:
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.flush()
+        out = json.loads(self.line(30))
+        assert self.proc.wait(30) == 0
+        return out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def _progress_until(ep: Endpoint, st: Stager, op: bytes, agent_suffix: str,
+                    timeout: float = 20.0) -> None:
+    """Progress only the endpoint (the stager does not act) until a message ``op`` from the
+    agent ``...agent_suffix`` waits in the stager's inbox."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ep.progress()
+        if any(m.startswith(b"kvs1 " + op) and a.split("#")[1] == agent_suffix
+               for a, m in st._inbox):
+            return
+        time.sleep(1e-3)
+    raise AssertionError(f"no {op!r} from rank {agent_suffix} in {timeout} s")
+
+
+def _expected_pull() -> dict:
+    src = oracle.source_buffers(SRC.to_dict(), seed=SEED)
+    before = {(0, i): np.zeros(DST.rank_region_nbytes(i), np.uint8)
+              for i in range(len(DST.regions))}
+    expected, _ = oracle.expected_destination(
+        SRC.to_dict(), DST.to_dict(), SRC_BLOCKS, DST_BLOCKS, 0, src, before)
+    return expected
+
+
+def test_staged_pull_across_processes_and_a_peer_killed_between_gather_and_transfer(tmp_path):
+    bufs = [np.zeros(DST.rank_region_nbytes(i), np.uint8) for i in range(len(DST.regions))]
+    ep = Endpoint("decode", DST, 0, bufs)
+    st = Stager(ep, pool_bytes=POOL, slot_bytes=SLOT)
+    me = str(tmp_path / "decode.md")
+    peers = [Peer(tmp_path, "prefill", SRC, r, "oracle", [(me, "push")]) for r in range(2)]
+    try:
+        metas = [p.metadata() for p in peers]
+        _write_md(me, ep)
+        for p, m in zip(peers, metas, strict=True):
+            assert p.line() == "connected"
+            ep.connect(m, mode="pull")
+        plan = ep.map("prefill").plan(SRC_BLOCKS, DST_BLOCKS)
+        t = st.read(plan, "prefill", timeout=30)
+        assert t.wait() == {0: State.DONE, 1: State.DONE}
+        assert t.chunks > 2 * len(t.peers) and t.descriptors == t.chunks
+        for j, want in _expected_pull().items():
+            assert np.array_equal(bufs[j], want), DST.regions[j].name
+        assert _idle(st.handles()) == IDLE
+
+        # rank 1 gathers a chunk and says READY; it dies before this side reads it
+        for b in bufs:
+            b[:] = 0
+        t = st.read(plan, "prefill", timeout=30)
+        _progress_until(ep, st, b"READY", "1")
+        peers[1].proc.kill()
+        peers[1].proc.wait(30)
+        with pytest.raises(TransferFailed) as info:
+            t.wait()
+        err = info.value
+        assert not isinstance(err, TransferTimeout)
+        assert 1 in err.peer_ranks and "NIXL_ERR" in err.reasons[1]
+        assert np.array_equal(np.sort(err.blocks[0]), np.sort(DST_BLOCKS[0]))
+        assert _idle(st.handles()) == IDLE, st.handles()
+        out = peers[0].finish()  # the live peer served its part and holds nothing
+        assert _idle(out["stager"]) == IDLE, out["stager"]
+    finally:
+        st.close()
+        ep.close()
+        for p in peers:
+            p.kill()
+
+
+def test_staged_push_across_processes_and_a_deadline_while_the_peer_scatters(tmp_path):
+    src = oracle.source_buffers(SRC.to_dict(), seed=SEED)
+    eps = [Endpoint("prefill", SRC, r, [src[(r, i)] for i in range(len(SRC.regions))])
+           for r in range(2)]
+    sts = [Stager(ep, pool_bytes=POOL, slot_bytes=SLOT) for ep in eps]
+    mds = [str(tmp_path / f"prefill-{r}.md") for r in range(2)]
+    target = Peer(tmp_path, "decode", DST, 0, "sentinel", [(m, "pull") for m in mds])
+    try:
+        meta = target.metadata()
+        for ep, path in zip(eps, mds, strict=True):
+            _write_md(path, ep)
+            ep.connect(meta, mode="push")
+        assert target.line() == "connected"
+        posted = [s.write(ep.map("decode", "push").plan(SRC_BLOCKS, DST_BLOCKS), "decode",
+                          timeout=30) for s, ep in zip(sts, eps, strict=True)]
+        for t in posted:
+            t.wait(progress=sts)
+        assert all(t.ok for t in posted)
+
+        # the server stops (SIGSTOP) after the first chunk was written: it holds a granted
+        # slot and an unscattered chunk when this side's deadline passes
+        t = sts[0].write(eps[0].map("decode", "push").plan(SRC_BLOCKS, DST_BLOCKS), "decode",
+                         timeout=1.0)
+        job = t._jobs[0]
+        while not (job.posted >= 1 and not job.xfers):
+            sts[0].poll()
+        target.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(TransferTimeout) as info:
+                t.wait()
+        finally:
+            target.proc.send_signal(signal.SIGCONT)
+        assert info.value.peer_ranks == (0,) and "deadline" in info.value.reasons[0]
+        assert _idle(sts[0].handles()) == IDLE, sts[0].handles()
+        out = target.finish()  # resumed: it got ABORT and freed the request's slots
+        assert _idle(out["stager"]) == IDLE, out["stager"]
+    finally:
+        for s in sts:
+            s.close()
+        for ep in eps:
+            ep.close()
+        target.kill()
+    # bytes: the first (complete) push, then chunk(s) of the aborted one rewrite the same
+    # bytes with the same values, so the result equals the oracle's
+    before = oracle.destination_buffers(DST.to_dict(), seed=SEED)
+    expected, _ = oracle.expected_destination(
+        SRC.to_dict(), DST.to_dict(), SRC_BLOCKS, DST_BLOCKS, 0, src, before)
+    ref = {k: v.copy() for k, v in before.items()}
+    for p in posted:
+        simulate(p.plan, src, ref)
+    digest = [hashlib.sha256(expected[j].tobytes()).hexdigest() for j in sorted(expected)]
+    assert out["sha256"] == digest
+    assert digest == [hashlib.sha256(ref[(0, j)].tobytes()).hexdigest()
+                      for j in range(len(DST.regions))]
