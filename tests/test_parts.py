@@ -103,3 +103,42 @@ def test_explain_shows_the_range_and_the_part():
     # 63 positions of 2 layers, 8 heads x 128 x bf16 x K+V each: exactly that, nothing else
     assert doc["ranks"][0]["nbytes"] == 63 * 2 * 8 * 128 * 2 * 2
     assert whole["ranks"][0]["nbytes"] == 112 * 32 * 8 * 128 * 2 * 2  # 7 whole blocks
+
+
+def _random_buffers(spec: EngineSpec, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {(r, name): rng.integers(0, 256, spec.rank_buffer_nbytes(b), dtype=np.uint8)
+            for r in range(spec.num_ranks) for b, name in enumerate(spec.buffers)}
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "BHLNC"])
+def test_a_plan_merged_across_layer_slots_is_not_cut_into_parts(layout):
+    """With cross-layer blocks one run can copy several layers: a part of such a plan would
+    carry layers that are not computed yet, so part() refuses it, and merge_slots=False gives
+    a plan of the same bytes whose parts are exact."""
+    src = preset("llama-3.1-8b", 4, num_blocks=32, layout=layout)
+    dst = preset("llama-3.1-8b", 4 if layout == "BLHNC" else 2, num_blocks=32, layout=layout)
+    sb, db = request_blocks(src, 160, seed=1), request_blocks(dst, 160, seed=2)
+    names = [r.name for r in dst.regions]
+    src_bufs = _random_buffers(src, 3)
+    for r in range(dst.num_ranks):
+        tmap = pull_map(src, dst, r)
+        merged = tmap.plan(sb, db, tokens=(7, 150))
+        assert merged.spans_regions
+        with pytest.raises(RequestError, match="merge_slots=False"):
+            merged.part(names[:1])
+        layered = tmap.plan(sb, db, tokens=(7, 150), merge_slots=False)
+        assert not layered.spans_regions and len(layered) > len(merged)
+        assert layered.nbytes == merged.nbytes
+        # every run of a layer-wise part stays inside its own layer's slot
+        for name in names[:3]:
+            piece = layered.part([name])
+            j = dst.region_index(name)
+            assert set(piece.copies()["dst_region"].tolist()) <= {j}
+        # the parts, executed one after another, land what the merged plan lands
+        got, want = _random_buffers(dst, 4), _random_buffers(dst, 4)
+        simulate(merged, src_bufs, want)
+        for k in range(0, len(names), 7):
+            simulate(layered.part(names[k:k + 7]), src_bufs, got)
+        for key in want:
+            assert np.array_equal(got[key], want[key]), key
