@@ -336,8 +336,11 @@ def peer_rows(item) -> dict[int, list[dict[str, Any]]]:
         peer = lane.src_rank if pull else lane.dst_rank
         tpl = lane.templates[0]
         first = f"+{int(tpl.src[0])} -> +{int(tpl.dst[0])}" if len(tpl.src) else ""
+        # Layer slots of one allocation start at different offsets in a block (the L axis), so
+        # their first runs differ by layer alone: they fold, showing the first layer's offsets.
+        packed = m.dst.slot_of(lane.dst_region)[1] > 1 or m.src.slot_of(lane.src_region)[1] > 1
         key = (lane.dst_rank, lane.describe(m.dst), _streams(region), region.block_size,
-               nbytes, runs, first)
+               nbytes, runs, None if packed else first)
         row = per_peer.setdefault(peer, {}).setdefault(key, {
             "regions": [], "placement": lane.describe(m.dst), "streams": _streams(region),
             "first run (src -> dst in block)": first, "bytes": 0, "runs": 0,

@@ -177,3 +177,15 @@ def test_the_core_imports_neither_pandas_nor_matplotlib():
             "print(sorted(m for m in ('pandas', 'matplotlib', 'rich') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_summary_folds_the_layer_slots_of_an_allocation():
+    """Layer slots start at different offsets inside a block, yet fold to one line per peer."""
+    from kvplan import presets, pull_map
+
+    src = presets.spec("llama-3.1-8b", tp_size=4, layout="BLHNC")
+    dst = presets.spec("llama-3.1-8b", tp_size=2, layout="LBNHD")
+    plan = pull_map(src, dst, 0).plan([[3, 7, 9]], [[0, 1, 2]], merge_slots=False)
+    lines = plan.summary().splitlines()
+    assert len(lines) == 1 + 2 * 2, lines  # header, then per peer: its total and one row
+    assert "layers.[0-31].attn x32" in lines[2] and "layers.[0-31].attn x32" in lines[4]
