@@ -36,6 +36,7 @@ from kvplan_nixl.errors import (
     PlanMismatchError,
     is_nixl_error,
     nixl_call,
+    release_counted,
 )
 from kvplan_nixl.transfer import Transfer, _Part
 
@@ -780,13 +781,7 @@ class Endpoint:
         self._live["xfer"] += 1
 
     def _release_xfer(self, h) -> None:
-        try:
-            h.release()
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            return  # NIXL keeps it and frees it with the agent; our count stays honest
-        self._live["xfer"] -= 1
+        release_counted(h, self._live, "xfer")
 
     def _desc_count(self, h) -> int | None:
         try:

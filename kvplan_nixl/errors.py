@@ -111,6 +111,19 @@ def is_nixl_error(exc: BaseException) -> bool:
     return t.__module__.startswith("nixl") and t.__name__.startswith("nixl")
 
 
+def release_counted(h, live: dict[str, int], kind: str) -> None:
+    """Release NIXL handle ``h`` and take it off ``live[kind]`` (an endpoint's or a stager's
+    handle counts). A NIXL error leaves the count as it is: NIXL keeps such a handle and frees
+    it with its agent, so the count stays honest; any other exception propagates."""
+    try:
+        h.release()
+    except Exception as exc:
+        if not is_nixl_error(exc):
+            raise
+        return
+    live[kind] -= 1
+
+
 def nixl_code(exc: BaseException) -> str:
     """NIXL's error code for ``exc`` (its ``str``, e.g. 'NIXL_ERR_REMOTE_DISCONNECT')."""
     return str(exc) or type(exc).__name__

@@ -57,6 +57,7 @@ from kvplan_nixl.errors import (
     is_nixl_error,
     nixl_call,
     nixl_code,
+    release_counted,
 )
 from kvplan_nixl.staged_transfer import MixedTransfer, StagedTransfer, _Job, _Pool
 from kvplan_nixl.transfer import State
@@ -749,22 +750,10 @@ class Stager:
         return h
 
     def _release_dlist(self, h) -> None:
-        try:
-            h.release()
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            return
-        self._live["dlist"] -= 1
+        release_counted(h, self._live, "dlist")
 
     def _release_xfer(self, h) -> None:
-        try:
-            h.release()
-        except Exception as exc:
-            if not is_nixl_error(exc):
-                raise
-            return
-        self._live["xfer"] -= 1
+        release_counted(h, self._live, "xfer")
 
 
 def _subset(plan: TransferPlan, peers) -> TransferPlan:
