@@ -474,16 +474,17 @@ def cmd_explain(args: argparse.Namespace) -> int:
     compare = args.compare_layouts
     if compare is None:
         compare = args.tokens <= COMPARE_LAYOUTS_TOKENS
+    shown = 0 if args.rank is None else args.rank  # one decode rank: ranks are alike
     if compare:
-        with step("counting runs for each layout"):
-            doc["runs_by_layout"] = runs_by_layout(src, dst, args.tokens,
-                                                   None if args.rank is None else [args.rank])
+        with step(f"counting runs for each layout on decode rank {shown}"):
+            doc["runs_by_layout"] = runs_by_layout(src, dst, args.tokens, [shown])
+            doc["runs_by_layout_rank"] = shown
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
     _print_text(doc, _title(args, src, dst))
     if compare:
-        print("\nruns per request with one layout on both sides (decode ranks shown): "
+        print(f"\nruns per request on decode rank {shown} with one layout on both sides: "
               + ", ".join(f"{k} {v:,}" for k, v in doc["runs_by_layout"].items()))
     else:
         print(f"\n(runs per layout are compared up to {COMPARE_LAYOUTS_TOKENS} tokens; "

@@ -35,7 +35,7 @@ def test_explain_takes_any_layout_and_compares_runs_per_layout(capsys):
                        "--decode", "llama-3.1-8b", "--decode-tp", "2", "--rank", "0",
                        "--layout", "BHLNC", "--tokens", "256")
     assert code == 0
-    assert "runs per request with one layout on both sides" in out and "BHLNC 32" in out
+    assert "with one layout on both sides: " in out and "BHLNC 32" in out
 
 
 def test_bad_layout_is_a_usage_error(capsys):
