@@ -1,0 +1,128 @@
+"""Where a staged transfer's time goes: a timeline of one staged pull and push (one process).
+
+    python benchmarks/profile_staged.py [--tokens 2048] [--layers 80]
+
+Wraps the Stager's steps (stage() planning, chunk_ops index building, gather, scatter, NIXL
+post -> completion) with timers and prints, per request, the sum per step and the timeline
+(ms from the request's start) per chunk, so one can see whether legs of chunks overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np
+
+import kvplan_nixl.staged as staged
+from kvplan_nixl import legs
+
+from bench_staged import World, _llama
+
+EVENTS: list[tuple[str, str, float, float]] = []  # (step, thread, start, end)
+_LOCK = threading.Lock()
+
+
+def _wrap(obj, name, label):
+    fn = getattr(obj, name)
+
+    def w(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            with _LOCK:
+                EVENTS.append((label, threading.current_thread().name, t, time.perf_counter()))
+    setattr(obj, name, w)
+
+
+def install() -> None:
+    _wrap(staged, "stage", "stage()")
+    _wrap(legs, "chunk_ops", "chunk_ops")
+    _wrap(legs, "gather", "gather")
+    _wrap(legs, "scatter", "scatter")
+    post = staged.Stager._post
+    posted = {}
+
+    def _post(self, j, k, slot, rslot):
+        posted[(id(j), k)] = time.perf_counter()
+        return post(self, j, k, slot, rslot)
+    staged.Stager._post = _post
+    adv = staged.Stager._advance
+
+    def _advance(self, j):
+        before = set(j.xfers)
+        adv(self, j)
+        now = time.perf_counter()
+        for k in before - set(j.xfers):
+            t0 = posted.pop((id(j), k), None)
+            if t0 is not None:
+                with _LOCK:
+                    EVENTS.append((f"nixl {k}", "main", t0, now))
+    staged.Stager._advance = _advance
+
+
+def report(label: str, t0: float, t1: float) -> None:
+    ev = [e for e in EVENTS if e[2] >= t0]
+    tot = collections.defaultdict(float)
+    cnt = collections.Counter()
+    for s, _, a, b in ev:
+        key = "nixl bulk" if s.startswith("nixl") else s
+        tot[key] += b - a
+        cnt[key] += 1
+    print(f"\n== {label}: {1e3 * (t1 - t0):.1f} ms wall")
+    for k in sorted(tot, key=lambda k: -tot[k]):
+        print(f"  {k:12s} n={cnt[k]:3d} sum {1e3 * tot[k]:7.1f} ms  "
+              f"mean {1e3 * tot[k] / cnt[k]:6.2f} ms")
+    busy = sum(b - a for s, th, a, b in ev if s in ("gather", "scatter", "chunk_ops"))
+    print(f"  local legs busy {1e3 * busy:.1f} ms of {1e3 * (t1 - t0):.1f} ms wall")
+    for s, th, a, b in sorted(ev, key=lambda e: e[2]):
+        print(f"    {1e3 * (a - t0):7.1f} -> {1e3 * (b - t0):7.1f}  {s:12s} [{th}]")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=80)
+    args = ap.parse_args()
+    install()
+    n = args.tokens // 16
+    nb = n + 16
+    w = World(_llama(8, args.layers, nb), _llama(4, args.layers, nb))
+    try:
+        rng = np.random.default_rng(0)
+        sb, db = [rng.permutation(nb)[:n].tolist()], [rng.permutation(nb)[:n].tolist()]
+        nbytes = w.d.map("prefill").plan(sb, db).nbytes
+        a, b = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+        for mode in ("pull", "push"):
+            go = w.pull if mode == "pull" else w.push
+            go(sb, db, "direct")
+            go(sb, db, "staged")
+            w.drain()
+            for _ in range(2):
+                t = time.perf_counter()
+                np.copyto(b, a)
+                tn = time.perf_counter() - t
+                t = time.perf_counter()
+                go(sb, db, "direct")
+                td = time.perf_counter() - t
+                t0 = time.perf_counter()
+                go(sb, db, "staged")
+                t1 = time.perf_counter()
+                w.drain()
+                print(f"\n{mode}: numpy {1e3 * tn:.1f} ms, direct {1e3 * td:.1f} ms, "
+                      f"staged {1e3 * (t1 - t0):.1f} ms")
+            report(f"{mode} staged (last)", t0, t1)
+    finally:
+        w.close()
+
+
+if __name__ == "__main__":
+    main()
