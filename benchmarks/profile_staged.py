@@ -20,14 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
+from bench_staged import World, _llama
 
 import kvplan_nixl.staged as staged
 from kvplan_nixl import legs
 
-from bench_staged import World, _llama
-
 EVENTS: list[tuple[str, str, float, float]] = []  # (step, thread, start, end)
 _LOCK = threading.Lock()
+QUIET = False
 
 
 def _wrap(obj, name, label):
@@ -83,7 +83,7 @@ def report(label: str, t0: float, t1: float) -> None:
               f"mean {1e3 * tot[k] / cnt[k]:6.2f} ms")
     busy = sum(b - a for s, th, a, b in ev if s in ("gather", "scatter", "chunk_ops"))
     print(f"  local legs busy {1e3 * busy:.1f} ms of {1e3 * (t1 - t0):.1f} ms wall")
-    for s, th, a, b in sorted(ev, key=lambda e: e[2]):
+    for s, th, a, b in [] if QUIET else sorted(ev, key=lambda e: e[2]):
         print(f"    {1e3 * (a - t0):7.1f} -> {1e3 * (b - t0):7.1f}  {s:12s} [{th}]")
 
 
@@ -91,7 +91,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--window", type=int, default=None, help="Stager window (default: its own)")
+    ap.add_argument("--quiet", action="store_true", help="sums only, no timeline")
     args = ap.parse_args()
+    if args.window is not None:
+        staged.Stager.__init__.__kwdefaults__["window"] = args.window
+    global QUIET
+    QUIET = args.quiet
     install()
     n = args.tokens // 16
     nb = n + 16
