@@ -28,6 +28,8 @@ from kvplan_nixl import legs
 EVENTS: list[tuple[str, str, float, float]] = []  # (step, thread, start, end)
 _LOCK = threading.Lock()
 QUIET = False
+STARTS: list[float] = []  # when each staged request was posted
+DONE: list = []  # its StagedTransfer
 
 
 def _wrap(obj, name, label):
@@ -67,6 +69,14 @@ def install() -> None:
                 with _LOCK:
                     EVENTS.append((f"nixl {k}", "main", t0, now))
     staged.Stager._advance = _advance
+    start = staged.Stager._start
+
+    def _start(self, *a, **k):
+        STARTS.append(time.perf_counter())
+        t = start(self, *a, **k)
+        DONE.append(t)
+        return t
+    staged.Stager._start = _start
 
 
 def report(label: str, t0: float, t1: float) -> None:
@@ -87,11 +97,33 @@ def report(label: str, t0: float, t1: float) -> None:
         print(f"    {1e3 * (a - t0):7.1f} -> {1e3 * (b - t0):7.1f}  {s:12s} [{th}]")
 
 
+def two_process(args) -> None:
+    import bench_staged
+
+    marks = []
+    orig = bench_staged._median_time
+
+    def timed(fn, reps):  # mark the staged requests' windows
+        t0 = time.perf_counter()
+        r = orig(fn, reps)
+        marks.append((t0, time.perf_counter(), r))
+        return r
+    bench_staged._median_time = timed
+    for row in bench_staged.bench_two_process(args.tokens, args.layers, 3):
+        print(" | ".join(row))
+    # per mode, reps of (numpy, direct, staged): the last staged window of each mode
+    for label, (t0, t1, _) in (("pull", marks[5]), ("push", marks[11])):
+        report(f"two processes, {label} staged (last), this process's side", t0, t1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--window", type=int, default=None, help="Stager window (default: its own)")
+    ap.add_argument("--two-process", action="store_true",
+                    help="the other engine in its own processes (bench_staged's setup); "
+                    "only this process's steps are timed")
     ap.add_argument("--quiet", action="store_true", help="sums only, no timeline")
     args = ap.parse_args()
     if args.window is not None:
@@ -99,6 +131,9 @@ def main() -> None:
     global QUIET
     QUIET = args.quiet
     install()
+    if args.two_process:
+        two_process(args)
+        return
     n = args.tokens // 16
     nb = n + 16
     w = World(_llama(8, args.layers, nb), _llama(4, args.layers, nb))
