@@ -80,7 +80,7 @@ def install() -> None:
 
 
 def report(label: str, t0: float, t1: float) -> None:
-    ev = [e for e in EVENTS if e[2] >= t0]
+    ev = [e for e in EVENTS if t0 <= e[2] <= t1]
     tot = collections.defaultdict(float)
     cnt = collections.Counter()
     for s, _, a, b in ev:
@@ -111,8 +111,8 @@ def two_process(args) -> None:
     bench_staged._median_time = timed
     for row in bench_staged.bench_two_process(args.tokens, args.layers, 3):
         print(" | ".join(row))
-    # per mode, reps of (numpy, direct, staged): the last staged window of each mode
-    for label, (t0, t1, _) in (("pull", marks[5]), ("push", marks[11])):
+    # per mode, 3 reps of (numpy, direct, staged): the last staged window of each mode
+    for label, (t0, t1, _) in (("pull", marks[8]), ("push", marks[17])):
         report(f"two processes, {label} staged (last), this process's side", t0, t1)
 
 
