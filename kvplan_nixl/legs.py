@@ -26,8 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-#: Serialises changes of torch's (process-wide) intra-op thread count by :func:`cpu_threads`.
-_THREADS = threading.Lock()
+#: Guards :data:`_SHARED`, the state of :func:`cpu_threads` (torch's intra-op thread count is
+#: per process): legs asking for the same count share the setting and run together; a leg
+#: asking for another count waits until they are done.
+_THREADS = threading.Condition()
+#: [count in force, legs holding it, the setting to restore when the last one leaves]
+_SHARED: list = [None, 0, None]
 
 __all__ = ["Chunk", "byte_tensor", "chunk_ops", "cpu_threads", "gather", "granule_index",
            "scatter", "synchronize"]
@@ -126,17 +130,31 @@ def cpu_threads(n: int | None, t: torch.Tensor) -> Iterator[None]:
     Why: a leg is a few index copies of about a MiB per buffer; on a busy host, splitting each
     over threads costs more in synchronisation than it gains (measured on 2 shared cores: 1.4
     GB/s with one thread, 0.05-0.5 GB/s with two).
+
+    Legs asking for the same ``n`` (every Stager of a process by default) hold the setting
+    together, so the legs of several Stagers in one process overlap; an earlier version held
+    one lock per leg, which ran every leg of a process one after another (measured with
+    ``benchmarks/profile_staged.py``, docs/performance.md).
     """
     if n is None or t.device.type != "cpu":
         yield
         return
-    with _THREADS:  # the setting is per process: legs of several stagers take turns
-        before = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+    with _THREADS:  # legs of several stagers wanting the same count run together
+        while _SHARED[1] and _SHARED[0] != n:
+            _THREADS.wait()
+        if not _SHARED[1]:
+            _SHARED[0], _SHARED[2] = n, torch.get_num_threads()
+        _SHARED[1] += 1
+        torch.set_num_threads(n)  # also on this thread: OpenMP keeps the count per thread
+    try:
+        yield
+    finally:
+        with _THREADS:
+            _SHARED[1] -= 1
+            if not _SHARED[1]:
+                torch.set_num_threads(_SHARED[2])
+                _SHARED[0] = None
+                _THREADS.notify_all()
 
 
 def synchronize(t: torch.Tensor) -> None:

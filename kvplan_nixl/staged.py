@@ -392,26 +392,47 @@ class Stager:
                ) -> StagedTransfer:
         route = self.ep._route(remote, mode)
         self.ep._check_plan(plan, route, remote, mode)
-        sp = stage(plan, self.slot_bytes)
+        # OPEN first, then derive the legs: the server plans and stages its side (and, for
+        # pull, gathers chunk 0) while this side stages (profile_staged.py: ~10 ms each for
+        # 40,960 runs, which used to run one after the other before the first chunk moved)
+        rows = plan.copies()
+        col = rows["src_rank" if mode is Mode.PULL else "dst_rank"]
+        peers = np.unique(col).tolist()
+        per_peer = {r: int(rows["length"][col == r].sum()) for r in peers}
         rid = f"{next(self._ids)}"
         deadline = None if timeout is None else time.monotonic() + timeout
         agents = {p.rank: p.agent for p in self.ep.peers() if p.engine == remote}
-        missing = [r for r in sp.peers if r not in agents]
+        missing = [r for r in peers if r not in agents]
         if missing:
             raise NotConnectedError(
                 f"staged {mode.value}: ranks {missing} of engine {remote!r} are not connected")
-        jobs = [_Job(rid, agents[r], r, sp, mode, deadline) for r in sp.peers]
-        t = StagedTransfer(self, sp, remote, jobs)
-        t.rid = rid
-        self._mine[rid] = (t, t._jobs)
         body = np.concatenate([*plan.src_blocks, *plan.dst_blocks]).astype("<i8").tobytes()
         lens = [len(b) for b in plan.src_blocks] + [len(b) for b in plan.dst_blocks]
         tmo = 0 if timeout is None else max(1, int(timeout * 1000))
+        unsent = set()
+        for r in peers:
+            msg = _encode("OPEN", rid, mode.value, self.slot_bytes, tmo, per_peer[r],
+                          -(-per_peer[r] // self.slot_bytes), len(plan.src_blocks),
+                          len(plan.dst_blocks), *lens, body=body)
+            if not self._send(agents[r], msg):
+                unsent.add(r)
+        try:
+            sp = stage(plan, self.slot_bytes)
+            jobs = [_Job(rid, agents[r], r, sp, mode, deadline) for r in sp.peers]
+            if [j.peer for j in jobs] != peers or any(
+                    j.nbytes != per_peer[j.peer] or len(j.chunks) != -(-j.nbytes // self.slot_bytes)
+                    for j in jobs):
+                raise RuntimeError("staged plan disagrees with the OPEN sent")  # a bug
+        except BaseException:
+            for r in peers:
+                if r not in unsent:
+                    self._send(agents[r], _encode("ABORT", rid, "initiator could not stage"))
+            raise
+        t = StagedTransfer(self, sp, remote, jobs)
+        t.rid = rid
+        self._mine[rid] = (t, t._jobs)
         for j in jobs:
-            msg = _encode("OPEN", rid, mode.value, self.slot_bytes, tmo, j.nbytes,
-                          len(j.chunks), len(plan.src_blocks), len(plan.dst_blocks), *lens,
-                          body=body)
-            if not self._send(j.agent, msg):
+            if j.peer in unsent:
                 self._fail(j, "peer unreachable (OPEN not sent)", "error", tell=False)
         self._settle(t)
         return t

@@ -79,3 +79,24 @@ def test_cpu_threads_restores_torch_setting(n):
     with legs.cpu_threads(n, torch.zeros(1)):
         assert torch.get_num_threads() == (before if n is None else n)
     assert torch.get_num_threads() == before
+
+
+def test_cpu_threads_shared_by_legs_asking_the_same_count():
+    """Legs of several Stagers asking the same count hold it together (they used to run one
+    after another); the setting is restored when the last leaves."""
+    import threading
+
+    before = torch.get_num_threads()
+    inside = threading.Barrier(2, timeout=10)
+
+    def leg():
+        with legs.cpu_threads(1, torch.zeros(1)):
+            inside.wait()  # both legs inside at once, or the barrier times out
+
+    ts = [threading.Thread(target=leg) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not inside.broken
+    assert torch.get_num_threads() == before
