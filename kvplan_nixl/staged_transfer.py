@@ -17,7 +17,7 @@ import torch
 from kvplan import Mode
 from kvplan.staging import StagedPlan
 from kvplan_nixl.errors import TransferFailed, TransferTimeout
-from kvplan_nixl.transfer import MAX_SLEEP_SECONDS, SPIN_SECONDS, State
+from kvplan_nixl.transfer import State, drive
 
 if TYPE_CHECKING:
     from kvplan_nixl.staged import Stager
@@ -162,18 +162,7 @@ class StagedTransfer:
             for j in self._jobs.values():
                 if j.deadline is None or limit < j.deadline:
                     j.deadline = limit
-        others = tuple(progress)
-        spin_until = time.monotonic() + SPIN_SECONDS
-        nap = 10e-6
-        while True:
-            for o in others:
-                o.progress()
-            self._st.poll()
-            if self.done:
-                break
-            if time.monotonic() > spin_until:
-                time.sleep(nap)
-                nap = min(nap * 2, MAX_SLEEP_SECONDS)
+        drive(self._st.poll, lambda: self.done, tuple(progress))
         err = self.error()
         if err is not None:
             raise err
@@ -266,17 +255,8 @@ class MixedTransfer:
         """Block until both parts are done; raise as :meth:`StagedTransfer.wait` does, naming
         the failed peers of both parts."""
         limit = None if timeout is None else time.monotonic() + timeout
-        others = tuple(progress)
-        nap = 10e-6
-        while not self.done:
-            for o in others:
-                o.progress()
-            self.poll()
-            if limit is not None and time.monotonic() > limit:
-                self.cancel("deadline passed before completion")
-                break
-            time.sleep(nap)
-            nap = min(nap * 2, MAX_SLEEP_SECONDS)
+        if not drive(self.poll, lambda: self.done, tuple(progress), limit):
+            self.cancel("deadline passed before completion")
         err = self.error()
         if err is not None:
             raise err

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +26,31 @@ if TYPE_CHECKING:
 #: Polling backoff of ``wait``: spin this long, then sleep with doubling up to the cap.
 SPIN_SECONDS = 200e-6
 MAX_SLEEP_SECONDS = 1e-3
+
+
+def drive(step: Callable[[], object], done: Callable[[], bool], others: Iterable = (),
+          limit: float | None = None) -> bool:
+    """Call ``step`` (after progressing each of ``others``) until ``done()``.
+
+    Spins for :data:`SPIN_SECONDS` (a loopback transfer often finishes within that), then
+    sleeps with naps doubling up to :data:`MAX_SLEEP_SECONDS`, so a long wait costs little CPU.
+    Returns False when the ``time.monotonic()`` deadline ``limit`` passed first. The one wait
+    loop of every transfer kind (direct, staged, mixed).
+    """
+    spin_until = time.monotonic() + SPIN_SECONDS
+    nap = 10e-6
+    while True:
+        for o in others:
+            o.progress()
+        step()
+        if done():
+            return True
+        now = time.monotonic()
+        if limit is not None and now > limit:
+            return False
+        if now > spin_until:
+            time.sleep(nap)
+            nap = min(nap * 2, MAX_SLEEP_SECONDS)
 
 
 class State(enum.Enum):
@@ -187,19 +212,12 @@ class Transfer:
             limit = time.monotonic() + timeout
             if self._deadline is None or limit < self._deadline:
                 self._deadline = limit
-        others = tuple(progress)
-        spin_until = time.monotonic() + SPIN_SECONDS
-        nap = 10e-6
-        while True:
-            for ep in others:
-                ep.progress()
+        def step() -> None:
             self.poll()
-            if not self._pending:
-                break
-            self._ep.progress()
-            if time.monotonic() > spin_until:
-                time.sleep(nap)
-                nap = min(nap * 2, MAX_SLEEP_SECONDS)
+            if self._pending:
+                self._ep.progress()
+
+        drive(step, lambda: not self._pending, tuple(progress))
         err = self.error()
         if err is not None:
             raise err
