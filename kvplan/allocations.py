@@ -47,7 +47,7 @@ def finish(
     counts = np.diff(bounds)
     for side, spec in (("src", src), ("dst", dst)):
         regions = np.array([getattr(x, f"{side}_region") for x in lanes], dtype=np.int64)
-        k = np.array([spec.buffer_of(i) for i in range(len(spec.regions))], dtype=np.int64)
+        k = np.array(spec.region_buffers, dtype=np.int64)
         rows[f"{side}_buffer"] = np.repeat(k[regions], counts)  # a lane's regions are fixed
         for lane in np.flatnonzero([spec.regions[i].separate_kv for i in regions]).tolist():
             at, end = int(bounds[lane]), int(bounds[lane + 1])  # K/V pairs: V past the split
@@ -67,8 +67,8 @@ def _merge_across_lanes(
     # lanes come sorted by (source rank, destination rank): number those pairs
     pair = np.array([(x.src_rank, x.dst_rank) for x in lanes], dtype=np.int64).reshape(-1, 2)
     peer = np.cumsum(np.concatenate(([0], (pair[1:] != pair[:-1]).any(axis=1)))).astype(np.int64)
-    s_alloc = np.array([src.buffer_of(i) for i in range(len(src.regions))], dtype=np.int64)
-    d_alloc = np.array([dst.buffer_of(i) for i in range(len(dst.regions))], dtype=np.int64)
+    s_alloc = np.array(src.region_buffers, dtype=np.int64)
+    d_alloc = np.array(dst.region_buffers, dtype=np.int64)
     lane_sa = s_alloc[[x.src_region for x in lanes]]
     lane_da = d_alloc[[x.dst_region for x in lanes]]
     so, do, ln = rows["src_offset"], rows["dst_offset"], rows["length"]

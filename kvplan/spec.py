@@ -519,6 +519,7 @@ class EngineSpec:
     _stages: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     _pages: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     _buffers: Buffers = attrs.field(init=False, eq=False, repr=False)
+    _region_buffers: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         for field in ("tp_size", "pp_size", "dcp_size", "dcp_interleave"):
@@ -545,6 +546,8 @@ class EngineSpec:
         object.__setattr__(self, "_stages", self._assign_stages())
         object.__setattr__(self, "_pages", self._assign_pages())
         object.__setattr__(self, "_buffers", self._assign_buffers())
+        # per request, allocations.finish needs every region's buffer: derive it once here
+        object.__setattr__(self, "_region_buffers", tuple(s[0] for s in self._buffers.slots))
         self._check_sizes()
 
     def _check_sizes(self) -> None:
@@ -875,6 +878,12 @@ class EngineSpec:
         name, a pool's, a K or V buffer's, or a region's own name when it has its own buffer.
         ``copies()``' ``src_buffer``/``dst_buffer`` columns index this tuple."""
         return self._buffers.names
+
+    @property
+    def region_buffers(self) -> tuple[int, ...]:
+        """``buffer_of(i)`` for every region ``i``, in region order: the buffer holding each
+        region (its K buffer where K and V are separate). Computed once per spec."""
+        return self._region_buffers
 
     def buffer_of(self, index: int, stream: int = 0) -> int:
         """Index in :attr:`buffers` of the buffer holding ``stream`` of region ``index``."""
