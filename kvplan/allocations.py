@@ -6,9 +6,9 @@ layer is one piece of memory. Templates and the per-lane merge (``plan.py``) wor
 :func:`finish` then merges runs across the lanes of one (source rank, destination rank) whose
 regions share an allocation on both sides, so a request costs one run per (peer, block run)
 instead of one per layer. A merged run is reported under the lane (regions) of its first byte.
-Last, the planner's offsets become (buffer, offset in that buffer) columns: a region with
-separate K and V buffers is planned as one space, V after a one-block gap (see
-:func:`kvplan.layout.kv_split`).
+Last, a region with separate K and V buffers, planned as one space with V after a one-block
+gap (see :func:`kvplan.layout.kv_split`), has its V runs moved to the V buffer's column and
+offsets (``build_plan`` writes every lane's buffer, its K buffer for such a region).
 
 Numpy only: one lexsort and one linear pass over the rows; loops run over regions and lanes.
 """
@@ -33,7 +33,7 @@ def finish(
     src: EngineSpec, dst: EngineSpec, lanes: Sequence, rows: np.ndarray, bounds: np.ndarray,
     merge_slots: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Merge runs across layer slots and fill the ``src_buffer``/``dst_buffer`` columns.
+    """Merge runs across layer slots; move V runs of separate K/V buffers to the V buffer.
 
     ``rows`` (of ``kvplan.plan.COPY_DTYPE``) are grouped by lane, lane ``k`` being rows
     ``[bounds[k], bounds[k+1])``, sorted by destination offset within a lane. Returns new rows
@@ -44,11 +44,8 @@ def finish(
     if merge_slots and any(_multi_slot(src, x.src_region) and _multi_slot(dst, x.dst_region)
                            for x in lanes):
         rows, bounds = _merge_across_lanes(src, dst, lanes, rows, bounds)
-    counts = np.diff(bounds)
-    for side, spec in (("src", src), ("dst", dst)):
-        regions = np.array([getattr(x, f"{side}_region") for x in lanes], dtype=np.int64)
-        k = np.array(spec.region_buffers, dtype=np.int64)
-        rows[f"{side}_buffer"] = np.repeat(k[regions], counts)  # a lane's regions are fixed
+    for side, spec in (("src", src), ("dst", dst)):  # build_plan wrote each lane's buffer
+        regions = [getattr(x, f"{side}_region") for x in lanes]
         for lane in np.flatnonzero([spec.regions[i].separate_kv for i in regions]).tolist():
             at, end = int(bounds[lane]), int(bounds[lane + 1])  # K/V pairs: V past the split
             buf, off = buffer_offsets(spec, rows[f"{side}_region"][at:end],

@@ -285,6 +285,7 @@ def build_plan(
         lane_rows.append(runs)
     bounds = np.cumsum([0] + [len(r[2]) for r in lane_rows])
     out = np.empty(int(bounds[-1]), dtype=COPY_DTYPE)
+    src_buffers, dst_buffers = tmap.src.region_buffers, tmap.dst.region_buffers
     for lane, (src_off, dst_off, length), at, end in zip(
         tmap.lanes, lane_rows, bounds[:-1], bounds[1:]
     ):
@@ -295,6 +296,8 @@ def build_plan(
         out["dst_region"][at:end] = lane.dst_region
         out["dst_offset"][at:end] = dst_off
         out["length"][at:end] = length
+        out["src_buffer"][at:end] = src_buffers[lane.src_region]  # K's where K/V are separate:
+        out["dst_buffer"][at:end] = dst_buffers[lane.dst_region]  # finish() moves V runs
     runs = len(out)
     out, bounds = finish(tmap.src, tmap.dst, tmap.lanes, out, bounds, merge_slots)
     out.flags.writeable = False
