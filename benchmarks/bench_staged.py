@@ -33,7 +33,7 @@ from kvplan_nixl._nixl import NIXL_LOCAL, nixl_agent, nixl_agent_config
 from kvplan_nixl.staged import Stager
 
 SLOT = int(os.environ.get("KVPLAN_BENCH_SLOT", 16 << 20))
-POOL = 4 * SLOT
+POOL = int(os.environ.get("KVPLAN_BENCH_POOL", 4 * SLOT))
 
 
 def _llama(tp: int, layers: int, nb: int) -> EngineSpec:

@@ -2,9 +2,10 @@
 
     python benchmarks/profile_staged.py [--tokens 2048] [--layers 80]
 
-Wraps the Stager's steps (stage() planning, chunk_ops index building, gather, scatter, NIXL
-post -> completion) with timers and prints, per request, the sum per step and the timeline
-(ms from the request's start) per chunk, so one can see whether legs of chunks overlap.
+Wraps the Stager's steps (stage() planning, SideIndex building and its per-chunk slicing,
+gather, scatter, NIXL post -> completion) with timers and prints, per request, the sum per
+step and the timeline (ms from the request's start) per chunk, so one can see whether legs of
+chunks overlap.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def _wrap(obj, name, label):
 
 def install() -> None:
     _wrap(staged, "stage", "stage()")
-    _wrap(legs, "chunk_ops", "chunk_ops")
+    _wrap(legs.SideIndex, "chunk", "chunk ops")
+    _wrap(legs.SideIndex, "__init__", "side index")
     _wrap(legs, "gather", "gather")
     _wrap(legs, "scatter", "scatter")
     post = staged.Stager._post
@@ -61,13 +63,14 @@ def install() -> None:
 
     def _advance(self, j):
         before = set(j.xfers)
-        adv(self, j)
+        n = adv(self, j)
         now = time.perf_counter()
         for k in before - set(j.xfers):
             t0 = posted.pop((id(j), k), None)
             if t0 is not None:
                 with _LOCK:
                     EVENTS.append((f"nixl {k}", "main", t0, now))
+        return n
     staged.Stager._advance = _advance
     start = staged.Stager._start
 
@@ -91,7 +94,7 @@ def report(label: str, t0: float, t1: float) -> None:
     for k in sorted(tot, key=lambda k: -tot[k]):
         print(f"  {k:12s} n={cnt[k]:3d} sum {1e3 * tot[k]:7.1f} ms  "
               f"mean {1e3 * tot[k] / cnt[k]:6.2f} ms")
-    busy = sum(b - a for s, th, a, b in ev if s in ("gather", "scatter", "chunk_ops"))
+    busy = sum(b - a for s, th, a, b in ev if s in ("gather", "scatter", "chunk ops", "side index"))
     print(f"  local legs busy {1e3 * busy:.1f} ms of {1e3 * (t1 - t0):.1f} ms wall")
     for s, th, a, b in [] if QUIET else sorted(ev, key=lambda e: e[2]):
         print(f"    {1e3 * (a - t0):7.1f} -> {1e3 * (b - t0):7.1f}  {s:12s} [{th}]")

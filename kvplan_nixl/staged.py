@@ -60,7 +60,7 @@ from kvplan_nixl.errors import (
     release_counted,
 )
 from kvplan_nixl.staged_transfer import MixedTransfer, StagedTransfer, _Job, _Pool
-from kvplan_nixl.transfer import State
+from kvplan_nixl.transfer import WAKE, State
 
 if TYPE_CHECKING:
     from kvplan_nixl.endpoint import Endpoint
@@ -319,32 +319,37 @@ class Stager:
         finally:
             self._release_xfer(h)
 
-    def poll(self) -> None:
+    def poll(self) -> int:
         """Progress the endpoint, handle protocol messages, advance transfers, enforce
-        deadlines. Never blocks; the initiator and the server both call it (or a ``wait``)."""
+        deadlines. Never blocks; the initiator and the server both call it (or a ``wait``).
+
+        Returns how many things happened (messages handled, legs finished, chunk transfers
+        completed): a polling loop that got 0 may nap, one that got more should poll again
+        soon (``transfer.drive`` does both; :data:`kvplan_nixl.transfer.WAKE` is set when a
+        leg finishes, to end a nap early)."""
         if self.ep.closed:
-            return
-        self.ep.progress()
-        self._reap()
+            return 0
+        n = self.ep.progress() + self._reap()
         while self._inbox:
             agent_name, msg = self._inbox.popleft()
             self._handle(agent_name, msg)
+            n += 1
         now = time.monotonic()
         for t, jobs in list(self._mine.values()):
             for j in list(jobs.values()):
-                self._advance(j)
+                n += self._advance(j)
                 if j.state is State.PENDING and j.deadline is not None and now > j.deadline:
                     self._fail(j, "deadline passed before completion", "timeout")
             self._settle(t)
         for j in list(self._served.values()):
             if now > j.deadline:
                 self._drop_served(j, "server deadline passed", tell=True)
+        return n
 
     def progress(self) -> int:
         """:meth:`poll`, under the name ``Transfer.wait(progress=...)`` calls on endpoints, so a
-        Stager can be passed where an Endpoint is expected. Returns 0."""
-        self.poll()
-        return 0
+        Stager can be passed where an Endpoint is expected."""
+        return self.poll()
 
     def handles(self) -> dict[str, int]:
         """What this stager holds: slots in use, NIXL transfers in flight, descriptor lists
@@ -437,10 +442,11 @@ class Stager:
         self._settle(t)
         return t
 
-    def _advance(self, j: _Job) -> None:
-        """Poll the job's transfers in flight; finish what completed."""
+    def _advance(self, j: _Job) -> int:
+        """Poll the job's transfers in flight; finish what completed; how many did."""
         if j.state is not State.PENDING:
-            return
+            return 0
+        done = 0
         agent = self.ep._agent_or_none()
         for k, h in list(j.xfers.items()):
             try:
@@ -449,19 +455,21 @@ class Stager:
                 if not is_nixl_error(exc):
                     raise
                 self._fail(j, f"{nixl_code(exc)} while chunk {k} in flight", "error")
-                return
+                return 1
             if s == "PROC":
                 continue
             if s != "DONE":
                 self._fail(j, f"NIXL state {s} for chunk {k}", "error")
-                return
+                return 1
             del j.xfers[k]
+            done += 1
             self._release_xfer(h)
             if j.mode is Mode.PULL:  # the chunk landed: scatter it, then free the slot
                 self._leg(j, k, "scatter", lambda k=k: self._chunk_done(j, k))
             else:
                 self.pool.release(j.slots.pop(k))
         self._check_done(j)
+        return done
 
     def _chunk_done(self, j: _Job, k: int) -> None:
         self.pool.release(j.slots.pop(k))
@@ -729,13 +737,17 @@ class Stager:
             self._after_leg(j, k, then, None)
             return
         fut = self._worker.submit(self._local_leg, j, k, j.slots[k], which)
+        fut.add_done_callback(_wake)  # a waiting drive() polls now, not after its nap
         self._running.append((fut, j, k, then))
 
-    def _reap(self) -> None:
-        """Finish the legs the worker completed, in submission order."""
+    def _reap(self) -> int:
+        """Finish the legs the worker completed, in submission order; how many."""
+        n = 0
         while self._running and self._running[0][0].done():
             fut, j, k, then = self._running.popleft()
             self._after_leg(j, k, then, fut.exception())
+            n += 1
+        return n
 
     def _after_leg(self, j: _Job, k: int, then: Callable[[], None],
                    exc: BaseException | None) -> None:
@@ -755,9 +767,9 @@ class Stager:
 
     def _local_leg(self, j: _Job, k: int, slot: int, which: str) -> None:
         sp = j.sp
-        chunk = j.chunks[k]
-        ops = legs.chunk_ops(sp.gather.copies() if which == "gather" else sp.scatter.copies(),
-                             chunk, sp.granule, "src" if which == "gather" else "dst")
+        if j.index is None:  # once per request, on the leg thread (one per Stager: no race)
+            j.index = legs.SideIndex(sp, "src" if which == "gather" else "dst")
+        ops = j.index.chunk(j.chunks[k])
         dest = self.pool.slot(slot)
         with legs.cpu_threads(self.cpu_threads, dest):
             (legs.gather if which == "gather" else legs.scatter)(ops, self._buffers, dest,
@@ -791,6 +803,10 @@ def _subset(plan: TransferPlan, peers) -> TransferPlan:
     bounds = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     bounds.flags.writeable = False
     return attrs.evolve(plan, rows=rows, lane_bounds=bounds)
+
+
+def _wake(_fut) -> None:
+    WAKE.set()
 
 
 class _Refuse(Exception):

@@ -76,6 +76,7 @@ class _Job:
                  deadline: float | None) -> None:
         self.rid, self.agent, self.peer, self.sp, self.mode = rid, agent, peer, sp, mode
         self.chunks = sp.peer_chunks(peer)
+        self.index = None  # this side's legs.SideIndex, built by the first local leg
         self.deadline = deadline
         self.state = State.PENDING
         self.reason, self.kind = "", ""

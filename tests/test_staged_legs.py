@@ -55,11 +55,13 @@ def test_torch_legs_move_exactly_what_simulate_moves(case):
         got = oracle.clone_buffers(before, rank)
         dst_buffers = _buffers(dst, got, rank, kind)
         slot = torch.zeros(chunk, dtype=torch.uint8)
+        gi, si = legs.SideIndex(sp, "src"), legs.SideIndex(sp, "dst")
         for ch in sp.chunks:
             src_buffers = _buffers(src, src_bufs, int(ch["peer"]), kind)
-            g = legs.chunk_ops(sp.gather.copies(), ch, sp.granule, "src")
-            s = legs.chunk_ops(sp.scatter.copies(), ch, sp.granule, "dst")
+            g, s = gi.chunk(ch), si.chunk(ch)
             assert g.nbytes == s.nbytes == ch["nbytes"]
+            for ops in (g.ops, s.ops):  # stretches tile the slot from its first granule
+                assert [a for _, a, _, _ in ops] == [0, *(b for _, _, b, _ in ops[:-1])]
             legs.gather(g, src_buffers, slot, sp.granule)
             legs.scatter(s, dst_buffers, slot, sp.granule)
         for k in want:
