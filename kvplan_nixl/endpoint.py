@@ -670,6 +670,17 @@ class Endpoint:
         self._notifs.clear()
         return out
 
+    def _deliver(self, agent_name: str, message: bytes) -> None:
+        """Queue ``message`` for :meth:`notifications` as if NIXL had delivered it from the
+        agent ``agent_name`` (same ``Notification`` shape: that agent's engine and rank).
+
+        Internal: a protocol layered on this endpoint (staged transfers, whose bulk transfers
+        carry protocol notes) calls it to deliver a user's ``notify`` when its request's part
+        completed here.
+        """
+        engine, rank = _parse_agent(agent_name)
+        self._notifs.append(Notification(engine, rank, bytes(message)))
+
     # -- resources ---------------------------------------------------------------------------
 
     def handles(self) -> dict[str, int]:
