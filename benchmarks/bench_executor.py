@@ -15,6 +15,9 @@
    (telemetry), and the maximal contiguous runs counted independently (goal: equal).
 5. A hybrid engine (KimiLinear-like: MLA and KDA state views of shared pools, kernel blocks),
    P TP2 -> D TP4: executor against raw NIXL (goal: at most 1.1x) and descriptors (equal).
+6. Parallel posting: the scattered hetero-TP pull of 2. through ``Endpoint.read`` with
+   ``num_threads=0`` and ``num_threads=2`` on every agent, timed interleaved in one run
+   (``--only "parallel posting"`` runs this section alone).
 
 Every engine lives in this process; agents have no progress thread (the targets are progressed
 by ``Transfer.wait(progress=...)``, the raw loop does the same).
@@ -26,6 +29,7 @@ import argparse
 import ctypes
 import mmap
 import os
+import resource
 import statistics
 import sys
 import time
@@ -47,6 +51,11 @@ def _time(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _spec(tp: int, layers: int, nb: int) -> EngineSpec:
@@ -76,14 +85,17 @@ def _allocations(bufs: list[np.ndarray]) -> list[np.ndarray]:
 class Engines:
     """Source ranks and one destination rank over real buffers, connected for pull."""
 
-    def __init__(self, src: EngineSpec, dst: EngineSpec, dst_rank: int = 0) -> None:
+    def __init__(self, src: EngineSpec, dst: EngineSpec, dst_rank: int = 0,
+                 num_threads: int = 0) -> None:
         self.src, self.dst = src, dst
         m = kvplan.pull_map(src, dst, dst_rank)
         self.peers = m.peers
         self.sbufs = {r: _buffers(src, None) for r in self.peers}
         self.dbufs = _buffers(dst, 0)
-        self.p = [Endpoint("prefill", src, r, self.sbufs[r]) for r in self.peers]
-        self.d = Endpoint("decode", dst, dst_rank, self.dbufs, telemetry=True)
+        self.p = [Endpoint("prefill", src, r, self.sbufs[r], num_threads=num_threads)
+                  for r in self.peers]
+        self.d = Endpoint("decode", dst, dst_rank, self.dbufs, telemetry=True,
+                          num_threads=num_threads)
         for ep in self.p:
             self.d.connect(ep.metadata())
 
@@ -230,6 +242,43 @@ def bench_hetero(reps: int, tokens: int) -> list[tuple]:
         eng.close()
 
 
+def bench_num_threads(reps: int, tokens: int) -> list[tuple]:
+    """The scattered hetero-TP pull of :func:`bench_hetero` through ``Endpoint.read``, with
+    every agent at NIXL's default and with ``num_threads=2`` (UCX's multi-threaded engine),
+    both alive in this run and timed interleaved; bytes checked after each side's last read."""
+    nb = 2 * tokens // 16
+    src, dst = llama3_70b(8, num_blocks=nb), llama3_70b(4, num_blocks=nb)
+    rng = np.random.default_rng(0)
+    n = tokens // 16
+    sb, db = [rng.permutation(nb)[:n].tolist()], [rng.permutation(nb)[:n].tolist()]
+    engs = {0: Engines(src, dst), 2: Engines(src, dst, num_threads=2)}
+    try:
+        plans = {k: e.d.map("prefill").plan(sb, db) for k, e in engs.items()}
+        for k, e in engs.items():  # warm up: connections, page tables
+            e.read(plans[k])
+        times: dict[int, list[float]] = {0: [], 2: []}
+        cpu = {0: 0.0, 2: 0.0}  # process CPU seconds (every thread, NIXL's and UCX's too)
+        for _ in range(reps):
+            for k, e in engs.items():
+                c = _cpu()
+                times[k].append(_time(lambda e=e, k=k: e.read(plans[k])))
+                cpu[k] += _cpu() - c
+        t0, t2 = (statistics.median(times[k]) for k in (0, 2))
+        c0, c2 = (cpu[k] / reps for k in (0, 2))
+        ok = all(np.array_equal(engs[0].dbufs[i], engs[2].dbufs[i])
+                 for i in range(len(dst.regions)))
+        runs, mib = len(plans[0].copies()), plans[0].nbytes / 2**20
+        return [
+            (f"hetero pull P TP8 -> D TP4, {tokens} tokens scattered ({runs} runs, {mib:.0f} "
+             f"MiB), Endpoint.read: num_threads=0 / 2",
+             f"{t0 * 1e3:.1f} / {t2 * 1e3:.1f} ms ({t0 / t2:.2f}x; CPU {c0 * 1e3:.0f} / "
+             f"{c2 * 1e3:.0f} ms per read; same bytes: {ok})", "measure", ""),
+        ]
+    finally:
+        for e in engs.values():
+            e.close()
+
+
 def bench_hybrid(reps: int, tokens: int) -> list[tuple]:
     """KimiLinear-like (MLA + KDA state views of shared pools, kernel blocks of 16), P TP2 ->
     D TP4, scattered pages and one state slot: executor against raw NIXL, and descriptors."""
@@ -360,16 +409,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=2048, help="hetero-TP request length")
+    ap.add_argument("--only", default="", help="run only the sections whose name contains this")
     args = ap.parse_args(argv)
     print("| measure | result | goal | |")
     print("|---|---|---|---|", flush=True)
     for what, run in (  # each section's rows print as soon as it is measured
         ("bulk reads and writes", lambda: bench_bulk(args.reps)),
         ("heterogeneous TP", lambda: bench_hetero(max(3, args.reps // 2), args.tokens)),
+        ("parallel posting (num_threads)",
+         lambda: bench_num_threads(max(3, args.reps // 2), args.tokens)),
         ("hybrid", lambda: bench_hybrid(max(3, args.reps // 2), 8 * args.tokens)),
         ("connect", lambda: bench_connect(5)),
         ("engine-style preparation", lambda: bench_engine_style_prep(3)),
     ):
+        if args.only not in what:
+            continue
         with step(f"measuring {what}"):
             rows = run()
         for r in rows:

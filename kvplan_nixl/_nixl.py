@@ -30,19 +30,24 @@ NIXL_LOCAL = "NIXL_INIT_AGENT"
 
 
 def make_agent(name: str, backends: tuple[str, ...], telemetry: bool,
-               progress_thread: bool = False) -> nixl_agent:
+               progress_thread: bool = False, num_threads: int = 0) -> nixl_agent:
     """A NIXL agent, by default without a progress thread (NIXL's thread spins a core at 100%
     even when idle: NIXL 1.5 hard-codes a zero delay between its polls).
 
     Without it, the agent is progressed by our own calls: ``check_xfer_state`` on the initiator
     and ``get_new_notifs`` on the target (see ``Endpoint.progress``). With it, NIXL progresses
     transfers and receives notifications on its own thread.
+
+    ``num_threads`` > 0 is NIXL's agent option of that name: the Python agent passes it to the
+    UCX backend as its ``num_threads`` parameter (UCX's multi-threaded engine, worker threads
+    that share a transfer's descriptors); 0 keeps NIXL's default (no such threads).
     """
     missing_ok = list(backends)
     cfg = nixl_agent_config(
         enable_prog_thread=bool(progress_thread),
         enable_listen_thread=False,
         capture_telemetry=telemetry,
+        num_threads=num_threads,
         backends=missing_ok,
     )
     return nixl_agent(name, cfg)

@@ -173,6 +173,12 @@ class Endpoint:
     and notifications on its own thread, which spins one CPU core at 100% for as long as the
     endpoint lives; by default (False) the endpoint is progressed by its own calls
     (``Transfer.wait``/``poll``, :meth:`progress`, :meth:`notifications`).
+
+    ``num_threads`` (a non-negative int; 0, the default, keeps NIXL's default) is NIXL's agent
+    option of that name, handed to the UCX backend: worker threads that share the posting of a
+    transfer's descriptors, which helps requests of many small descriptors (scattered block
+    ids, hetero TP) and costs those threads in every agent, on top of the progress thread if
+    that is on. See docs/executor.md, "Parallel posting: num_threads".
     """
 
     def __init__(
@@ -186,7 +192,11 @@ class Endpoint:
         telemetry: bool = False,
         secret: bytes | str | None = None,
         progress_thread: bool = False,
+        num_threads: int = 0,
     ) -> None:
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
+            raise ValueError(f"num_threads must be a non-negative int (0: NIXL's default), "
+                             f"got {num_threads!r}")
         if not isinstance(engine, str) or not engine:
             raise ValueError(f"engine must be a non-empty name, got {engine!r}")
         if isinstance(spec, Mapping):
@@ -208,6 +218,7 @@ class Endpoint:
         self.rank = rank
         self.telemetry = bool(telemetry)
         self.progress_thread = bool(progress_thread)
+        self.num_threads = num_threads
         #: control notifications ignored (unknown sender, bad MAC, unreadable): see progress()
         self.ignored_notices = 0
         self.mem_type = mems[0]
@@ -236,7 +247,7 @@ class Endpoint:
         self._notif_hooks: dict[bytes, Any] = {}
         with nixl_call("agent creation", f"backends {list(backends)}"):
             self._agent = make_agent(self.agent_name, tuple(backends), self.telemetry,
-                                     self.progress_thread)
+                                     self.progress_thread, num_threads)
         try:
             missing = [b for b in backends if b not in self._agent.backends]
             if missing:
@@ -669,6 +680,17 @@ class Endpoint:
         out = list(self._notifs)
         self._notifs.clear()
         return out
+
+    def _deliver(self, agent_name: str, message: bytes) -> None:
+        """Queue ``message`` for :meth:`notifications` as if NIXL had delivered it from the
+        agent ``agent_name`` (same ``Notification`` shape: that agent's engine and rank).
+
+        Internal: a protocol layered on this endpoint (staged transfers, whose bulk transfers
+        carry protocol notes) calls it to deliver a user's ``notify`` when its request's part
+        completed here.
+        """
+        engine, rank = _parse_agent(agent_name)
+        self._notifs.append(Notification(engine, rank, bytes(message)))
 
     # -- resources ---------------------------------------------------------------------------
 

@@ -30,6 +30,10 @@ and sends FAIL to the other; a server also drops a request whose own deadline (t
 initiator's timeout, or :data:`SERVE_TIMEOUT`) passes, so a dead initiator cannot hold its
 slots.
 
+The user's ``notify`` travels in the OPEN (after the block ids) and the server queues it into
+its endpoint's ``notifications()`` when its part is DONE: push after the last scatter, pull on
+the last TAKEN; never for a failed request.
+
 Not thread-safe: drive a Stager (``poll``, or a transfer's ``wait``) from its endpoint's thread.
 """
 
@@ -98,7 +102,8 @@ class Stager:
     legs on CPU memory (``None``: torch's setting; see ``legs.cpu_threads``). ``overlap``: run
     the local legs on a worker thread, so that gathering or scattering one chunk overlaps the
     NIXL transfer of another (``False``: inline, on the polling thread). ``close()`` before the
-    endpoint's.
+    endpoint's. A request's ``notify`` reaches each peer rank's ``Endpoint.notifications()``
+    once, when that rank's part is complete, as in direct mode (see :meth:`read`).
     """
 
     def __init__(self, endpoint: Endpoint, *, pool_bytes: int = 64 << 20,
@@ -162,25 +167,36 @@ class Stager:
 
     # -- public ------------------------------------------------------------------------------
 
-    def read(self, plan: TransferPlan, remote: str, *, timeout: float | None = None
-             ) -> StagedTransfer:
-        """Pull ``plan`` (from this rank's pull map for ``remote``) through staging."""
-        return self._start(plan, remote, Mode.PULL, timeout)
+    def read(self, plan: TransferPlan, remote: str, *, notify: bytes | None = None,
+             timeout: float | None = None) -> StagedTransfer:
+        """Pull ``plan`` (from this rank's pull map for ``remote``) through staging.
 
-    def write(self, plan: TransferPlan, remote: str, *, timeout: float | None = None
-              ) -> StagedTransfer:
-        """Push ``plan`` (from this rank's push map for ``remote``) through staging."""
-        return self._start(plan, remote, Mode.PUSH, timeout)
+        ``notify`` is delivered to each peer rank (the source; its ``Endpoint.notifications()``,
+        as ``Notification(engine, rank, message)`` naming this rank) once that rank saw this
+        side take its last chunk, as a direct ``Endpoint.read`` delivers it; never on failure.
+        """
+        return self._start(plan, remote, Mode.PULL, timeout, notify)
+
+    def write(self, plan: TransferPlan, remote: str, *, notify: bytes | None = None,
+              timeout: float | None = None) -> StagedTransfer:
+        """Push ``plan`` (from this rank's push map for ``remote``) through staging.
+
+        ``notify`` is delivered to each peer rank (the destination) once its last chunk is
+        scattered into its KV cache, as a direct ``Endpoint.write`` delivers it; never on
+        failure.
+        """
+        return self._start(plan, remote, Mode.PUSH, timeout, notify)
 
     def post(self, plan: TransferPlan, remote: str, *, how: str = "auto",
-             timeout: float | None = None):
+             notify: bytes | None = None, timeout: float | None = None):
         """Read (pull plan) or write (push plan) ``plan`` directly or staged.
 
         ``how``: ``"direct"``, ``"staged"`` or ``"auto"``, which decides per peer rank with
         :meth:`staged_peers` and the costs of ``remote`` (measured by :meth:`calibrate`, else
         :data:`DEFAULT_COSTS`). Returns a :class:`~kvplan_nixl.Transfer`, a
         :class:`StagedTransfer`, or, when ``auto`` stages only some peers, a
-        :class:`MixedTransfer` of the two (the plan's runs split by peer rank).
+        :class:`MixedTransfer` of the two (the plan's runs split by peer rank). ``notify``
+        reaches every peer rank once, by whichever part serves it (see :meth:`read`).
         """
         if how not in ("auto", "direct", "staged"):
             raise ValueError(f"how must be 'auto', 'direct' or 'staged', got {how!r}")
@@ -195,16 +211,16 @@ class Stager:
             else:
                 direct = [r for r in plan.peers if r not in staged]
                 # post the staged part first: its OPENs travel while the direct part runs
-                st = self._start(_subset(plan, staged), remote, plan.map.mode, timeout)
+                st = self._start(_subset(plan, staged), remote, plan.map.mode, timeout, notify)
                 try:
-                    dt = post(_subset(plan, direct), remote, timeout=timeout)
+                    dt = post(_subset(plan, direct), remote, notify=notify, timeout=timeout)
                 except BaseException:
                     st.cancel("the direct part could not be posted")
                     raise
                 return MixedTransfer(plan, dt, st)
         if how == "direct":
-            return post(plan, remote, timeout=timeout)
-        return self._start(plan, remote, plan.map.mode, timeout)
+            return post(plan, remote, notify=notify, timeout=timeout)
+        return self._start(plan, remote, plan.map.mode, timeout, notify)
 
     def staged_peers(self, plan: TransferPlan, remote: str) -> tuple[int, ...]:
         """The peer ranks of ``plan`` for which the cost model predicts staging beats direct
@@ -393,8 +409,8 @@ class Stager:
 
     # -- initiator ---------------------------------------------------------------------------
 
-    def _start(self, plan: TransferPlan, remote: str, mode: Mode, timeout: float | None
-               ) -> StagedTransfer:
+    def _start(self, plan: TransferPlan, remote: str, mode: Mode, timeout: float | None,
+               notify: bytes | None = None) -> StagedTransfer:
         route = self.ep._route(remote, mode)
         self.ep._check_plan(plan, route, remote, mode)
         # OPEN first, then derive the legs: the server plans and stages its side (and, for
@@ -414,11 +430,12 @@ class Stager:
         body = np.concatenate([*plan.src_blocks, *plan.dst_blocks]).astype("<i8").tobytes()
         lens = [len(b) for b in plan.src_blocks] + [len(b) for b in plan.dst_blocks]
         tmo = 0 if timeout is None else max(1, int(timeout * 1000))
+        note = b"" if notify is None else bytes(notify)  # the user's, after the ids
         unsent = set()
         for r in peers:
             msg = _encode("OPEN", rid, mode.value, self.slot_bytes, tmo, per_peer[r],
                           -(-per_peer[r] // self.slot_bytes), len(plan.src_blocks),
-                          len(plan.dst_blocks), *lens, body=body)
+                          len(plan.dst_blocks), *lens, len(note), body=body + note)
             if not self._send(agents[r], msg):
                 unsent.add(r)
         try:
@@ -561,11 +578,22 @@ class Stager:
         rid = f[1]
         mode = Mode(f[2])
         chunk, tmo, nbytes, nchunks, ng, ngd = (int(x) for x in f[3:9])
+        # then one length per block id list, then the length of the user's notify, which
+        # follows the block ids in the body
+        if ng < 0 or ngd < 0 or len(f) != 10 + ng + ngd:
+            raise _Refuse(f"OPEN has {len(f)} fields for {ng} + {ngd} block id lists")
         lens = [int(x) for x in f[9:9 + ng + ngd]]
+        nnote = int(f[-1])
+        if not 0 <= nnote <= len(body):
+            raise _Refuse(f"notify of {nnote} bytes in a body of {len(body)}")
+        note = body[len(body) - nnote:]
+        body = body[:len(body) - nnote]
         engine, rank = _parse_agent(agent_name)
         if chunk != self.slot_bytes:
             raise _Refuse(f"slot sizes differ: initiator {chunk} bytes, this side "
                           f"{self.slot_bytes}")
+        if len(body) % 8:
+            raise _Refuse(f"block ids of {len(body)} bytes, not a multiple of 8")
         ids = np.frombuffer(body, dtype="<i8")
         if len(ids) != sum(lens) or len(lens) != ng + ngd or min(lens, default=0) < 0:
             raise _Refuse(f"block id lists malformed: {len(ids)} ids for lengths {lens}")
@@ -580,6 +608,7 @@ class Stager:
         deadline = time.monotonic() + (tmo / 1000 if tmo else SERVE_TIMEOUT)
         j = _Job(rid, agent_name, rank, sp, mine, deadline)
         j.server = True
+        j.notify = note
         if j.nbytes != nbytes or len(j.chunks) != nchunks:
             raise _Refuse(f"plans disagree: initiator {nbytes} bytes in {nchunks} chunks, this "
                           f"side {j.nbytes} bytes in {len(j.chunks)} chunks")
@@ -628,6 +657,11 @@ class Stager:
         if j.finished == len(j.chunks):
             j.state = State.DONE
             del self._served[(j.agent, j.rid)]
+            # the user's notify, as a direct transfer delivers it: for a push once the last
+            # scatter into this rank's buffers returned, for a pull once the last TAKEN (the
+            # initiator's last READ completed) came; a failed request never gets here
+            if j.notify:
+                self.ep._deliver(j.agent, j.notify)
             if j.mode is Mode.PULL:
                 self._send(j.agent, _encode("DONE", j.rid))
         else:

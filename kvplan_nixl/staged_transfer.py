@@ -87,6 +87,7 @@ class _Job:
         self.finished = 0  # chunks through their local leg on this side
         self.next = 0  # next chunk to grant (push server) or gather (pull server)
         self.remote_done = False  # push initiator: DONE received
+        self.notify = b""  # server: the user's notify, delivered here when the part is DONE
         self.posted = 0  # bulk descriptors posted
 
     @property

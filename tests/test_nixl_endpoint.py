@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvplan.examples import gqa_with_mla_draft
-from kvplan_nixl import State
+from kvplan_nixl import Endpoint, State
 from tests.nixl_util import attn, blocks, mla, notifications, pair, spec
 
 # (id, source spec, destination spec, modes): every row of issue 3's list, small engines.
@@ -147,3 +147,31 @@ def test_torch_tensors_and_address_pairs_as_buffers():
         ref = {(0, i): np.zeros_like(a) for i, a in enumerate(dst_np)}
         kvplan.simulate(plan, {(0, i): t.numpy() for i, t in enumerate(src)}, ref)
         assert all(np.array_equal(ref[(0, i)], a) for i, a in enumerate(dst_np))
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_num_threads_two_lands_the_oracle_bytes(mode):
+    """NIXL's multi-threaded UCX engine (``num_threads=2`` on every agent): a hetero-TP
+    request with scattered block ids (hundreds of small runs) lands byte for byte."""
+    src = spec(4, attn(heads=8, nb=64), mla(nb=64))
+    dst = spec(2, attn(heads=8, nb=64, layout="NHD"), mla(nb=64))
+    rng = np.random.default_rng(21)
+    sb, db = blocks(rng, src, 48), blocks(rng, dst, 48)
+    with pair(src, dst, num_threads=2) as pr:
+        assert all(ep.num_threads == 2 for ep in pr.endpoints)
+        pr.connect(mode)
+        posted = pr.run(mode, sb, db, notify=b"mt")
+        assert all(t.ok for t in posted)
+        assert sum(len(t.plan) for t in posted) > 500  # many descriptors to share
+        assert pr.check(sb, db, [t.plan for t in posted]) > 0
+        targets = pr.p if mode == "pull" else pr.d
+        want = sum(len(t.peers) for t in posted)
+        assert len(notifications(targets, want)) == want
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True, None])
+def test_num_threads_must_be_a_non_negative_int(bad):
+    s = spec(1, attn(heads=4))
+    with pytest.raises(ValueError, match=f"num_threads .* got {bad!r}"):
+        Endpoint("decode", s, 0, [np.zeros(s.rank_region_nbytes(0), np.uint8)],
+                 num_threads=bad)

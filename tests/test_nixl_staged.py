@@ -13,11 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from kvplan import Costs, pull_map
+from kvplan import Costs, pull_map, simulate
 from kvplan_nixl import NotConnectedError, State, TransferFailed, TransferTimeout
+from kvplan_nixl.endpoint import Notification
 from kvplan_nixl.staged import Stager
 from tests import oracle
-from tests.nixl_util import ZERO, attn, blocks, mla, pair, spec
+from tests.nixl_util import ZERO, attn, blocks, mla, notifications, pair, spec
 
 IDLE = {"slots_in_use": 0, "xfer": 0, "requests": 0, "serving": 0}
 SLOT = 64 << 10
@@ -251,13 +252,20 @@ def test_malformed_and_foreign_messages_are_refused_not_raised():
         d, p0 = pr.d[0], pr.p[0]
         server = pr.stagers[p0]
         open_ = b"kvs1 OPEN 9 pull 65536 0 10 1 1 1 "
-        garbage = (b"kvs1 OPEN 9 push x", open_ + b"1 1\n" + b"\0" * 16,
-                   open_ + b"1 1\n" + np.array([999, 999], "<i8").tobytes(),
-                   open_ + b"-1 3\n", b"kvs1 DATA", b"kvs1 GRANT 77 0 0", b"kvs1 NOPE 1")
+        ids = np.array([999, 999], "<i8").tobytes()
+        garbage = (b"kvs1 OPEN 9 push x", open_ + b"1 1 0\n" + b"\0" * 16,
+                   open_ + b"1 1 0\n" + ids, open_ + b"-1 3 0\n",
+                   # the notify's length: missing, negative, past the body, not a number,
+                   # cutting the ids to a non-multiple of 8
+                   open_ + b"1 1\n" + ids, open_ + b"1 1 -1\n" + ids,
+                   open_ + b"1 1 17\n" + ids, open_ + b"1 1 x\n" + ids,
+                   open_ + b"1 1 3\n" + ids, b"kvs1 OPEN 9 pull 65536 0 10 -1 0 0\n" + ids,
+                   b"kvs1 DATA", b"kvs1 GRANT 77 0 0", b"kvs1 NOPE 1")
         for msg in garbage:
             server._inbox.append((d.agent_name, msg))
         server.poll()  # no exception
         assert server.handles()["serving"] == 0
+        assert p0.notifications() == []  # a refused OPEN delivers no notify
         t = pr.stagers[d].read(d.map("prefill").plan(sb, db), "prefill", timeout=30)
         t.wait(progress=list(pr.stagers.values()))
         pr.check(sb, db)
@@ -364,3 +372,184 @@ def test_auto_splits_a_request_by_peer_when_the_model_says_so(monkeypatch):
             t.wait()
         assert info.value.peer_ranks == (1,) and t.direct.ok and not t.ok
         drain(pr.stagers.values())
+
+
+# -- the user's notify on staged requests ------------------------------------------------------
+
+
+def _landed(plan, src_bufs, dst_bufs) -> dict:
+    """``{key: (mask, values)}``: where ``plan`` writes on the destination and what, found by
+    simulating it onto two destinations that differ in every byte (only written bytes agree)."""
+    lo = {k: np.zeros_like(v) for k, v in dst_bufs.items()}
+    hi = {k: np.full_like(v, 255) for k, v in dst_bufs.items()}
+    simulate(plan, src_bufs, lo)
+    simulate(plan, src_bufs, hi)
+    return {k: (lo[k] == hi[k], lo[k]) for k in lo}
+
+
+def _served_notes(pr, mode, sb, db, post, *, check_bytes=False, timeout=30.0) -> list[tuple]:
+    """Post ``mode`` on every initiator with ``post(stager, endpoint, plan, remote)``, poll
+    every side, and collect ``(receiver rank, Notification)`` from the servers until all
+    transfers are done and no notification came for 50 ms. The destination starts from its
+    initial bytes. With ``check_bytes`` (push), the sender's bytes must be in the destination
+    buffers when its notification is observed."""
+    for k, b in pr.dst_bufs.items():
+        b[:] = pr.before[k]
+    initiators, servers = (pr.d, pr.p) if mode == "pull" else (pr.p, pr.d)
+    remote = "prefill" if mode == "pull" else "decode"
+    plans = {ep.rank: ep.map(remote, mode).plan(sb, db) for ep in initiators}
+    posted = [post(pr.stagers[ep], ep, plans[ep.rank], remote) for ep in initiators]
+    got: list[tuple] = []
+    quiet = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for st in pr.stagers.values():
+            st.poll()
+        for t in posted:  # a direct Transfer advances only when polled
+            t.poll()
+        new = [(ep.rank, n) for ep in servers for n in ep.notifications()]
+        for _, n in new:
+            if check_bytes:  # at this very moment the sender's part is in the KV cache
+                landed = _landed(plans[n.rank], pr.src_bufs, pr.dst_bufs)
+                assert sum(int(m.sum()) for m, _ in landed.values()) == plans[n.rank].nbytes
+                for k, (mask, want) in landed.items():
+                    assert np.array_equal(pr.dst_bufs[k][mask], want[mask]), (n, k)
+        got += new
+        if new or not all(t.done for t in posted):
+            quiet = None
+        elif quiet is None:
+            quiet = time.monotonic() + 0.05
+        elif time.monotonic() > quiet:
+            break
+        time.sleep(1e-4)
+    assert all(t.ok for t in posted), [t.error() for t in posted]
+    return got
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_staged_notify_reaches_every_peer_once_like_direct(mode, monkeypatch):
+    """Staged requests deliver the user's notify as direct ones do: once per peer rank, same
+    Notification(engine, rank, message); for push only once the bytes are in place."""
+    rng = np.random.default_rng(16)
+    sb, db = blocks(rng, SRC, 40), blocks(rng, DST, 40)
+    with staged_pair(SRC, DST, pool_slots=3) as pr:
+        for ep in pr.d:  # slow scatters (on the worker thread): a notify delivered before
+            st = pr.stagers[ep]  # the last one returned would be seen with bytes missing
+
+            def slow(j, k, slot, which, leg=st._local_leg):
+                if which == "scatter" and j.server:
+                    time.sleep(0.02)
+                leg(j, k, slot, which)
+
+            monkeypatch.setattr(st, "_local_leg", slow)
+        pr.run(mode, sb, db, notify=b"req-9")  # direct, for reference
+        targets = pr.p if mode == "pull" else pr.d
+        direct = notifications(targets, 2)
+        assert len(direct) == 2  # two peer pairs: TP2 <-> TP1
+
+        def staged(st, ep, plan, remote):
+            t = (st.read if mode == "pull" else st.write)(plan, remote, notify=b"req-9",
+                                                          timeout=30)
+            assert t.chunks > 2 * len(t.peers)  # streamed: many chunks before the notify
+            return t
+
+        got = _served_notes(pr, mode, sb, db, staged, check_bytes=(mode == "push"))
+        assert sorted(got, key=repr) == sorted(direct, key=repr)
+        pr.check(sb, db)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_post_carries_notify_direct_staged_and_mixed(mode, monkeypatch):
+    """Stager.post passes notify on every path; with how="auto" a pull is split into a
+    MixedTransfer (prefill rank 0 direct, rank 1 staged) and each peer rank is notified once,
+    by the part that served it; a push stages prefill rank 1's request and posts rank 0's
+    directly (TP2 -> TP1: one destination peer each)."""
+    from kvplan_nixl import MixedTransfer
+
+    rng = np.random.default_rng(17)
+    sb, db = blocks(rng, SRC, 16), blocks(rng, DST, 16)
+    with staged_pair(SRC, DST) as pr:
+        for how in ("direct", "staged", "mixed"):
+            if how == "mixed":
+                for ep, st in pr.stagers.items():
+                    pick = ((lambda plan, remote: (1,)) if mode == "pull" else
+                            (lambda plan, remote, r=ep.rank: tuple(plan.peers) if r else ()))
+                    monkeypatch.setattr(st, "staged_peers", pick)
+
+            def post(st, ep, plan, remote, how=how):
+                t = st.post(plan, remote, how="auto" if how == "mixed" else how,
+                            notify=how.encode(), timeout=30)
+                assert not (how == "mixed" and mode == "pull") or isinstance(t, MixedTransfer)
+                return t
+
+            got = _served_notes(pr, mode, sb, db, post, check_bytes=(mode == "push"))
+            sender = "decode" if mode == "pull" else "prefill"
+            want = ([(0, Notification(sender, 0, how.encode())),
+                     (1, Notification(sender, 0, how.encode()))] if mode == "pull" else
+                    [(0, Notification(sender, 0, how.encode())),
+                     (0, Notification(sender, 1, how.encode()))])
+            assert sorted(got, key=repr) == want, how
+            pr.check(sb, db)
+
+
+def test_failed_staged_requests_deliver_no_notify():
+    """A cancelled push, a cancelled pull, a server closed mid-push and an initiator gone
+    silent (the server drops it at its deadline): the notify is never delivered."""
+    rng = np.random.default_rng(18)
+    sb, db = blocks(rng, SRC, 40), blocks(rng, DST, 40)
+    with staged_pair(SRC, DST, pool_slots=2) as pr:
+        d, p0 = pr.d[0], pr.p[0]
+        everyone = list(pr.stagers.values())
+        # cancelled push and pull, after some chunks moved
+        for st, plan, remote in ((pr.stagers[p0], p0.map("decode", "push").plan(sb, db),
+                                  "decode"),
+                                 (pr.stagers[d], d.map("prefill").plan(sb, db), "prefill")):
+            t = st.post(plan, remote, how="staged", notify=b"never", timeout=30)
+            end = time.monotonic() + 10
+            while not any(j.posted for j in t._jobs.values()) and time.monotonic() < end:
+                for s in everyone:
+                    s.poll()
+            assert not t.done and any(j.posted for j in t._jobs.values())
+            t.cancel("user cancelled")
+            drain(everyone)
+        # the server (decode) closes its stager in the middle of a push
+        t = pr.stagers[p0].write(p0.map("decode", "push").plan(sb, db), "decode",
+                                 notify=b"never", timeout=30)
+        end = time.monotonic() + 10
+        while not t._jobs[0].posted and time.monotonic() < end:
+            for s in everyone:
+                s.poll()
+        assert not t.done and t._jobs[0].posted
+        pr.stagers[d].close()
+        with pytest.raises(TransferFailed, match="stager closed"):
+            t.wait(progress=everyone)
+        drain(everyone)
+        # (a closed stager's endpoint hands protocol messages that arrive later to
+        # notifications(): only the user's message matters here)
+        assert [n for ep in pr.endpoints for n in ep.notifications()
+                if n.message == b"never"] == []
+
+
+def test_silent_initiator_dropped_at_the_deadline_delivers_no_notify():
+    rng = np.random.default_rng(19)
+    sb, db = blocks(rng, SRC, 40), blocks(rng, DST, 40)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        t = pr.stagers[d].read(d.map("prefill").plan(sb, db), "prefill", notify=b"never",
+                               timeout=0.3)
+        servers = [pr.stagers[p] for p in pr.p]
+        end = time.monotonic() + 10
+        served = False
+        while time.monotonic() < end:
+            d.progress()  # the initiator's agent answers NIXL, its Stager does nothing
+            for s in servers:
+                s.poll()
+            served = served or any(s.handles()["serving"] for s in servers)
+            if served and not any(s.handles()["serving"] for s in servers):
+                break
+            time.sleep(1e-3)
+        assert served and not any(s.handles()["serving"] for s in servers)
+        with pytest.raises(TransferTimeout):
+            t.wait()
+        drain(pr.stagers.values())
+        assert [n for ep in pr.p for n in ep.notifications()] == []

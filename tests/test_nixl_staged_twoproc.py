@@ -120,7 +120,7 @@ def test_staged_pull_across_processes_and_a_peer_killed_between_gather_and_trans
             assert p.line() == "connected"
             ep.connect(m, mode="pull")
         plan = ep.map("prefill").plan(SRC_BLOCKS, DST_BLOCKS)
-        t = st.read(plan, "prefill", timeout=30)
+        t = st.read(plan, "prefill", notify=b"pull-1", timeout=30)
         assert t.wait() == {0: State.DONE, 1: State.DONE}
         assert t.chunks > 2 * len(t.peers) and t.descriptors == t.chunks
         for j, want in _expected_pull().items():
@@ -143,6 +143,8 @@ def test_staged_pull_across_processes_and_a_peer_killed_between_gather_and_trans
         assert _idle(st.handles()) == IDLE, st.handles()
         out = peers[0].finish()  # the live peer served its part and holds nothing
         assert _idle(out["stager"]) == IDLE, out["stager"]
+        # the user's notify reached it once, from this rank, as a direct read delivers it
+        assert out["notifications"] == [["decode", 0, "pull-1"]]
     finally:
         st.close()
         ep.close()
@@ -164,7 +166,7 @@ def test_staged_push_across_processes_and_a_deadline_while_the_peer_scatters(tmp
             ep.connect(meta, mode="push")
         assert target.line() == "connected"
         posted = [s.write(ep.map("decode", "push").plan(SRC_BLOCKS, DST_BLOCKS), "decode",
-                          timeout=30) for s, ep in zip(sts, eps, strict=True)]
+                          notify=b"push-1", timeout=30) for s, ep in zip(sts, eps, strict=True)]
         for t in posted:
             t.wait(progress=sts)
         assert all(t.ok for t in posted)
@@ -172,7 +174,7 @@ def test_staged_push_across_processes_and_a_deadline_while_the_peer_scatters(tmp
         # the server stops (SIGSTOP) after the first chunk was written: it holds a granted
         # slot and an unscattered chunk when this side's deadline passes
         t = sts[0].write(eps[0].map("decode", "push").plan(SRC_BLOCKS, DST_BLOCKS), "decode",
-                         timeout=1.0)
+                         notify=b"push-2", timeout=1.0)
         job = t._jobs[0]
         while not (job.posted >= 1 and not job.xfers):
             sts[0].poll()
@@ -186,6 +188,9 @@ def test_staged_push_across_processes_and_a_deadline_while_the_peer_scatters(tmp
         assert _idle(sts[0].handles()) == IDLE, sts[0].handles()
         out = target.finish()  # resumed: it got ABORT and freed the request's slots
         assert _idle(out["stager"]) == IDLE, out["stager"]
+        # each completed push notified once; the one that failed at its deadline never did
+        assert sorted(out["notifications"]) == [["prefill", 0, "push-1"],
+                                                ["prefill", 1, "push-1"]]
     finally:
         for s in sts:
             s.close()
