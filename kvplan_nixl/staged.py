@@ -56,7 +56,6 @@ from kvplan_nixl import legs
 from kvplan_nixl._nixl import NIXL_LOCAL
 from kvplan_nixl.descriptors import Ladder, lower
 from kvplan_nixl.errors import (
-    NixlError,
     NotConnectedError,
     is_nixl_error,
     nixl_call,
@@ -260,80 +259,13 @@ class Stager:
     def calibrate(self, remote: str, *, progress: Iterable[Any] = (), timeout: float = 10.0
                   ) -> Costs:
         """Measure the costs :meth:`prefer` weighs against one connected peer rank of
-        ``remote`` (its Stager must be polled meanwhile: ``progress`` lists other Stagers of this
-        process): a notification round trip (``per_chunk``), one READ of a whole slot
-        (``per_byte``), a READ of half its bytes as unmergeable 4 KiB descriptors
-        (``per_descriptor``), best of three each, and a local 4 KiB-granule gather
-        (``local_per_byte``). Reads
-        only the peer's pool, into a free slot of this one. Stored in ``self.costs[remote]``.
-        """
-        agent = self.ep._require()
-        peer = next((p for p in self.ep.peers() if p.engine == remote), None)
-        if peer is None:
-            raise NotConnectedError(f"calibrate: no rank of engine {remote!r} is connected")
-        if not self.pool.free:
-            raise RuntimeError("calibrate: every staging slot is in use")
-        others = tuple(progress)
-        nonce = f"h{next(self._ids)}"
-        self._hello.add(nonce)
-        t0 = time.perf_counter()
-        if not self._send(peer.agent, _encode("HELLO", nonce)):
-            raise NixlError("send_notif", "unreachable", f"{remote} rank {peer.rank}")
-        deadline = time.monotonic() + timeout
-        while nonce in self._hello:
-            for o in others:
-                o.poll()
-            self.poll()
-            if time.monotonic() > deadline:
-                self._hello.discard(nonce)
-                raise TimeoutError(f"calibrate: {remote} rank {peer.rank} did not answer")
-        rtt = time.perf_counter() - t0
-        slot = self.pool.free.popleft()
-        try:
-            ladder, dlist = self._remote[peer.agent]
-            base, s = slot * self.slot_bytes, self.slot_bytes
-            n = s // (2 * PIECE)  # every other 4 KiB piece: nothing merges
-            offs = np.arange(n, dtype=np.int64) * 2 * PIECE
-            # best of three, after a first read that sets up the connection
-            self._timed_read(agent, ladder, dlist, [base], [0], [s], others)
-            one = min(self._timed_read(agent, ladder, dlist, [base], [0], [s], others)
-                      for _ in range(3))
-            many = min(self._timed_read(agent, ladder, dlist, base + offs, offs,
-                                        np.full(n, PIECE), others) for _ in range(3))
-            half = self.pool.slot(slot).view(-1, PIECE)
-            idx = torch.from_numpy(np.random.default_rng(0).permutation(len(half) // 2)).to(
-                half.device)
-            with legs.cpu_threads(self.cpu_threads, half):
-                t = time.perf_counter()
-                torch.index_select(half[: len(half) // 2], 0, idx, out=half[len(half) // 2:])
-                legs.synchronize(half)
-                local = time.perf_counter() - t
-        finally:
-            self.pool.release(slot)
-        per_byte = one / s
-        costs = Costs(per_descriptor=max(0.0, (many - n * PIECE * per_byte) / n),
-                      per_byte=per_byte, local_per_byte=local / (s // 2), per_chunk=rtt)
-        self.costs[remote] = costs
-        return costs
+        ``remote`` and store them in ``self.costs[remote]``; see
+        :func:`kvplan_nixl.calibration.calibrate` (``progress``: other Stagers of this process
+        to poll meanwhile, as the peer's Stager must be polled)."""
+        from kvplan_nixl.calibration import calibrate
 
-    def _timed_read(self, agent, ladder, dlist, local, remote, length, others) -> float:
-        lw = lower(self._ladder, ladder, np.zeros(len(length)), np.asarray(local),
-                   np.zeros(len(length)), np.asarray(remote), np.asarray(length))
-        with nixl_call("calibration transfer"):
-            h = agent.make_prepped_xfer("READ", self._local_dlist, lw.local, dlist, lw.remote,
-                                        b"")
-        self._live["xfer"] += 1
-        try:
-            t = time.perf_counter()
-            with nixl_call("calibration transfer"):
-                state = agent.transfer(h)
-                while state == "PROC":
-                    for o in others:
-                        o.poll()
-                    state = agent.check_xfer_state(h)
-            return time.perf_counter() - t
-        finally:
-            self._release_xfer(h)
+        self.costs[remote] = costs = calibrate(self, remote, progress=progress, timeout=timeout)
+        return costs
 
     def poll(self) -> int:
         """Progress the endpoint, handle protocol messages, advance transfers, enforce
