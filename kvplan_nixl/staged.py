@@ -63,7 +63,7 @@ from kvplan_nixl.errors import (
     release_counted,
 )
 from kvplan_nixl.staged_transfer import MixedTransfer, StagedTransfer, _Job, _Pool
-from kvplan_nixl.transfer import WAKE, State
+from kvplan_nixl.transfer import WAKE, State, drive
 
 if TYPE_CHECKING:
     from kvplan_nixl.endpoint import Endpoint
@@ -299,6 +299,19 @@ class Stager:
         Stager can be passed where an Endpoint is expected."""
         return self.poll()
 
+    def serve(self, until: Callable[[], bool], *, timeout: float | None = None) -> bool:
+        """Poll on this thread until ``until()`` returns true (checked after every poll): the
+        loop of a rank that answers staged requests without waiting on its own (a prefill
+        rank under pull, a decode rank under push), run on its endpoint's thread.
+
+        Naps as every ``wait`` does (:func:`kvplan_nixl.transfer.drive`): 10 us after a poll
+        that did something, doubling to 1 ms while idle, woken at once when a leg ends; a
+        server polled less often adds its period to every chunk it serves. User notifications
+        stay queued for ``endpoint.notifications()`` (``until`` may drain them). Returns False
+        when ``timeout`` seconds passed first."""
+        limit = None if timeout is None else time.monotonic() + timeout
+        return drive(self.poll, until, (), limit)
+
     def handles(self) -> dict[str, int]:
         """What this stager holds: slots in use, NIXL transfers in flight, descriptor lists
         (its own pool's and one per peer pool it learnt), requests (as initiator and as
@@ -314,7 +327,9 @@ class Stager:
             t.cancel("stager closed")
         for j in list(self._served.values()):
             self._drop_served(j, "stager closed", tell=True)
-        self.ep._notif_hooks.pop(TAG, None)
+        # peers may still send about requests this Stager dropped (a DONE, a HELLO): protocol,
+        # never the user's notifications
+        self.ep._notif_hooks[TAG] = _ignore
         if self._worker is not None:  # legs still running write into the pool: let them end
             self._worker.shutdown(wait=True)
             self._worker = None
@@ -773,6 +788,10 @@ def _subset(plan: TransferPlan, peers) -> TransferPlan:
 
 def _wake(_fut) -> None:
     WAKE.set()
+
+
+def _ignore(_agent_name: str, _msg: bytes) -> None:
+    """The notification hook of a closed Stager: drops late protocol messages."""
 
 
 class _Refuse(Exception):

@@ -88,24 +88,21 @@ def main() -> int:
                 ep.connect(f.read(), mode=mode)
         if args.connect:
             print("connected", flush=True)
-        from kvplan_nixl.transfer import MAX_SLEEP_SECONDS, MIN_SLEEP_SECONDS, WAKE
+        from kvplan_nixl.transfer import drive
 
-        nap = MIN_SLEEP_SECONDS
-        while True:  # a server's loop: poll again soon after work, nap up to 1 ms when idle
-            busy = stager.poll() if stager is not None else 0
-            new = ep.notifications()
-            notes += [[n.engine, n.rank, n.message.decode()] for n in new]
+        def quit_asked() -> bool:
+            notes.extend([n.engine, n.rank, n.message.decode()] for n in ep.notifications())
             ready, _, _ = select.select([sys.stdin], [], [], 0)
-            if ready:
-                line = sys.stdin.readline()
-                if not line or line.strip() == "quit":
-                    break
-            if busy or new:
-                nap = MIN_SLEEP_SECONDS
-            else:
-                WAKE.wait(nap)  # a staged leg finishing ends the nap
-                WAKE.clear()
-                nap = min(2 * nap, MAX_SLEEP_SECONDS)
+            if not ready:
+                return False
+            line = sys.stdin.readline()
+            return not line or line.strip() == "quit"
+
+        # a server's loop: poll again soon after work, nap up to 1 ms when idle
+        if stager is not None:
+            stager.serve(quit_asked)
+        else:
+            drive(ep.progress, quit_asked)
         grace = time.monotonic() + 0.2  # a notification may trail its transfer a moment
         while time.monotonic() < grace:
             if stager is not None:

@@ -553,3 +553,62 @@ def test_silent_initiator_dropped_at_the_deadline_delivers_no_notify():
             t.wait()
         drain(pr.stagers.values())
         assert [n for ep in pr.p for n in ep.notifications()] == []
+
+
+def test_serve_answers_requests_until_asked_to_stop():
+    """Prefill ranks driven only by ``Stager.serve`` on their own threads (one agent per
+    thread) serve a staged pull that the decode rank waits for without polling them; ``serve``
+    returns True once ``until`` holds and False at its timeout."""
+    import threading
+
+    rng = np.random.default_rng(12)
+    sb, db = blocks(rng, SRC, 24), blocks(rng, DST, 24)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        servers = [s for ep, s in pr.stagers.items() if ep is not d]
+        stop = threading.Event()
+        results: list = []
+        threads = [threading.Thread(target=lambda s=s: results.append(s.serve(stop.is_set)))
+                   for s in servers]
+        for th in threads:
+            th.start()
+        try:
+            plan = d.map("prefill").plan(sb, db)
+            t = pr.stagers[d].read(plan, "prefill", timeout=30)
+            t.wait(30)  # no progress= : only the serving threads answer
+        finally:
+            stop.set()
+            for th in threads:
+                th.join(10)
+        assert results == [True] * len(servers)
+        pr.check(sb, db, plans=[plan])
+        t0 = time.monotonic()
+        assert servers[0].serve(lambda: False, timeout=0.05) is False
+        assert 0.05 <= time.monotonic() - t0 < 2
+
+
+def test_protocol_messages_after_close_never_reach_user_notifications():
+    """A peer's staged messages arriving after this side's Stager closed are dropped, not
+    handed to the user as notifications."""
+    with pair(SRC, DST) as pr:
+        d = pr.d[0]
+        sts = [Stager(ep, pool_bytes=2 * SLOT, slot_bytes=SLOT) for ep in pr.endpoints]
+        try:
+            pr.connect("pull")
+            pr.connect("push")
+            for ep, st in zip(pr.endpoints, sts, strict=True):
+                if ep is not d:
+                    st.close()  # no prefill rank answers: d's HELLO reaches a closed Stager
+            with pytest.raises(TimeoutError, match="did not answer"):
+                sts[pr.endpoints.index(d)].calibrate("prefill", timeout=0.3)
+            deadline = time.monotonic() + 0.3
+            seen = []
+            while time.monotonic() < deadline:
+                d.progress()  # the sender too: its HELLO may need its worker to go out
+                for p in pr.p:
+                    seen += p.notifications()
+            assert seen == []
+        finally:
+            for st in sts:
+                st.close()
+        assert all(st.handles()["registrations"] == 0 for st in sts)
