@@ -11,6 +11,10 @@ staged and direct result is verified byte for byte against the direct one. Also:
 request (consecutive ids, same TP) through ``Stager.post(how="auto")``, which must stay direct.
 
 Every ratio is within one run (the shared 2-core machine moves absolute numbers by 2x).
+
+``--device cuda`` runs only the one-process cases with every engine buffer a CUDA tensor (the
+staging pools follow the buffers' device), against a device-to-device copy of the same bytes;
+``benchmarks/device_check.sh`` runs it on a GPU machine.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from kvplan_nixl._nixl import NIXL_LOCAL, nixl_agent, nixl_agent_config
 from kvplan_nixl.staged import Stager
 
 SLOT = int(os.environ.get("KVPLAN_BENCH_SLOT", 16 << 20))
+#: Where the engine buffers live ("cpu" or "cuda"); set by ``--device``.
+DEVICE = "cpu"
 POOL = int(os.environ.get("KVPLAN_BENCH_POOL", 4 * SLOT))
 
 
@@ -42,13 +48,48 @@ def _llama(tp: int, layers: int, nb: int) -> EngineSpec:
          "dtype": "bfloat16", "num_kv_heads": 8, "head_dim": 128} for i in range(layers)]})
 
 
-def _bufs(spec: EngineSpec, seed: int | None) -> list[np.ndarray]:
+def _bufs(spec: EngineSpec, seed: int | None) -> list:
+    """Per region, the rank's bytes: numpy arrays, or tensors on :data:`DEVICE`."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(len(spec.regions)):
         n = spec.rank_region_nbytes(i)
         out.append(np.zeros(n, np.uint8) if seed is None else rng.integers(0, 256, n, np.uint8))
-    return out
+    if DEVICE == "cpu":
+        return out
+    import torch
+
+    return [torch.from_numpy(x).to(DEVICE) for x in out]
+
+
+def _clone(x):
+    return x.copy() if isinstance(x, np.ndarray) else x.clone()
+
+
+def _equal(x, y) -> bool:
+    if isinstance(x, np.ndarray):
+        return bool(np.array_equal(x, y))
+    import torch
+
+    return bool(torch.equal(x, y))
+
+
+def _reference_copy(nbytes: int):
+    """The bandwidth reference: a copy of ``nbytes`` between two contiguous buffers of the
+    engine buffers' kind (numpy on the CPU, a device-to-device copy on CUDA)."""
+    if DEVICE == "cpu":
+        a, b = np.ones(nbytes, np.uint8), np.full(nbytes, 7, np.uint8)  # pages touched
+        return lambda: np.copyto(b, a)
+    import torch
+
+    a = torch.ones(nbytes, dtype=torch.uint8, device=DEVICE)
+    b = torch.full((nbytes,), 7, dtype=torch.uint8, device=DEVICE)
+
+    def copy() -> None:
+        b.copy_(a)
+        if b.is_cuda:
+            torch.cuda.synchronize()
+    return copy
 
 
 class World:
@@ -117,20 +158,21 @@ def bench_scattered(tokens: int, layers: int, reps: int) -> list[tuple]:
         sb, db = [rng.permutation(nb)[:n].tolist()], [rng.permutation(nb)[:n].tolist()]
         plan = w.d.map("prefill").plan(sb, db)
         nbytes = plan.nbytes
-        a, b = np.ones(nbytes, np.uint8), np.full(nbytes, 7, np.uint8)  # pages touched
+        copy = _reference_copy(nbytes)
+        ref_name = "numpy copy" if DEVICE == "cpu" else f"{DEVICE} copy"
         out = []
         for mode in ("pull", "push"):
             go = w.pull if mode == "pull" else w.push
             go(sb, db, "direct")  # warm up connections and page tables
-            ref = [x.copy() for x in w.dbufs]
+            ref = [_clone(x) for x in w.dbufs]
             for x in w.dbufs:
                 x[:] = 0
             staged = go(sb, db, "staged")
             w.drain()
-            ok = all(np.array_equal(x, y) for x, y in zip(w.dbufs, ref, strict=True))
+            ok = all(_equal(x, y) for x, y in zip(w.dbufs, ref, strict=True))
             t_np, t_dir, t_st = [], [], []
             for _ in range(reps):  # interleaved: machine noise hits all three alike
-                t_np.append(_median_time(lambda: np.copyto(b, a), 1))
+                t_np.append(_median_time(copy, 1))
                 t_dir.append(_median_time(lambda go=go: go(sb, db, "direct"), 1))
                 t_st.append(_median_time(lambda go=go: go(sb, db, "staged"), 1))
                 w.drain()
@@ -140,13 +182,13 @@ def bench_scattered(tokens: int, layers: int, reps: int) -> list[tuple]:
             desc = sum(t.descriptors for t in ts)
             gb = nbytes / 1e9
             out += [
-                (f"{mode}, {tokens} tokens scattered, {layers} layers ({len(plan)} runs of "
-                 f"4 KiB, {nbytes / 2**20:.0f} MiB): numpy copy / direct / staged",
+                (f"{DEVICE}: {mode}, {tokens} tokens scattered, {layers} layers ({len(plan)} "
+                 f"runs of 4 KiB, {nbytes / 2**20:.0f} MiB): {ref_name} / direct / staged",
                  f"{gb / t_np:.2f} / {gb / t_dir:.2f} / {gb / t_st:.2f} GB/s "
                  f"(verified {ok})", "", ""),
                 (f"{mode}, {tokens} tokens: staged / direct", f"{t_dir / t_st:.2f}x", ">= 3x",
                  "met" if t_dir / t_st >= 3 else "NOT met"),
-                (f"{mode}, {tokens} tokens: staged / numpy copy", f"{t_np / t_st:.0%}",
+                (f"{mode}, {tokens} tokens: staged / {ref_name}", f"{t_np / t_st:.0%}",
                  ">= 40%", "met" if t_np / t_st >= 0.4 else "NOT met"),
                 (f"{mode}, {tokens} tokens: descriptors per staged request (peers x chunks)",
                  f"{desc} ({len(plan.peers)} peers, {chunks} chunks of <= {SLOT >> 20} MiB)",
@@ -376,14 +418,21 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--big-layers", type=int, default=16,
                     help="layers of the 32k-token case (80 needs ~10 GiB)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="engine buffers on this device (cuda: the one-process cases only)")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    small, big = args.reps, max(3, args.reps // 2)
     rows = []
-    rows += bench_two_process(2048, 80, args.reps)
-    rows += bench_two_process(32768, args.big_layers, max(3, args.reps // 2))
-    rows += bench_scattered(2048, 80, args.reps)
-    rows += bench_scattered(32768, args.big_layers, max(3, args.reps // 2))
-    rows += bench_mergeable(args.reps)
-    rows += bench_parallel_posting(args.reps)
+    if DEVICE == "cpu":  # the other engine's processes and the raw NIXL rows are host-only
+        rows += bench_two_process(2048, 80, small)
+        rows += bench_two_process(32768, args.big_layers, big)
+    rows += bench_scattered(2048, 80, small)
+    rows += bench_scattered(32768, args.big_layers, big)
+    if DEVICE == "cpu":
+        rows += bench_mergeable(small)
+        rows += bench_parallel_posting(small)
     print("| measure | result | goal | |")
     print("|---|---|---|---|")
     for r in rows:
