@@ -8,7 +8,11 @@ equal ``oracle.expected_destination`` byte for byte, untouched bytes included.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -69,12 +73,18 @@ class Pair:
             for eps, engine, sp, bufs in ((self.p, "prefill", src, self.src_bufs),
                                           (self.d, "decode", dst, self.dst_bufs)):
                 for r in range(sp.num_ranks):
-                    mine = {sp.regions[i].name: bufs[(r, i)] for i in sp.regions_on(r)}
+                    mine = {sp.regions[i].name: self._buffer(bufs[(r, i)])
+                            for i in sp.regions_on(r)}
                     eps.append(Endpoint(engine, sp, r, mine, telemetry=telemetry,
                                         **endpoint_kw))
         except BaseException:
             self.close()
             raise
+
+    def _buffer(self, arr: np.ndarray):
+        """What the endpoint gets for host array ``arr`` (the array itself; subclasses may
+        hand out another kind of buffer holding the same bytes)."""
+        return arr
 
     @property
     def endpoints(self) -> list[Endpoint]:
@@ -147,8 +157,10 @@ class Pair:
 
 
 @contextlib.contextmanager
-def pair(src: EngineSpec, dst: EngineSpec, **kw) -> Iterator[Pair]:
-    pr = Pair(src, dst, **kw)
+def pair(src: EngineSpec, dst: EngineSpec, *, cls: type[Pair] = Pair, **kw) -> Iterator[Pair]:
+    """A ``cls`` (``Pair`` or a subclass) of connected-later endpoints, closed on exit, with
+    every endpoint's NIXL handles checked back to zero."""
+    pr = cls(src, dst, **kw)
     try:
         yield pr
     finally:
@@ -197,3 +209,49 @@ def peer_env() -> dict[str, str]:
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     return env
+
+
+class PeerProc:
+    """One engine rank in its own OS process (``tests/nixl_peer.py``), driven by lines.
+
+    It writes its metadata to ``md_path`` and says ``ready``; ``extra`` are more arguments of
+    ``nixl_peer.py`` (``--stager POOL,SLOT``, ``--connect PATH MODE``, ...). ``finish`` asks it
+    to quit and returns its report (notifications, buffer digests, stager handles); ``kill``
+    ends it at once, stalled or not.
+    """
+
+    def __init__(self, tmp, engine: str, s: EngineSpec, rank: int, *, seed: int,
+                 fill: str = "oracle", extra: Sequence[str] = ()) -> None:
+        self.rank = rank
+        self.md_path = str(tmp / f"{engine}-{rank}-{time.monotonic_ns()}.md")
+        self.proc = subprocess.Popen(
+            peer_cmd("--engine", engine, "--rank", str(rank), "--spec", json.dumps(s.to_dict()),
+                     "--seed", str(seed), "--fill", fill, "--metadata-out", self.md_path,
+                     *extra),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=peer_env(), text=True,
+        )
+
+    def line(self, timeout: float = 60.0) -> str:
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert r, f"peer rank {self.rank} silent for {timeout} s"
+        return self.proc.stdout.readline().strip()
+
+    def ready(self, timeout: float = 60.0) -> bytes:
+        """Wait for ``ready``; the peer's metadata."""
+        line = self.line(timeout)
+        assert line == "ready", line
+        with open(self.md_path, "rb") as f:
+            return f.read()
+
+    def finish(self) -> dict:
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.flush()
+        out = json.loads(self.line(30))
+        assert self.proc.wait(30) == 0
+        return out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(30)

@@ -10,11 +10,8 @@ request may be left on this side, nor (reported by the peer when it exits) on th
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import select
 import signal
-import subprocess
 import time
 
 import numpy as np
@@ -24,7 +21,7 @@ from kvplan import simulate
 from kvplan_nixl import Endpoint, State, TransferFailed, TransferTimeout
 from kvplan_nixl.staged import Stager
 from tests import oracle
-from tests.nixl_util import attn, mla, peer_cmd, peer_env, spec
+from tests.nixl_util import PeerProc, attn, mla, spec
 
 SRC = spec(2, attn(heads=4, nb=64), mla(nb=64))
 DST = spec(1, attn(heads=4, nb=64), mla(nb=64))
@@ -46,42 +43,12 @@ def _write_md(path: str, ep: Endpoint) -> None:
     os.replace(path + ".tmp", path)
 
 
-class Peer:
+def _peer(tmp, engine, s, rank, fill, connect: list[tuple[str, str]]) -> PeerProc:
     """One staged peer rank in its own process, connected back to this process's endpoints."""
-
-    def __init__(self, tmp, engine, s, rank, fill, connect: list[tuple[str, str]]) -> None:
-        self.rank = rank
-        self.md_path = str(tmp / f"{engine}-{rank}-{time.monotonic_ns()}.md")
-        args = ["--engine", engine, "--rank", str(rank), "--spec", json.dumps(s.to_dict()),
-                "--seed", str(SEED), "--fill", fill, "--metadata-out", self.md_path,
-                "--stager", f"{POOL},{SLOT}"]
-        for path, mode in connect:
-            args += ["--connect", path, mode]
-        self.proc = subprocess.Popen(peer_cmd(*args), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=peer_env(), text=True)
-
-    def line(self, timeout: float = 60.0) -> str:
-        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert r, f"peer rank {self.rank} silent for {timeout} s"
-        return self.proc.stdout.readline().strip()
-
-    def metadata(self) -> bytes:
-        assert self.line() == "ready"
-        with open(self.md_path, "rb") as f:
-            return f.read()
-
-    def finish(self) -> dict:
-        self.proc.stdin.write("quit\n")
-        self.proc.stdin.flush()
-        out = json.loads(self.line(30))
-        assert self.proc.wait(30) == 0
-        return out
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(30)
+    extra = ["--stager", f"{POOL},{SLOT}"]
+    for path, mode in connect:
+        extra += ["--connect", path, mode]
+    return PeerProc(tmp, engine, s, rank, seed=SEED, fill=fill, extra=extra)
 
 
 def _progress_until(ep: Endpoint, st: Stager, op: bytes, agent_suffix: str,
@@ -112,9 +79,9 @@ def test_staged_pull_across_processes_and_a_peer_killed_between_gather_and_trans
     ep = Endpoint("decode", DST, 0, bufs)
     st = Stager(ep, pool_bytes=POOL, slot_bytes=SLOT)
     me = str(tmp_path / "decode.md")
-    peers = [Peer(tmp_path, "prefill", SRC, r, "oracle", [(me, "push")]) for r in range(2)]
+    peers = [_peer(tmp_path, "prefill", SRC, r, "oracle", [(me, "push")]) for r in range(2)]
     try:
-        metas = [p.metadata() for p in peers]
+        metas = [p.ready() for p in peers]
         _write_md(me, ep)
         for p, m in zip(peers, metas, strict=True):
             assert p.line() == "connected"
@@ -158,9 +125,9 @@ def test_staged_push_across_processes_and_a_deadline_while_the_peer_scatters(tmp
            for r in range(2)]
     sts = [Stager(ep, pool_bytes=POOL, slot_bytes=SLOT) for ep in eps]
     mds = [str(tmp_path / f"prefill-{r}.md") for r in range(2)]
-    target = Peer(tmp_path, "decode", DST, 0, "sentinel", [(m, "pull") for m in mds])
+    target = _peer(tmp_path, "decode", DST, 0, "sentinel", [(m, "pull") for m in mds])
     try:
-        meta = target.metadata()
+        meta = target.ready()
         for ep, path in zip(eps, mds, strict=True):
             _write_md(path, ep)
             ep.connect(meta, mode="push")

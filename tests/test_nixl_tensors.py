@@ -12,17 +12,12 @@ with the reason; they are the device check a session with a GPU runs first
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 
-from kvplan_nixl import Endpoint
-from kvplan_nixl.staged import Stager
-from tests import oracle
-from tests.nixl_util import ZERO, Pair, attn, blocks, mla, shared_copy, spec
-from tests.test_nixl_staged import IDLE, SLOT, _idle, drain
+from tests.nixl_util import Pair, attn, blocks, mla, spec
+from tests.test_nixl_staged import staged_pair
 
 DEVICES = [
     "cpu",
@@ -38,28 +33,15 @@ class TensorPair(Pair):
     """``Pair`` with each endpoint's buffers as tensors on ``device``; ``sync()`` copies the
     destination tensors back into the host arrays ``Pair.check`` reads."""
 
-    def __init__(self, src, dst, device: str, *, src_blocks=None) -> None:
-        self.src, self.dst = src, dst
-        self.src_bufs = oracle.source_buffers(src.to_dict(), seed=3, request_blocks=src_blocks)
-        self.dst_bufs = oracle.destination_buffers(dst.to_dict(), seed=4)
-        self.before = shared_copy(self.dst_bufs)
-        self.p, self.d = [], []
+    def __init__(self, src, dst, *, device: str, **kw) -> None:
+        self.device = device
         self._tensors: dict[int, torch.Tensor] = {}  # id(host array) -> its device tensor
-        try:
-            for eps, engine, sp, bufs in ((self.p, "prefill", src, self.src_bufs),
-                                          (self.d, "decode", dst, self.dst_bufs)):
-                for r in range(sp.num_ranks):
-                    mine = {sp.regions[i].name: self._tensor(bufs[(r, i)], device)
-                            for i in sp.regions_on(r)}
-                    eps.append(Endpoint(engine, sp, r, mine))
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(src, dst, **kw)
 
-    def _tensor(self, arr: np.ndarray, device: str) -> torch.Tensor:
+    def _buffer(self, arr: np.ndarray) -> torch.Tensor:
         t = self._tensors.get(id(arr))
         if t is None:  # a pool's regions share one array: give them one tensor too
-            t = self._tensors[id(arr)] = torch.from_numpy(arr.copy()).to(device)
+            t = self._tensors[id(arr)] = torch.from_numpy(arr.copy()).to(self.device)
         return t
 
     def sync(self) -> None:
@@ -69,36 +51,13 @@ class TensorPair(Pair):
             arr[...] = self._tensors[id(arr)].cpu().numpy()
 
 
-@contextlib.contextmanager
-def tensor_pair(device: str, *, staged: bool):
-    pr = TensorPair(SRC, DST, device)
-    stagers = {}
-    try:
-        if staged:
-            stagers = {ep: Stager(ep, pool_bytes=4 * SLOT, slot_bytes=SLOT)
-                       for ep in pr.endpoints}
-        pr.connect("pull")
-        pr.connect("push")
-        pr.stagers = stagers
-        yield pr
-        drain(stagers.values())
-        for st in stagers.values():
-            assert _idle(st) == IDLE, st.handles()
-    finally:
-        for st in stagers.values():
-            st.close()
-        pr.close()
-    for ep in pr.endpoints:
-        assert ep.handles() == ZERO, ep.handles()
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("how", ["direct", "staged"])
 def test_tensor_buffers_move_exact_bytes(device, mode, how):
     rng = np.random.default_rng(21)
     sb, db = blocks(rng, SRC, 40), blocks(rng, DST, 40)
-    with tensor_pair(device, staged=how == "staged") as pr:
+    with staged_pair(SRC, DST, cls=TensorPair, device=device) as pr:
         for ep in pr.endpoints:
             assert ep.mem_type == ("VRAM" if device == "cuda" else "DRAM")
         initiators = pr.d if mode == "pull" else pr.p

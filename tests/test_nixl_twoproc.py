@@ -8,11 +8,8 @@ stalled peer (deadline), then a killed peer and its replacement.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import select
 import signal
-import subprocess
 import time
 
 import numpy as np
@@ -21,7 +18,7 @@ import pytest
 from kvplan import pull_map, push_map, simulate
 from kvplan_nixl import Endpoint, State, TransferFailed, TransferTimeout
 from tests import oracle
-from tests.nixl_util import attn, mla, peer_cmd, peer_env, spec
+from tests.nixl_util import PeerProc, attn, mla, spec
 
 SRC = spec(2, attn(heads=4, nb=64), mla(nb=64))
 DST = spec(1, attn(heads=4, nb=64), mla(nb=64))
@@ -30,47 +27,10 @@ SRC_BLOCKS = [list(range(40, 8, -1))]  # 32 blocks, descending
 DST_BLOCKS = [list(range(0, 64, 2))]
 
 
-class PeerProc:
-    """One peer rank in its own process."""
-
-    def __init__(self, tmp, engine: str, s, rank: int, fill: str = "oracle") -> None:
-        self.rank = rank
-        self.md_path = str(tmp / f"{engine}-{rank}-{time.monotonic_ns()}.md")
-        self.proc = subprocess.Popen(
-            peer_cmd("--engine", engine, "--rank", str(rank), "--spec", json.dumps(s.to_dict()),
-                     "--seed", str(SEED), "--fill", fill, "--metadata-out", self.md_path),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=peer_env(), text=True,
-        )
-
-    def ready(self, timeout: float = 60.0) -> bytes:
-        line = self._line(timeout)
-        assert line.strip() == "ready", line
-        with open(self.md_path, "rb") as f:
-            return f.read()
-
-    def _line(self, timeout: float) -> str:
-        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert r, f"peer rank {self.rank} silent for {timeout} s"
-        return self.proc.stdout.readline()
-
-    def finish(self) -> dict:
-        self.proc.stdin.write("quit\n")
-        self.proc.stdin.flush()
-        out = json.loads(self._line(30))
-        assert self.proc.wait(30) == 0
-        return out
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(30)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("peers")
-    peers = [PeerProc(tmp, "prefill", SRC, r) for r in range(2)]
+    peers = [PeerProc(tmp, "prefill", SRC, r, seed=SEED) for r in range(2)]
     bufs = [np.zeros(DST.rank_region_nbytes(i), np.uint8) for i in range(len(DST.regions))]
     ep = Endpoint("decode", DST, 0, bufs)
     try:
@@ -168,7 +128,7 @@ def test_killed_peer_fails_the_transfer_and_a_restarted_one_replaces_it(world):
         ep.read(plan, "prefill").wait(timeout=10)
     assert ep.handles()["xfer"] == 0
     # the rank restarts (new agent): connecting its metadata replaces the dead peer
-    world["peers"][1] = PeerProc(world["tmp"], "prefill", SRC, 1)
+    world["peers"][1] = PeerProc(world["tmp"], "prefill", SRC, 1, seed=SEED)
     before = ep.handles()
     ep.connect(world["peers"][1].ready())
     assert ep.handles() == before
@@ -185,7 +145,7 @@ def test_peers_received_notifications(world):
 
 
 def test_push_into_another_process(tmp_path):
-    target = PeerProc(tmp_path, "decode", DST, 0, fill="sentinel")
+    target = PeerProc(tmp_path, "decode", DST, 0, seed=SEED, fill="sentinel")
     src = oracle.source_buffers(SRC.to_dict(), seed=SEED)
     eps = [Endpoint("prefill", SRC, r, [src[(r, i)] for i in range(len(SRC.regions))])
            for r in range(2)]
