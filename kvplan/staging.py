@@ -101,11 +101,13 @@ class Pieces(ReadOnlyArrays):
     stage_offset: np.ndarray
     length: np.ndarray
 
-    def column(self, name: str) -> np.ndarray:
-        """Plan column ``name`` per piece; ``*_offset`` columns include the piece's delta."""
-        col = self.rows[name] if self.index is None else self.rows[name][self.index]
+    def column(self, name: str, pieces: slice = slice(None)) -> np.ndarray:
+        """Plan column ``name`` for ``pieces`` (all by default); ``*_offset`` columns include
+        each piece's delta."""
+        col = self.rows[name][pieces] if self.index is None else (
+            self.rows[name][self.index[pieces]])
         if self.delta is not None and name.endswith("_offset"):
-            col = col + self.delta
+            col = col + self.delta[pieces]
         return col
 
     def __len__(self) -> int:
@@ -163,14 +165,16 @@ class StagedPlan(ReadOnlyArrays):
             leg = self._legs[name] = Leg(name, _leg_rows(self.pieces, name), self.plan.map)
         return leg
 
-    def side(self, which: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def side(self, which: str, pieces: slice = slice(None)
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The engine side ``"src"`` (gather) or ``"dst"`` (scatter) of the local legs, in
-        staging order: ``(buffer, offset, length, stage_offset)`` per piece."""
+        staging order: ``(buffer, offset, length, stage_offset)`` per piece of ``pieces`` (all
+        by default; one peer's chunks are one contiguous range of pieces)."""
         if which not in ("src", "dst"):
             raise ValueError(f"side must be 'src' or 'dst', got {which!r}")
         p = self.pieces
-        return (p.column(f"{which}_buffer"), p.column(f"{which}_offset"), p.length,
-                p.stage_offset)
+        return (p.column(f"{which}_buffer", pieces), p.column(f"{which}_offset", pieces),
+                p.length[pieces], p.stage_offset[pieces])
 
     @property
     def legs(self) -> tuple[Leg, Leg, Leg]:

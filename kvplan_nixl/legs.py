@@ -22,10 +22,13 @@ import ctypes
 import itertools
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from kvplan.staging import StagedPlan
 
 #: Guards :data:`_SHARED`, the state of :func:`cpu_threads` (torch's intra-op thread count is
 #: per process): legs asking for the same count share the setting and run together; a leg
@@ -77,26 +80,27 @@ class Chunk:
 class SideIndex:
     """One engine side of a staged plan's local leg, as granule numbers in staging order.
 
-    Built once per request and side (``kvplan.staging.StagedPlan.side``: ``"src"`` for the
-    gather, ``"dst"`` for the scatter); :meth:`chunk` then cuts one chunk's operations out of it
-    by slicing, so a chunk costs a few ``searchsorted`` calls, not a pass over its runs. Pieces
-    are packed in the staging space (each chunk's from its first byte), so the granules of a
-    chunk land in its slot in the order they are listed here.
+    Built once per request, side (``kvplan.staging.StagedPlan.side``: ``"src"`` for the gather,
+    ``"dst"`` for the scatter) and range of pieces (``pieces``: one peer's, as each peer's job
+    needs only its own); :meth:`chunk` then cuts one chunk's operations out of it by slicing,
+    so a chunk costs a few ``searchsorted`` calls, not a pass over its runs. Pieces are packed
+    in the staging space (each chunk's from its first byte), so the granules of a chunk land in
+    its slot in the order they are listed here.
     """
 
-    def __init__(self, sp: Any, side: str) -> None:
-        buffer, offset, length, _ = sp.side(side)
-        g = self.granule = sp.granule
-        self.buffer = np.asarray(buffer)
-        self.index = granule_index(np.asarray(offset), np.asarray(length), g)
-        count = np.asarray(length) // g
-        self.start = np.concatenate(([0], np.cumsum(count))).astype(np.int64)  # per piece
+    def __init__(self, sp: StagedPlan, side: str, pieces: slice = slice(None)) -> None:
+        buffer, offset, length, _ = sp.side(side, pieces)
+        self.granule = g = sp.granule
+        self.first = pieces.start or 0  # piece numbers in chunk rows are the plan's
+        self.buffer = buffer
+        self.index = granule_index(offset, length, g)
+        self.start = np.concatenate(([0], np.cumsum(length // g)))  # granule of each piece
         # pieces where the buffer changes: each stretch between is one index copy
-        self.cuts = np.flatnonzero(self.buffer[1:] != self.buffer[:-1]) + 1
+        self.cuts = np.flatnonzero(buffer[1:] != buffer[:-1]) + 1
 
     def chunk(self, ch: np.void) -> Chunk:
-        """The operations of chunk row ``ch`` (of ``StagedPlan.chunks``)."""
-        rs, re = int(ch["row_start"]), int(ch["row_end"])
+        """The operations of chunk row ``ch`` (of ``StagedPlan.chunks``, within ``pieces``)."""
+        rs, re = int(ch["row_start"]) - self.first, int(ch["row_end"]) - self.first
         a = int(np.searchsorted(self.cuts, rs, side="right"))
         b = int(np.searchsorted(self.cuts, re, side="left"))
         bounds = [rs, *self.cuts[a:b].tolist(), re]

@@ -748,8 +748,9 @@ class Stager:
 
     def _local_leg(self, j: _Job, k: int, slot: int, which: str) -> None:
         sp = j.sp
-        if j.index is None:  # once per request, on the leg thread (one per Stager: no race)
-            j.index = legs.SideIndex(sp, "src" if which == "gather" else "dst")
+        if j.index is None:  # once per job, on the leg thread (one per Stager: no race)
+            mine = slice(int(j.chunks["row_start"][0]), int(j.chunks["row_end"][-1]))
+            j.index = legs.SideIndex(sp, "src" if which == "gather" else "dst", mine)
         ops = j.index.chunk(j.chunks[k])
         dest = self.pool.slot(slot)
         with legs.cpu_threads(self.cpu_threads, dest):

@@ -45,8 +45,8 @@ def drive(step: Callable[[], object], done: Callable[[], bool], others: Iterable
     long wait costs little CPU. A poll that reports work done (``step()`` or a ``progress()``
     returning a true value: messages handled, transfers or legs finished) starts the naps over
     at the minimum, and :data:`WAKE` ends a nap early: a staged transfer's steps follow each
-    other within microseconds instead of a millisecond nap each (about a quarter of a 160 MiB
-    staged request's wall time went to such naps, docs/performance.md). Returns False when the
+    other within microseconds instead of after a nap of up to a millisecond each (with 4 MiB
+    slots: 0.79 -> 1.23 GB/s, docs/performance.md). Returns False when the
     ``time.monotonic()`` deadline ``limit`` passed first. The one wait loop of every transfer
     kind (direct, staged, mixed).
     """

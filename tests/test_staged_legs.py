@@ -56,10 +56,20 @@ def test_torch_legs_move_exactly_what_simulate_moves(case):
         dst_buffers = _buffers(dst, got, rank, kind)
         slot = torch.zeros(chunk, dtype=torch.uint8)
         gi, si = legs.SideIndex(sp, "src"), legs.SideIndex(sp, "dst")
+        per_peer = {}  # the executor's view: one index per peer's range of pieces
+        for peer in sp.peers:
+            pc = sp.peer_chunks(peer)
+            mine = slice(int(pc["row_start"][0]), int(pc["row_end"][-1]))
+            per_peer[peer] = legs.SideIndex(sp, "src", mine), legs.SideIndex(sp, "dst", mine)
         for ch in sp.chunks:
             src_buffers = _buffers(src, src_bufs, int(ch["peer"]), kind)
             g, s = gi.chunk(ch), si.chunk(ch)
             assert g.nbytes == s.nbytes == ch["nbytes"]
+            for whole, part in zip((g, s), (x.chunk(ch) for x in per_peer[int(ch["peer"])]),
+                                   strict=True):
+                assert part.nbytes == whole.nbytes and len(part.ops) == len(whole.ops)
+                for (b1, a1, e1, i1), (b2, a2, e2, i2) in zip(whole.ops, part.ops, strict=True):
+                    assert (b1, a1, e1) == (b2, a2, e2) and np.array_equal(i1, i2)
             for ops in (g.ops, s.ops):  # stretches tile the slot from its first granule
                 assert [a for _, a, _, _ in ops] == [0, *(b for _, _, b, _ in ops[:-1])]
             legs.gather(g, src_buffers, slot, sp.granule)
