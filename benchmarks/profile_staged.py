@@ -24,7 +24,7 @@ import numpy as np
 from bench_staged import World, _llama
 
 import kvplan_nixl.staged as staged
-from kvplan_nixl import legs
+from kvplan_nixl.staged import legs
 
 EVENTS: list[tuple[str, str, float, float]] = []  # (step, thread, start, end)
 _LOCK = threading.Lock()

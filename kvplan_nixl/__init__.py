@@ -37,15 +37,15 @@ if TYPE_CHECKING:
     from kvplan_nixl.endpoint import Endpoint, Notification, Peer
     from kvplan_nixl.parts import RequestTransfer
     from kvplan_nixl.staged import Stager
-    from kvplan_nixl.staged_transfer import MixedTransfer, StagedTransfer
+    from kvplan_nixl.staged import MixedTransfer, StagedTransfer
     from kvplan_nixl.transfer import State, Transfer
 
 _LAZY = {
     "Endpoint": "kvplan_nixl.endpoint",
     "Notification": "kvplan_nixl.endpoint",
     "Peer": "kvplan_nixl.endpoint",
-    "MixedTransfer": "kvplan_nixl.staged_transfer",
-    "StagedTransfer": "kvplan_nixl.staged_transfer",
+    "MixedTransfer": "kvplan_nixl.staged",
+    "StagedTransfer": "kvplan_nixl.staged",
     "Stager": "kvplan_nixl.staged",
     "RequestTransfer": "kvplan_nixl.parts",
     "State": "kvplan_nixl.transfer",

@@ -1,4 +1,4 @@
-"""The torch local legs (kvplan_nixl/legs.py) against kvplan.simulate of the same legs.
+"""The torch local legs (kvplan_nixl/staged/legs.py) against kvplan.simulate of the same legs.
 
 For plans of generated engine pairs, every chunk is gathered into a slot tensor with
 ``legs.gather`` and scattered out of it with ``legs.scatter``; the destination must equal what
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import kvplan.strategies as ks
 from kvplan import EngineSpec, pull_map, simulate
 from kvplan.staging import stage
-from kvplan_nixl import legs
+from kvplan_nixl.staged import legs
 from tests import oracle
 
 

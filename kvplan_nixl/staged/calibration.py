@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from kvplan.staging import Costs
-from kvplan_nixl import legs
+from kvplan_nixl.staged import legs
 from kvplan_nixl.descriptors import lower
 from kvplan_nixl.errors import NixlError, NotConnectedError, nixl_call
-from kvplan_nixl.staged import PIECE, _encode
+from kvplan_nixl.staged.stager import PIECE, _encode
 
 if TYPE_CHECKING:
-    from kvplan_nixl.staged import Stager
+    from kvplan_nixl.staged.stager import Stager
 
 __all__ = ["calibrate"]
 

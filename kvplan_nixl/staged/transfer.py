@@ -20,7 +20,7 @@ from kvplan_nixl.errors import TransferFailed, TransferTimeout
 from kvplan_nixl.transfer import State, drive
 
 if TYPE_CHECKING:
-    from kvplan_nixl.staged import Stager
+    from kvplan_nixl.staged.stager import Stager
 
 __all__ = ["MixedTransfer", "StagedTransfer"]
 

@@ -52,7 +52,7 @@ import torch
 
 from kvplan import KVPlanError, Mode, TransferPlan
 from kvplan.staging import Costs, prefer_staged, stage
-from kvplan_nixl import legs
+from kvplan_nixl.staged import legs
 from kvplan_nixl._nixl import NIXL_LOCAL
 from kvplan_nixl.descriptors import Ladder, lower
 from kvplan_nixl.errors import (
@@ -62,7 +62,7 @@ from kvplan_nixl.errors import (
     nixl_code,
     release_counted,
 )
-from kvplan_nixl.staged_transfer import MixedTransfer, StagedTransfer, _Job, _Pool
+from kvplan_nixl.staged.transfer import MixedTransfer, StagedTransfer, _Job, _Pool
 from kvplan_nixl.transfer import WAKE, State, drive
 
 if TYPE_CHECKING:
@@ -262,7 +262,7 @@ class Stager:
         ``remote`` and store them in ``self.costs[remote]``; see
         :func:`kvplan_nixl.calibration.calibrate` (``progress``: other Stagers of this process
         to poll meanwhile, as the peer's Stager must be polled)."""
-        from kvplan_nixl.calibration import calibrate
+        from kvplan_nixl.staged.calibration import calibrate
 
         self.costs[remote] = costs = calibrate(self, remote, progress=progress, timeout=timeout)
         return costs
