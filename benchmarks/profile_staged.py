@@ -24,7 +24,7 @@ import numpy as np
 from bench_staged import World, _llama
 
 import kvplan_nixl.staged as staged
-from kvplan_nixl.staged import legs
+from kvplan_nixl.staged import initiator, legs, server
 
 EVENTS: list[tuple[str, str, float, float]] = []  # (step, thread, start, end)
 _LOCK = threading.Lock()
@@ -47,19 +47,20 @@ def _wrap(obj, name, label):
 
 
 def install() -> None:
-    _wrap(staged, "stage", "stage()")
+    _wrap(initiator, "stage", "stage()")
+    _wrap(server, "stage", "stage()")
     _wrap(legs.SideIndex, "chunk", "chunk ops")
     _wrap(legs.SideIndex, "__init__", "side index")
     _wrap(legs, "gather", "gather")
     _wrap(legs, "scatter", "scatter")
-    post = staged.Stager._post
+    post = initiator.Initiator._post
     posted = {}
 
     def _post(self, j, k, slot, rslot):
         posted[(id(j), k)] = time.perf_counter()
         return post(self, j, k, slot, rslot)
-    staged.Stager._post = _post
-    adv = staged.Stager._advance
+    initiator.Initiator._post = _post
+    adv = initiator.Initiator._advance
 
     def _advance(self, j):
         before = set(j.xfers)
@@ -71,15 +72,15 @@ def install() -> None:
                 with _LOCK:
                     EVENTS.append((f"nixl {k}", "main", t0, now))
         return n
-    staged.Stager._advance = _advance
-    start = staged.Stager._start
+    initiator.Initiator._advance = _advance
+    start = initiator.Initiator.start
 
     def _start(self, *a, **k):
         STARTS.append(time.perf_counter())
         t = start(self, *a, **k)
         DONE.append(t)
         return t
-    staged.Stager._start = _start
+    initiator.Initiator.start = _start
 
 
 def report(label: str, t0: float, t1: float) -> None:

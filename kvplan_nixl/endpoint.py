@@ -681,6 +681,10 @@ class Endpoint:
         self._notifs.clear()
         return out
 
+    def _hook(self, prefix: bytes, fn) -> None:
+        """Hand messages starting with ``prefix`` (5 bytes) to ``fn(agent_name, message)``."""
+        self._notif_hooks[prefix] = fn
+
     def _deliver(self, agent_name: str, message: bytes) -> None:
         """Queue ``message`` for :meth:`notifications` as if NIXL had delivered it from the
         agent ``agent_name`` (same ``Notification`` shape: that agent's engine and rank).

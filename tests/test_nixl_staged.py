@@ -262,7 +262,7 @@ def test_malformed_and_foreign_messages_are_refused_not_raised():
                    open_ + b"1 1 3\n" + ids, b"kvs1 OPEN 9 pull 65536 0 10 -1 0 0\n" + ids,
                    b"kvs1 DATA", b"kvs1 GRANT 77 0 0", b"kvs1 NOPE 1")
         for msg in garbage:
-            server._inbox.append((d.agent_name, msg))
+            server.channel.inbox.append((d.agent_name, msg))
         server.poll()  # no exception
         assert server.handles()["serving"] == 0
         assert p0.notifications() == []  # a refused OPEN delivers no notify
@@ -436,12 +436,12 @@ def test_staged_notify_reaches_every_peer_once_like_direct(mode, monkeypatch):
         for ep in pr.d:  # slow scatters (on the worker thread): a notify delivered before
             st = pr.stagers[ep]  # the last one returned would be seen with bytes missing
 
-            def slow(j, k, slot, which, leg=st._local_leg):
+            def slow(j, k, slot, which, leg=st.legs._local_leg):
                 if which == "scatter" and j.server:
                     time.sleep(0.02)
                 leg(j, k, slot, which)
 
-            monkeypatch.setattr(st, "_local_leg", slow)
+            monkeypatch.setattr(st.legs, "_local_leg", slow)
         pr.run(mode, sb, db, notify=b"req-9")  # direct, for reference
         targets = pr.p if mode == "pull" else pr.d
         direct = notifications(targets, 2)

@@ -59,7 +59,7 @@ def _progress_until(ep: Endpoint, st: Stager, op: bytes, agent_suffix: str,
     while time.monotonic() < deadline:
         ep.progress()
         if any(m.startswith(b"kvs1 " + op) and a.split("#")[1] == agent_suffix
-               for a, m in st._inbox):
+               for a, m in st.channel.inbox):
             return
         time.sleep(1e-3)
     raise AssertionError(f"no {op!r} from rank {agent_suffix} in {timeout} s")

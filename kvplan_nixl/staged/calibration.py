@@ -1,95 +1,93 @@
 """Measuring what staging costs against one peer: the inputs of the direct-or-staged choice.
 
-``Stager.calibrate`` calls :func:`calibrate`; the measurement needs the Stager's pool, its
-protocol (a HELLO / POOL round trip teaches it the peer's pool) and its endpoint, and reads only
-staging memory, never engine buffers.
+Owns the measurement only: ``Stager.calibrate`` calls :func:`calibrate` with its endpoint, its
+registered pool and a way to ask a peer where its pool is (a HELLO / POOL round trip, which the
+Stager's protocol answers). It reads only staging memory, never engine buffers, and stores
+nothing: the Stager keeps the costs. It may not import the Stager or the protocol's sides.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvplan.staging import Costs
-from kvplan_nixl.staged import legs
-from kvplan_nixl.descriptors import lower
+from kvplan_nixl.endpoint import Endpoint
 from kvplan_nixl.errors import NixlError, NotConnectedError, nixl_call
-from kvplan_nixl.staged.stager import PIECE, _encode
-
-if TYPE_CHECKING:
-    from kvplan_nixl.staged.stager import Stager
+from kvplan_nixl.staged import legs
+from kvplan_nixl.staged.pool import PIECE, RegisteredPool
 
 __all__ = ["calibrate"]
 
 
-def calibrate(st: Stager, remote: str, *, progress: Iterable[Any] = (),
-          timeout: float = 10.0) -> Costs:
-    """Measure, for Stager ``st``, the costs ``Stager.prefer`` weighs against one connected peer
-    rank of ``remote`` (its Stager must be polled meanwhile: ``progress`` lists other Stagers of
-    this process): a notification round trip (``per_chunk``), one READ of a whole slot
+def calibrate(ep: Endpoint, pool: RegisteredPool,
+              ask: Callable[[str], Callable[[], bool] | None], poll: Callable[[], int],
+              remote: str, *, cpu_threads: int | None = 1, progress: Iterable[Any] = (),
+              timeout: float = 10.0) -> Costs:
+    """Measure the costs ``Stager.prefer`` weighs against one connected peer rank of
+    ``remote`` (its Stager must be polled meanwhile: ``progress`` lists other Stagers of this
+    process; ``poll`` polls this side's): a notification round trip (``per_chunk``; ``ask``
+    sends the HELLO and returns whether the POOL came), one READ of a whole slot
     (``per_byte``), a READ of half its bytes as unmergeable 4 KiB descriptors
     (``per_descriptor``), best of three each, and a local 4 KiB-granule gather
-    (``local_per_byte``). Reads only the peer's pool, into a free slot of ``st``'s.
+    (``local_per_byte``, with ``cpu_threads``). Reads only the peer's pool, into a free slot of
+    ``pool``.
     """
-    agent = st.ep._require()
-    peer = next((p for p in st.ep.peers() if p.engine == remote), None)
+    agent = ep._require()
+    peer = next((p for p in ep.peers() if p.engine == remote), None)
     if peer is None:
         raise NotConnectedError(f"calibrate: no rank of engine {remote!r} is connected")
-    if not st.pool.free:
+    slots = pool.slots
+    if not slots.free:
         raise RuntimeError("calibrate: every staging slot is in use")
     others = tuple(progress)
-    nonce = f"h{next(st._ids)}"
-    st._hello.add(nonce)
     t0 = time.perf_counter()
-    if not st._send(peer.agent, _encode("HELLO", nonce)):
+    answered = ask(peer.agent)
+    if answered is None:
         raise NixlError("send_notif", "unreachable", f"{remote} rank {peer.rank}")
     deadline = time.monotonic() + timeout
-    while nonce in st._hello:
+    while not answered():
         for o in others:
             o.poll()
-        st.poll()
+        poll()
         if time.monotonic() > deadline:
-            st._hello.discard(nonce)
             raise TimeoutError(f"calibrate: {remote} rank {peer.rank} did not answer")
     rtt = time.perf_counter() - t0
-    slot = st.pool.free.popleft()
+    slot = slots.free.popleft()
     try:
-        ladder, dlist = st._remote[peer.agent]
-        base, s = slot * st.slot_bytes, st.slot_bytes
+        base, s = slot * pool.slot_bytes, pool.slot_bytes
         n = s // (2 * PIECE)  # every other 4 KiB piece: nothing merges
         offs = np.arange(n, dtype=np.int64) * 2 * PIECE
-        # best of three, after a first read that sets up the connection
-        _timed_read(st, agent, ladder, dlist, [base], [0], [s], others)
-        one = min(_timed_read(st, agent, ladder, dlist, [base], [0], [s], others)
-                  for _ in range(3))
-        many = min(_timed_read(st, agent, ladder, dlist, base + offs, offs,
-                                    np.full(n, PIECE), others) for _ in range(3))
-        half = st.pool.slot(slot).view(-1, PIECE)
+
+        def read(local, remote_off, length) -> float:
+            return _timed_read(pool, agent, peer.agent, local, remote_off, length, others)
+
+        read([base], [0], [s])  # sets up the connection; then best of three
+        one = min(read([base], [0], [s]) for _ in range(3))
+        many = min(read(base + offs, offs, np.full(n, PIECE)) for _ in range(3))
+        half = slots.slot(slot).view(-1, PIECE)
         idx = torch.from_numpy(np.random.default_rng(0).permutation(len(half) // 2)).to(
             half.device)
-        with legs.cpu_threads(st.cpu_threads, half):
+        with legs.cpu_threads(cpu_threads, half):
             t = time.perf_counter()
             torch.index_select(half[: len(half) // 2], 0, idx, out=half[len(half) // 2:])
             legs.synchronize(half)
             local = time.perf_counter() - t
     finally:
-        st.pool.release(slot)
+        slots.release(slot)
     per_byte = one / s
-    costs = Costs(per_descriptor=max(0.0, (many - n * PIECE * per_byte) / n),
-                  per_byte=per_byte, local_per_byte=local / (s // 2), per_chunk=rtt)
-    return costs
+    return Costs(per_descriptor=max(0.0, (many - n * PIECE * per_byte) / n),
+                 per_byte=per_byte, local_per_byte=local / (s // 2), per_chunk=rtt)
 
-def _timed_read(st: Stager, agent, ladder, dlist, local, remote, length, others) -> float:
-    lw = lower(st._ladder, ladder, np.zeros(len(length)), np.asarray(local),
-               np.zeros(len(length)), np.asarray(remote), np.asarray(length))
+
+def _timed_read(pool: RegisteredPool, agent, name: str, local, remote, length, others) -> float:
     with nixl_call("calibration transfer"):
-        h = agent.make_prepped_xfer("READ", st._local_dlist, lw.local, dlist, lw.remote,
-                                    b"")
-    st._live["xfer"] += 1
+        h = pool.make_xfer(agent, "READ", name, np.asarray(local), np.asarray(remote),
+                           np.asarray(length), b"")
     try:
         t = time.perf_counter()
         with nixl_call("calibration transfer"):
@@ -100,4 +98,4 @@ def _timed_read(st: Stager, agent, ladder, dlist, local, remote, length, others)
                 state = agent.check_xfer_state(h)
         return time.perf_counter() - t
     finally:
-        st._release_xfer(h)
+        pool.handles.release(h)

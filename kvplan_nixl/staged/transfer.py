@@ -1,75 +1,29 @@
-"""A staged request's state: the slot pool (credits), per-peer jobs, and StagedTransfer.
+"""A staged request's state: per-peer jobs, :class:`StagedTransfer` and :class:`MixedTransfer`.
 
-Internal to :mod:`kvplan_nixl.staged`, which drives them: a :class:`StagedTransfer` is what
-``Stager.read`` / ``Stager.write`` return, with the surface of :class:`kvplan_nixl.Transfer`.
+Owns what a request *is* on one side (a :class:`Job` per peer rank: its chunks, slots held,
+handles in flight, state) and the user's surface over it, the same as
+:class:`kvplan_nixl.Transfer`'s. It drives nothing itself: a StagedTransfer asks its *driver*
+(the initiator of :mod:`kvplan_nixl.staged.initiator`, a :class:`Driver`) to poll or to fail a
+job. It may not import the driver, the pool or the protocol.
 """
 
 from __future__ import annotations
 
-import collections
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from kvplan import Mode
 from kvplan.staging import StagedPlan
 from kvplan_nixl.errors import TransferFailed, TransferTimeout
 from kvplan_nixl.transfer import State, drive
 
-if TYPE_CHECKING:
-    from kvplan_nixl.staged.stager import Stager
-
-__all__ = ["MixedTransfer", "StagedTransfer"]
+__all__ = ["Driver", "Job", "MixedTransfer", "StagedTransfer"]
 
 
-class _Pool:
-    """Slots of a registered staging tensor, handed out FIFO (a slot is a credit)."""
-
-    def __init__(self, tensor: torch.Tensor, slot_bytes: int) -> None:
-        self.tensor = tensor
-        self.slot_bytes = slot_bytes
-        self.nslots = tensor.numel() // slot_bytes
-        self.free: collections.deque[int] = collections.deque(range(self.nslots))
-        self.waiters: collections.deque[tuple[Any, Callable[[int], None]]] = collections.deque()
-        self._pumping = False
-
-    def slot(self, i: int) -> torch.Tensor:
-        return self.tensor[i * self.slot_bytes:(i + 1) * self.slot_bytes]
-
-    @property
-    def in_use(self) -> int:
-        return self.nslots - len(self.free)
-
-    def acquire(self, owner: Any, then: Callable[[int], None]) -> None:
-        """Queue ``then(slot)``; it runs as soon as a slot is free and earlier waiters are
-        served (now, if one is)."""
-        self.waiters.append((owner, then))
-        self.pump()
-
-    def release(self, slot: int) -> None:
-        self.free.append(slot)
-        self.pump()
-
-    def forget(self, owner: Any) -> None:
-        """Drop the waits of ``owner`` (a failed request)."""
-        self.waiters = collections.deque(w for w in self.waiters if w[0] is not owner)
-
-    def pump(self) -> None:
-        if self._pumping:  # a callback that releases a slot must not recurse
-            return
-        self._pumping = True
-        try:
-            while self.free and self.waiters:
-                _, then = self.waiters.popleft()
-                then(self.free.popleft())
-        finally:
-            self._pumping = False
-
-
-class _Job:
+class Job:
     """One peer rank's part of a staged request, on either side (internal, mutable)."""
 
     def __init__(self, rid: str, agent: str, peer: int, sp: StagedPlan, mode: Mode,
@@ -95,13 +49,26 @@ class _Job:
         return int(self.chunks["nbytes"].sum())
 
 
+class Driver(Protocol):
+    """What a :class:`StagedTransfer` needs of the side that drives it."""
+
+    #: who posts, for error messages: ``'decode' rank 0``
+    label: str
+
+    def poll(self) -> int:
+        """Drive every request once (messages, transfers, deadlines)."""
+
+    def fail(self, j: Job, reason: str, kind: str) -> None:
+        """Fail job ``j`` now (release its slots and handles, tell the peer)."""
+
+
 class StagedTransfer:
     """One staged request to or from every peer rank of its plan (from :meth:`Stager.read` /
     :meth:`Stager.write`); the same surface as :class:`kvplan_nixl.Transfer`: ``poll``,
     ``wait``, ``cancel``, ``ok``, ``error``, plus ``chunks`` and ``descriptors``."""
 
-    def __init__(self, stager: Stager, sp: StagedPlan, remote: str, jobs: list[_Job]) -> None:
-        self._st = stager
+    def __init__(self, driver: Driver, sp: StagedPlan, remote: str, jobs: list[Job]) -> None:
+        self._st = driver
         self.staged = sp
         self.plan = sp.plan
         self.remote = remote
@@ -173,7 +140,7 @@ class StagedTransfer:
     def cancel(self, reason: str = "cancelled") -> None:
         """Fail the pending parts now: their slots and handles are freed, the peer told."""
         for j in self._jobs.values():
-            self._st._fail(j, reason, "cancelled")
+            self._st.fail(j, reason, "cancelled")
 
     def error(self) -> TransferFailed | None:
         """The exception ``wait`` raises, or None while pending or when every part is DONE."""
@@ -189,8 +156,7 @@ class StagedTransfer:
         blocks = tuple(np.asarray(b) if g in groups else np.zeros(0, dtype=np.int64)
                        for g, b in enumerate(self.plan.dst_blocks))
         way = "from" if m.mode is Mode.PULL else "to"
-        what = (f"staged {m.mode.value} by {self._st.ep.engine!r} rank {self._st.ep.rank} "
-                f"{way} {self.remote!r} failed")
+        what = f"staged {m.mode.value} by {self._st.label} {way} {self.remote!r} failed"
         cls = TransferTimeout if all(j.kind == "timeout" for j in failed.values()) else (
             TransferFailed)
         return cls(what, {r: j.reason for r, j in failed.items()}, blocks)

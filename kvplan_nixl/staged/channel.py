@@ -1,0 +1,61 @@
+"""The staged executor's notification channel: staged messages in and out of one Endpoint.
+
+Owns the inbox of staged messages (the endpoint hands every notification starting with
+:data:`~kvplan_nixl.staged.protocol.TAG` to :meth:`Channel.receive`, never to the user's
+``notifications()``) and the sending of messages to a peer agent. Every staged message passes
+here, in both directions: the place where per-message authentication would check and sign.
+It may not parse a message (``protocol`` does) nor act on one (the Stager does).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+from kvplan_nixl.endpoint import Endpoint
+from kvplan_nixl.errors import is_nixl_error
+from kvplan_nixl.staged.protocol import TAG
+
+__all__ = ["Channel"]
+
+
+class Channel:
+    """Staged messages between one Endpoint and its peers' Stagers."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.ep = endpoint
+        self.inbox: collections.deque[tuple[str, bytes]] = collections.deque()
+        endpoint._hook(TAG, self.receive)
+
+    def receive(self, agent_name: str, msg: bytes) -> None:
+        """Queue a message from agent ``agent_name`` (the endpoint calls it as it progresses)."""
+        self.inbox.append((agent_name, msg))
+
+    def drain(self) -> Iterator[tuple[str, bytes]]:
+        """The queued messages, oldest first, each removed as it is handed out."""
+        while self.inbox:
+            yield self.inbox.popleft()
+
+    def send(self, agent_name: str, msg: bytes) -> bool:
+        """Send ``msg`` to agent ``agent_name``; False when it could not leave (endpoint closed,
+        peer unreachable)."""
+        agent = self.ep._agent_or_none()
+        if agent is None:
+            return False
+        try:
+            agent.send_notif(agent_name, msg)
+        except Exception as exc:
+            if not is_nixl_error(exc):
+                raise
+            return False
+        return True
+
+    def close(self) -> None:
+        """From now on drop staged messages: peers may still send about requests this side
+        dropped (a DONE, a HELLO), and they are protocol, never the user's notifications."""
+        self.ep._hook(TAG, _ignore)
+        self.inbox.clear()
+
+
+def _ignore(_agent_name: str, _msg: bytes) -> None:
+    """The hook of a closed channel: drops late staged messages."""

@@ -1,0 +1,138 @@
+"""The staged protocol's messages: the one place that creates and parses them.
+
+Every staged message is a NIXL notification ``kvs1 OP field field...`` with an optional body
+after a newline (the OPEN's block ids and the user's notify). This module owns the byte format
+only: :func:`encode` / :func:`decode` for every message, :func:`open_messages` /
+:func:`decode_open` for the OPEN (whose fields must agree with its body), and the pool
+descriptions of ACK and POOL. It decides nothing about a request and holds no state; it may not
+import the rest of the staged executor. A message that does not parse raises ``ValueError``,
+``IndexError`` or :class:`Refuse` (the caller answers with a FAIL or ABORT). Authentication of
+staged messages, when added, belongs here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from kvplan import Mode
+
+__all__ = ["TAG", "Message", "Open", "PoolInfo", "Refuse", "decode", "decode_open", "encode",
+           "open_messages"]
+
+#: Protocol tag: the first five bytes of every staged message.
+TAG = b"kvs1 "
+
+
+class Refuse(Exception):
+    """An OPEN this server cannot serve; its text goes back in a FAIL."""
+
+
+def encode(*fields: object, body: bytes = b"") -> bytes:
+    """``kvs1 f0 f1 ...`` (+ ``\\n`` + body)."""
+    return TAG + " ".join(str(f) for f in fields).encode() + (b"\n" + body if body else b"")
+
+
+@attrs.frozen
+class Message:
+    """A parsed message: its operation, its fields after the operation, its body."""
+
+    op: str
+    fields: tuple[str, ...]
+    body: bytes
+
+    @property
+    def rid(self) -> str:
+        """The request id (or the calibration nonce) every message but a bare one carries."""
+        return self.fields[0]
+
+    def int(self, i: int) -> int:
+        """Field ``i`` (after the operation) as an int (``ValueError``/``IndexError`` if not)."""
+        return int(self.fields[i])
+
+    def text(self, i: int) -> str:
+        """Fields from ``i`` on, joined: a reason."""
+        return " ".join(self.fields[i:])
+
+
+def decode(msg: bytes) -> Message:
+    """Split a message (starting with :data:`TAG`) into operation, fields and body."""
+    head, _, body = msg[len(TAG):].partition(b"\n")
+    f = head.decode(errors="replace").split(" ")
+    return Message(f[0], tuple(f[1:]), body)
+
+
+@attrs.frozen
+class PoolInfo:
+    """Where a Stager's registered pool is (ACK and POOL carry it)."""
+
+    addr: int
+    nbytes: int
+    slot_bytes: int
+    device: int
+    mem: str
+
+    def encode(self, op: str, rid: str) -> bytes:
+        """``op rid addr nbytes slot_bytes device mem``."""
+        return encode(op, rid, self.addr, self.nbytes, self.slot_bytes, self.device, self.mem)
+
+    @classmethod
+    def decode(cls, m: Message) -> PoolInfo:
+        """The pool an ACK or POOL message describes."""
+        return cls(m.int(1), m.int(2), m.int(3), m.int(4), m.fields[5])
+
+
+@attrs.frozen
+class Open:
+    """A parsed OPEN: what the initiator asks the server to serve."""
+
+    rid: str
+    mode: Mode  # the initiator's
+    slot_bytes: int
+    timeout_ms: int  # 0: none given
+    nbytes: int  # this peer's bytes, as the initiator planned them
+    nchunks: int
+    src_blocks: list[list[int]]
+    dst_blocks: list[list[int]]
+    notify: bytes
+
+
+def open_messages(rid: str, mode: Mode, slot_bytes: int, timeout_ms: int,
+                  per_peer: Mapping[int, int], src_blocks: Sequence[np.ndarray],
+                  dst_blocks: Sequence[np.ndarray], notify: bytes) -> dict[int, bytes]:
+    """One OPEN per peer rank (``per_peer``: its bytes): fields, then one length per block id
+    list and the notify's length; the body is the block ids (little-endian int64) then the
+    notify. The body is built once for every peer."""
+    body = np.concatenate([*src_blocks, *dst_blocks]).astype("<i8").tobytes() + notify
+    lens = [len(b) for b in src_blocks] + [len(b) for b in dst_blocks]
+    return {r: encode("OPEN", rid, mode.value, slot_bytes, timeout_ms, n, -(-n // slot_bytes),
+                      len(src_blocks), len(dst_blocks), *lens, len(notify), body=body)
+            for r, n in per_peer.items()}
+
+
+def decode_open(m: Message) -> Open:
+    """Parse an OPEN; :class:`Refuse` (or ``ValueError``) when its parts do not agree."""
+    f, body = m.fields, m.body
+    mode = Mode(f[1])
+    chunk, tmo, nbytes, nchunks, ng, ngd = (int(x) for x in f[2:8])
+    # then one length per block id list, then the length of the user's notify, which follows
+    # the block ids in the body
+    if ng < 0 or ngd < 0 or len(f) != 9 + ng + ngd:
+        raise Refuse(f"OPEN has {len(f) + 1} fields for {ng} + {ngd} block id lists")
+    lens = [int(x) for x in f[8:8 + ng + ngd]]
+    nnote = int(f[-1])
+    if not 0 <= nnote <= len(body):
+        raise Refuse(f"notify of {nnote} bytes in a body of {len(body)}")
+    note = body[len(body) - nnote:]
+    body = body[:len(body) - nnote]
+    if len(body) % 8:
+        raise Refuse(f"block ids of {len(body)} bytes, not a multiple of 8")
+    ids = np.frombuffer(body, dtype="<i8")
+    if len(ids) != sum(lens) or min(lens, default=0) < 0:
+        raise Refuse(f"block id lists malformed: {len(ids)} ids for lengths {lens}")
+    cuts = np.cumsum([0, *lens])
+    lists = [ids[a:b].tolist() for a, b in itertools.pairwise(cuts)]
+    return Open(m.rid, mode, chunk, tmo, nbytes, nchunks, lists[:ng], lists[ng:], note)
