@@ -34,16 +34,17 @@ from kvplan_nixl.errors import (
 )
 
 if TYPE_CHECKING:
-    from kvplan_nixl.endpoint import Endpoint, Notification, Peer
+    from kvplan_nixl.endpoint import Endpoint
+    from kvplan_nixl.notifications import Notification
     from kvplan_nixl.parts import RequestTransfer
-    from kvplan_nixl.staged import Stager
-    from kvplan_nixl.staged import MixedTransfer, StagedTransfer
+    from kvplan_nixl.peers import Peer
+    from kvplan_nixl.staged import MixedTransfer, StagedTransfer, Stager
     from kvplan_nixl.transfer import State, Transfer
 
 _LAZY = {
     "Endpoint": "kvplan_nixl.endpoint",
-    "Notification": "kvplan_nixl.endpoint",
-    "Peer": "kvplan_nixl.endpoint",
+    "Notification": "kvplan_nixl.notifications",
+    "Peer": "kvplan_nixl.peers",
     "MixedTransfer": "kvplan_nixl.staged",
     "StagedTransfer": "kvplan_nixl.staged",
     "Stager": "kvplan_nixl.staged",

@@ -9,6 +9,8 @@ own; ``end()`` says no part is left. The request completes once: when every part
 whole plan touches. It is sent only after every part completed locally, so a peer that frees its
 blocks on that message never frees blocks a part still reads or writes.
 
+Owns the parts of one request and its single completion; posting itself goes through the
+endpoint's :class:`~kvplan_nixl.posting.Poster` (this module may not import the endpoint).
 Not thread-safe: drive it from the thread that owns its Endpoint.
 """
 
@@ -16,29 +18,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from kvplan import Mode, TransferPlan
-from kvplan_nixl.descriptors import Lowered, lower
-from kvplan_nixl.endpoint import _describer
-from kvplan_nixl.errors import NotConnectedError, PlanMismatchError, nixl_call
+from kvplan_nixl.descriptors import Lowered
+from kvplan_nixl.errors import NotConnectedError, PlanMismatchError
+from kvplan_nixl.posting import Poster
 from kvplan_nixl.transfer import State, Transfer, _Part
-
-if TYPE_CHECKING:
-    from kvplan_nixl.endpoint import Endpoint
 
 
 class RequestTransfer:
     """The parts of one request posted as they become ready, with one completion.
 
-    Build with :meth:`Endpoint.request`. ``transfers`` are the parts posted so far, in order.
+    Build with :meth:`Endpoint.request` (``poster``: the endpoint's). ``transfers`` are the
+    parts posted so far, in order.
     """
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        poster: Poster,
         plan: TransferPlan,
         remote: str,
         notify: bytes | None,
@@ -48,7 +48,7 @@ class RequestTransfer:
             raise TypeError(f"expected a kvplan.TransferPlan, got {type(plan).__name__}")
         if plan.regions is not None:
             raise PlanMismatchError("open a request with the whole plan, then post its parts")
-        self._ep = endpoint
+        self._poster = poster
         self.plan = plan
         self.remote = remote
         self.mode = plan.map.mode
@@ -70,16 +70,16 @@ class RequestTransfer:
         Should a peer's rows not be one segment (``self._pre`` None), each part is lowered on
         its own when posted.
         """
-        ep, plan, pull = self._ep, self.plan, self.mode is Mode.PULL
-        route = ep._route(self.remote, self.mode)
-        ep._check_plan(plan, route, self.remote, self.mode)
+        plan, pull = self.plan, self.mode is Mode.PULL
+        routes = self._poster.routes
+        route = routes.get(self.remote, self.mode)
+        routes.check_plan(plan, route, self.remote, self.mode)
         lanes = plan.map.lanes
         self._peer_of = [lane.src_rank if pull else lane.dst_rank for lane in lanes]
         b = plan.lane_bounds
         self._cum = np.concatenate(([0], np.cumsum(plan.rows["length"])))
         self._pre: dict[int, Lowered] | None = {}
         self._lane: dict[int, tuple[int, int, int, int, int, int]] = {}
-        lside, rside = ("dst", "src") if pull else ("src", "dst")
         for peer in sorted(set(self._peer_of)):
             ks = [k for k, p in enumerate(self._peer_of) if p == peer]
             a, e = int(b[ks[0]]), int(b[ks[-1] + 1])
@@ -88,10 +88,7 @@ class RequestTransfer:
                 return
             if e == a:
                 continue
-            seg = plan.rows[a:e]
-            lw = lower(route.local, route.peer_ladders[peer], seg[f"{lside}_region"],
-                       seg[f"{lside}_offset"], seg[f"{rside}_region"], seg[f"{rside}_offset"],
-                       seg["length"], describe=_describer(seg))
+            lw = route.lower(peer, plan.rows[a:e])
             first = np.concatenate(([0], np.cumsum(lw.pieces)))  # first descriptor of a row
             self._pre[peer] = lw
             for k in ks:  # per lane, as Python ints: its descriptors, runs, bytes, group
@@ -145,7 +142,7 @@ class RequestTransfer:
             )
         timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
         if self._pre is None:
-            t = self._ep._post(part, self.remote, self.mode, notify, timeout)
+            t = self._poster.post(part, self.remote, self.mode, notify, timeout)
         else:
             t = self._post_slice(part, regions, notify, timeout)
         for j in regions:
@@ -155,9 +152,9 @@ class RequestTransfer:
 
     def _post_slice(self, part: TransferPlan, regions, notify, timeout) -> Transfer:
         """Post a part from the descriptors lowered at open: one NIXL transfer per peer."""
-        ep, whole = self._ep, self.plan
-        agent = ep._require()
-        route = ep._route(self.remote, self.mode)
+        poster, whole = self._poster, self.plan
+        agent = poster.require()
+        route = poster.routes.get(self.remote, self.mode)
         lanes_of, info = whole.map.region_lanes, self._lane
         by_peer: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
         for k in sorted(k for j in regions for k in lanes_of.get(j, ()) if k in info):
@@ -168,7 +165,7 @@ class RequestTransfer:
                 f"part reads/writes ranks {missing} of engine {self.remote!r}, no longer "
                 f"connected in {self.mode.value} mode"
             )
-        parts, lowered, dlists, groups = [], [], [], {}
+        parts, lowered, groups = [], [], {}
         for peer in sorted(by_peer):
             lw, spans = self._pre[peer], by_peer[peer]  # type: ignore[index]
             if len(spans) == 1:  # one lane (one region, this peer): views, no copy
@@ -180,18 +177,9 @@ class RequestTransfer:
             runs, nbytes = sum(x[3] for x in spans), sum(x[4] for x in spans)
             lowered.append(Lowered(li, ri, runs, nbytes))
             parts.append(_Part(peer, runs, nbytes))
-            dlists.append(route.peer_dlists[peer])
             groups[peer] = frozenset(x[5] for x in spans)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        t = Transfer(ep, part, self.remote, parts, groups, deadline)
-        if parts:
-            t._start(agent, "READ" if self.mode is Mode.PULL else "WRITE", route.local_dlist,
-                     dlists, lowered, b"" if notify is None else bytes(notify))
-            if not t.done:
-                ep._transfers.add(t)
-        else:
-            t._settle()
-        return t
+        return poster.start(agent, route, part, self.remote, parts, lowered, groups, notify,
+                            timeout)
 
     def end(self) -> None:
         """No part is left. Raises :class:`PlanMismatchError` naming regions never posted (of
@@ -230,7 +218,7 @@ class RequestTransfer:
         self._complete()
         return self.done
 
-    def wait(self, timeout: float | None = None, *, progress: Iterable[Endpoint] = ()) -> None:
+    def wait(self, timeout: float | None = None, *, progress: Iterable[Any] = ()) -> None:
         """Block until every part is DONE, then send the request's notification (once).
 
         Raises the first failed part's :class:`TransferFailed` / :class:`TransferTimeout`;
@@ -254,13 +242,8 @@ class RequestTransfer:
             return
         self._notified = True
         self.finished = time.perf_counter()
-        if self._notify is None:
-            return
-        agent = self._ep._require()
-        for rank in self.peers:
-            peer = self._ep._peers[(self.remote, rank)]
-            with nixl_call("send_notif", f"{self.remote} rank {rank}"):
-                agent.send_notif(peer.agent, self._notify)
+        if self._notify is not None:
+            self._poster.notify(self.remote, self.peers, self._notify)
 
     def __repr__(self) -> str:
         state = "ok" if self.ok else ("done" if self.done else "open" if not self._ended

@@ -6,6 +6,11 @@ cancel, endpoint closed). ``poll`` never blocks and never raises for a transfer 
 ``wait`` blocks and raises :class:`TransferFailed` or :class:`TransferTimeout` naming the
 failed peers and the destination blocks that may not have arrived. A released handle is never
 touched again (NIXL segfaults on ``transfer`` after ``release``).
+
+Owns one request's state per peer rank and the wait loop of every transfer kind
+(:func:`drive`). What it needs of the side that posted it (the agent, the handle ledger, the set
+of transfers in flight) comes through an :class:`Owner` (``kvplan_nixl.posting.Poster``): this
+module may not import the endpoint, posting or anything above them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -22,7 +27,6 @@ from kvplan_nixl.errors import TransferFailed, TransferTimeout, is_nixl_error, n
 
 if TYPE_CHECKING:
     from kvplan import TransferPlan
-    from kvplan_nixl.endpoint import Endpoint
 
 #: Polling backoff of ``wait``: spin this long, then sleep with doubling up to the cap.
 SPIN_SECONDS = 200e-6
@@ -78,6 +82,33 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
+class Owner(Protocol):
+    """What a :class:`Transfer` needs of the side that posted it."""
+
+    #: who posts, for error messages: ``'decode' rank 0``
+    label: str
+    #: record NIXL's descriptor count of each part that completes
+    telemetry: bool
+
+    def agent_or_none(self) -> Any | None:
+        """The NIXL agent, or None once closed."""
+
+    def progress(self) -> int:
+        """Progress the endpoint (a target must be progressed)."""
+
+    def count_xfer(self) -> None:
+        """A transfer handle was made."""
+
+    def release_xfer(self, h: Any) -> None:
+        """Release a transfer handle."""
+
+    def desc_count(self, h: Any) -> int | None:
+        """NIXL's descriptor count of handle ``h`` (telemetry)."""
+
+    def forget(self, t: Transfer) -> None:
+        """``t`` left PENDING for good: no longer in flight."""
+
+
 class _Part:
     """One peer rank's NIXL transfer (internal, mutable)."""
 
@@ -104,7 +135,7 @@ class Transfer:
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        endpoint: Owner,
         plan: TransferPlan,
         remote: str,
         parts: list[_Part],
@@ -177,10 +208,7 @@ class Transfer:
         )
         m = self.plan.map
         way = "from" if m.mode.value == "pull" else "to"
-        what = (
-            f"{m.mode.value} by {self._ep.engine!r} rank {self._ep.rank} {way} {self.remote!r} "
-            "failed"
-        )
+        what = f"{m.mode.value} by {self._ep.label} {way} {self.remote!r} failed"
         timeout = all(p.kind == "timeout" for p in failed.values())
         cls = TransferTimeout if timeout else TransferFailed
         return cls(what, reasons, blocks)
@@ -194,7 +222,7 @@ class Transfer:
     def poll(self) -> dict[int, State]:
         """Advance every pending part once, enforce the deadline, and report. Never blocks."""
         if self._pending:
-            agent = self._ep._agent_or_none()
+            agent = self._ep.agent_or_none()
             for p in self._pending:
                 if agent is None:
                     self._finish(p, State.FAILED, "endpoint closed", "cancelled")
@@ -216,7 +244,7 @@ class Transfer:
         return self.states()
 
     def wait(
-        self, timeout: float | None = None, *, progress: Iterable[Endpoint] = ()
+        self, timeout: float | None = None, *, progress: Iterable[Any] = ()
     ) -> dict[int, State]:
         """Block until every part is DONE; return ``{peer_rank: State}``.
 
@@ -251,7 +279,7 @@ class Transfer:
                     raise
                 self._finish(part, State.FAILED, f"{nixl_code(exc)} in make_prepped_xfer", "error")
                 continue
-            self._ep._count_xfer()
+            self._ep.count_xfer()
             part.handle = h
             try:
                 s = agent.transfer(h)
@@ -295,7 +323,7 @@ class Transfer:
         if p.handle is not None:
             h, p.handle = p.handle, None
             if self._ep.telemetry and state is State.DONE:
-                p.desc_count = self._ep._desc_count(h)
-            self._ep._release_xfer(h)
+                p.desc_count = self._ep.desc_count(h)
+            self._ep.release_xfer(h)
         if all(q.state is not State.PENDING for q in self._parts.values()):
-            self._ep._forget(self)
+            self._ep.forget(self)

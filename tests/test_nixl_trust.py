@@ -19,7 +19,8 @@ import pytest
 from kvplan_nixl import Endpoint, MetadataError, NotConnectedError, TransferFailed
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
-from kvplan_nixl.endpoint import _CLOSE, _HELLO
+from kvplan_nixl.handshake import CLOSE as _CLOSE
+from kvplan_nixl.handshake import HELLO as _HELLO
 from tests.nixl_util import ZERO, Pair, attn, mla, pair, spec
 
 SRC = spec(2, attn(heads=4), mla())

@@ -1,0 +1,191 @@
+"""Handshake: connecting to a peer from its metadata, and the control notices between endpoints.
+
+Owns trust at connection time and the control notices: :meth:`Handshake.connect` decodes a
+peer's metadata (checked against the deployment's secret, then against its own NIXL section,
+before NIXL parses a byte), builds what a route to it needs aside and commits only a fully
+successful connect; ``hello`` tells a target how to reach its initiator, ``close`` (signed under
+a secret) tells peers this endpoint went. Messages of this kind start with :data:`CTRL` and never
+reach the user's ``notifications()``. It holds no per-peer state of its own (``peers`` and
+``routes`` do) and may not import the endpoint or posting.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvplan import Mode
+from kvplan_nixl import metadata as md
+from kvplan_nixl.errors import MetadataError, NixlError, is_nixl_error, nixl_call
+from kvplan_nixl.peers import Peer, PeerTable
+from kvplan_nixl.routes import RouteTable
+
+__all__ = ["CLOSE", "CTRL", "HELLO", "Handshake"]
+
+#: Prefix of the control messages endpoints exchange as NIXL notifications (never delivered to
+#: ``notifications()``): ``hello`` carries the connecting endpoint's metadata so that the target
+#: can reach it, ``close`` says the sender closed. With a secret, a close carries a MAC.
+CTRL = b"\x00kvplan_nixl\x00"
+HELLO = CTRL + b"hello"
+CLOSE = CTRL + b"close"
+_MAC_CLOSE = b"kvplan_nixl close\x00"
+#: How long close() keeps progressing so that its notices leave: rounds x sleep (~5 ms).
+_CLOSE_FLUSH_ROUNDS = 10
+_CLOSE_FLUSH_SLEEP = 0.5e-3
+
+
+def _close_mac(secret: bytes, sender: str, receiver: str) -> bytes:
+    """What a close notice from ``sender`` to ``receiver`` carries under a secret (bound to both
+    agent names, so it cannot be replayed to another endpoint or for another agent)."""
+    return md.mac(secret, _MAC_CLOSE, f"{sender}\x00{receiver}".encode())
+
+
+class Handshake:
+    """Connect and control notices for the endpoint whose agent is ``agent_name``."""
+
+    def __init__(self, agent_name: str, secret: bytes | None, peers: PeerTable,
+                 routes: RouteTable, own_metadata: Callable[[], bytes],
+                 progress: Callable[[], int]) -> None:
+        self.agent_name, self.secret = agent_name, secret
+        self.peers, self.routes = peers, routes
+        self._own_metadata, self._progress = own_metadata, progress
+        #: control notices ignored (unknown sender, bad MAC, unreadable)
+        self.ignored = 0
+
+    def connect(self, agent: Any, metadata: bytes, mode: str | Mode) -> Peer:
+        """See :meth:`kvplan_nixl.Endpoint.connect`."""
+        info = md.decode(metadata, self.secret)
+        mode = Mode(mode)
+        if info.agent == self.agent_name:
+            raise MetadataError("this is the endpoint's own metadata; connect to a peer's")
+        who = f"engine {info.engine!r} rank {info.rank}"
+        named = md.nixl_agent_name(info.agent_metadata)
+        if named != info.agent:  # checked on the bytes, before NIXL parses them
+            what = "is not NIXL agent metadata" if named is None else f"names agent {named!r}"
+            raise MetadataError(f"metadata of {who}: its NIXL section {what}, but the metadata "
+                                f"advertises agent {info.agent!r}")
+        self._progress()  # act on close notices already here before deciding anything
+        peers, routes = self.peers, self.routes
+        key = (info.engine, mode)
+        route = routes.routes.get(key)
+        stale = None  # a route whose only rank comes back with another spec: replaced
+        if route is not None:
+            other = route.map.src if mode is Mode.PULL else route.map.dst
+            if other != info.spec:
+                if set(route.peer_dlists) - {info.rank}:
+                    raise MetadataError(
+                        f"engine {info.engine!r} rank {info.rank} advertises a spec that differs "
+                        f"from the one its other ranks advertised; every rank of an engine has "
+                        f"one spec"
+                    )
+                stale, route = route, None
+        old = peers.peers.get((info.engine, info.rank))
+        if old is not None and old.agent == info.agent and route is not None \
+                and info.rank in route.peer_dlists:
+            return old  # connected already
+        # Build everything new aside; only a fully successful connect changes this endpoint
+        # (a refused one leaves no route, list or agent, and no connected peer is touched).
+        new_route = routes.new_route(agent, info, mode) if route is None else None
+        load = info.agent not in peers.loaded
+        try:
+            if load:
+                peers.load(agent, info, who)
+            try:
+                ladder, dlist = routes.peer_list(agent, info, new_route or route)
+            except NixlError as exc:  # e.g. advertised regions its NIXL section does not register
+                raise MetadataError(
+                    f"metadata of {who}: NIXL refused its advertised regions ({exc.code}): they "
+                    "are not what its NIXL metadata registers"
+                ) from exc
+        except BaseException:
+            if load and info.agent in peers.loaded:
+                peers.unload(agent, info.agent, quiet=True)
+            if new_route is not None:
+                routes.handles.release_dlist(new_route.local_dlist, [])
+            raise
+        if old is not None and old.agent != info.agent:  # the rank restarted: new agent
+            try:
+                peers.drop(agent, old, "restarted with new metadata")
+            except Exception:  # best effort: the old agent is gone either way
+                pass
+        if stale is not None:  # what the drop did not release (the same agent re-advertised)
+            routes.release(stale, [])
+        if new_route is not None:
+            routes.routes[key] = route = new_route
+        assert route is not None
+        peer = Peer(info.engine, info.rank, info.agent, info.spec)
+        if old is not None and old.agent == info.agent and stale is None:
+            peer = old
+        peers.peers[(info.engine, info.rank)] = peer
+        route.peer_ladders[info.rank] = ladder
+        route.peer_dlists[info.rank] = dlist
+        self._send_hello(agent, info.agent)
+        return peer
+
+    def _send_hello(self, agent: Any, peer_agent: str) -> None:
+        """Tell a peer we connected, with our metadata, so that it can notify us when it closes
+        (a target never loads its initiators' metadata otherwise). Best effort."""
+        try:
+            with nixl_call("get_agent_metadata"):
+                blob = self._own_metadata()
+            with nixl_call("send_notif", peer_agent):
+                agent.send_notif(peer_agent, HELLO + blob)
+        except NixlError:
+            pass  # the peer then learns of our close by the failure of its next transfer
+
+    def on_control(self, agent: Any, sender: str, msg: bytes) -> None:
+        """A control notice from agent ``sender``: load a hello's sender, drop a closed peer."""
+        if agent is None:
+            return
+        peers = self.peers
+        if msg.startswith(HELLO):
+            if sender in peers.loaded:
+                return  # a peer already: close notices reach it anyway
+            try:
+                info = md.decode(msg[len(HELLO):], self.secret)
+                if info.agent != sender or md.nixl_agent_name(info.agent_metadata) != sender:
+                    raise MetadataError(f"hello from {sender!r} carries another agent's metadata")
+                peers.load(agent, info, f"engine {info.engine!r} rank {info.rank}")
+            except (MetadataError, NixlError):
+                self.ignored += 1
+            return
+        if not msg.startswith(CLOSE) or sender not in peers.loaded:
+            self.ignored += 1
+            return
+        if self.secret is not None:
+            tag = msg[len(CLOSE):]
+            if not hmac.compare_digest(tag, _close_mac(self.secret, sender, self.agent_name)):
+                self.ignored += 1
+                return
+        engine, rank = peers.loaded[sender]
+        peer = peers.peers.get((engine, rank))
+        if peer is not None and peer.agent == sender:
+            peers.drop(agent, peer, "peer closed its endpoint")
+            if not any(e == engine for e, _ in peers.peers):  # the engine is gone: its routes
+                self.routes.drop_engine(engine)
+        else:
+            peers.unload(agent, sender, quiet=True)
+
+    def send_close(self, agent: Any, flush: bool) -> None:
+        """Tell every loaded agent (peers and initiators that said hello) that we close;
+        ``flush``: progress a few times so that the notices leave (no progress thread)."""
+        loaded = self.peers.loaded
+        for name in list(loaded):
+            tag = b"" if self.secret is None else _close_mac(self.secret, self.agent_name, name)
+            try:
+                agent.send_notif(name, CLOSE + tag)
+            except Exception as exc:  # a peer already gone: nothing to tell
+                if not is_nixl_error(exc):
+                    raise
+        if loaded and flush:
+            # the notices leave on worker progress: progress a few times before the agent is
+            # destroyed, or UCX cancels them (what arrives meanwhile is of no use any more)
+            for _ in range(_CLOSE_FLUSH_ROUNDS):
+                try:
+                    agent.get_new_notifs()
+                except Exception as exc:
+                    if not is_nixl_error(exc):
+                        raise
+                time.sleep(_CLOSE_FLUSH_SLEEP)

@@ -1,0 +1,100 @@
+"""Peers: the connected peer ranks of one Endpoint and the remote agents it loaded.
+
+Owns per-peer state and its teardown: which (engine, rank) is connected through which agent,
+which remote agents NIXL has loaded (peers, and initiators that said hello), loading and
+unloading them, and :meth:`PeerTable.drop`, the one way a peer goes (disconnect, restart, its
+close notice, our close). What else holds per-peer state registers a *drop listener* and
+releases it there (the routes' lists, the transfers in flight). It decides nothing about
+trust (``handshake`` does) and may not import the endpoint, routes or posting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvplan import EngineSpec
+from kvplan_nixl import metadata as md
+from kvplan_nixl.errors import MetadataError, NixlError, nixl_call
+from kvplan_nixl.handles import Handles
+
+__all__ = ["Peer", "PeerTable"]
+
+#: ``listener(peer, why, errors)``: release what is held for ``peer`` (append failures)
+DropListener = Callable[["Peer", str, list[BaseException]], None]
+
+
+@attrs.frozen
+class Peer:
+    """A connected peer rank, as :meth:`Endpoint.connect` returns it."""
+
+    engine: str
+    rank: int
+    agent: str
+    spec: EngineSpec = attrs.field(repr=False)
+
+
+class PeerTable:
+    """Connected peers by (engine, rank) and loaded remote agents by name."""
+
+    def __init__(self, handles: Handles) -> None:
+        self.handles = handles
+        self.peers: dict[tuple[str, int], Peer] = {}
+        self.loaded: dict[str, tuple[str, int]] = {}  # remote agents loaded: peers, listeners
+        self._listeners: list[DropListener] = []
+
+    def on_drop(self, listener: DropListener) -> None:
+        """Call ``listener`` whenever a peer is dropped, before its agent is unloaded."""
+        self._listeners.append(listener)
+
+    def sorted(self) -> tuple[Peer, ...]:
+        """The connected peers, ordered by (engine, rank)."""
+        return tuple(self.peers[k] for k in sorted(self.peers))
+
+    def load(self, agent: Any, info: md.PeerInfo, who: str) -> None:
+        """Load a peer's NIXL metadata; on any failure nothing of it stays loaded."""
+        try:
+            with nixl_call("add_remote_agent", who):
+                loaded = agent.add_remote_agent(info.agent_metadata)
+        except NixlError as exc:  # NIXL may keep a half-loaded agent: remove it by name
+            self.unload(agent, info.agent, quiet=True, counted=False)
+            raise MetadataError(f"metadata of {who}: NIXL refused its agent metadata "
+                                f"({exc.code})") from exc
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self.handles.live["remote_agents"] += 1
+        self.loaded[loaded] = (info.engine, info.rank)
+        if loaded != info.agent:  # cannot happen once the prefix was checked; kept as a guard
+            self.unload(agent, loaded, quiet=True)
+            raise MetadataError(
+                f"metadata names agent {info.agent!r} but carries NIXL metadata of {loaded!r}"
+            )
+
+    def unload(self, agent: Any, name: str, *, quiet: bool = False,
+               counted: bool = True) -> None:
+        """Remove a loaded remote agent (``quiet``: a NIXL refusal is ignored)."""
+        self.loaded.pop(name, None)
+        try:
+            with nixl_call("remove_remote_agent", name):
+                agent.remove_remote_agent(name)
+        except NixlError:
+            if not quiet:
+                raise
+            return
+        if counted:
+            self.handles.live["remote_agents"] -= 1
+
+    def drop(self, agent: Any, peer: Peer, why: str = "disconnected") -> None:
+        """Forget ``peer``: every listener releases what it holds for it, then its agent is
+        unloaded. Raises the first failure once everything was attempted."""
+        errors: list[BaseException] = []
+        for listener in self._listeners:
+            listener(peer, why, errors)
+        del self.peers[(peer.engine, peer.rank)]
+        try:
+            self.unload(agent, peer.agent)
+        except Exception as exc:
+            errors.append(exc)
+        if errors:
+            raise errors[0]
