@@ -109,17 +109,7 @@ class Endpoint:
         self.progress_thread = bool(progress_thread)
         self.num_threads = num_threads
         self.mem_type = mems[0]
-        n = len(spec.regions)
-        bases, nbytes, devices, v_bases = [0] * n, [0] * n, [0] * n, [0] * n
-        for i in spec.regions_on(rank):  # per region index; pooled regions share the pool's
-            addr, size, dev, _ = allocs[spec.buffer_of(i)][1]
-            bases[i], nbytes[i], devices[i] = addr, size, dev
-            if spec.regions[i].separate_kv:  # its V buffer: a ladder entry of its own
-                v_bases[i] = allocs[spec.buffer_of(i, 1)][1][0]
-        self._v_bases = tuple(v_bases)
-        self._bases = tuple(bases)
-        self._nbytes = tuple(nbytes)
-        self._devices = tuple(devices)
+        self._bases, self._nbytes, self._devices, self._v_bases = _layout(spec, rank, allocs)
         self._buffers = [b for b, _ in allocs.values()]  # keep them alive while registered
         regs = [reg for _, reg in allocs.values()]
         self.agent_name = md.agent_name(engine, rank, f"{os.getpid():x}{secrets.token_hex(4)}")
@@ -143,12 +133,7 @@ class Endpoint:
         with nixl_call("agent creation", f"backends {list(backends)}"):
             agent = make_agent(self.agent_name, tuple(backends), self.telemetry,
                                self.progress_thread, num_threads)
-        missing = [b for b in backends if b not in agent.backends]
-        if missing:
-            raise NixlError("create_backend", "NIXL_ERR_NOT_FOUND", f"no backend {missing}")
-        with nixl_call("register_memory", f"{len(regs)} allocations of {engine} rank {rank}"):
-            self._reg = agent.register_memory([(a, n, d, "") for a, n, d, _ in regs],
-                                              self.mem_type)
+        self._reg = _register(agent, backends, regs, self.mem_type, f"{engine} rank {rank}")
         self._handles.live["registrations"] += 1
         self._agent = agent
 
@@ -318,16 +303,7 @@ class Endpoint:
             errors.append(exc)
         self._handshake.send_close(agent, flush=not self.progress_thread)
         self._poster.cancel_all("endpoint closed")
-        for peer in list(self._peers.peers.values()):
-            try:
-                self._peers.drop(agent, peer, "endpoint closed")
-            except Exception as exc:  # keep releasing the rest
-                errors.append(exc)
-        for name in list(self._peers.loaded):  # initiators that said hello
-            try:
-                self._peers.unload(agent, name)
-            except Exception as exc:
-                errors.append(exc)
+        self._peers.close(agent, "endpoint closed", errors)
         self._routes_table.close(errors)
         try:
             with nixl_call("deregister_memory"):
@@ -372,6 +348,28 @@ class Endpoint:
 
     def _check_plan(self, plan: TransferPlan, route: Route, remote: str, mode: Mode) -> None:
         self._routes_table.check_plan(plan, route, remote, mode)
+
+
+def _layout(spec: EngineSpec, rank: int, allocs: Mapping[int, Any]) -> tuple[tuple[int, ...], ...]:
+    """Per region index: (bases, nbytes, devices, V bases) of the rank's resolved buffers
+    (pooled regions share their pool's; 0 for regions of another stage)."""
+    n = len(spec.regions)
+    bases, nbytes, devices, v_bases = [0] * n, [0] * n, [0] * n, [0] * n
+    for i in spec.regions_on(rank):
+        addr, size, dev, _ = allocs[spec.buffer_of(i)][1]
+        bases[i], nbytes[i], devices[i] = addr, size, dev
+        if spec.regions[i].separate_kv:  # its V buffer: a ladder entry of its own
+            v_bases[i] = allocs[spec.buffer_of(i, 1)][1][0]
+    return tuple(bases), tuple(nbytes), tuple(devices), tuple(v_bases)
+
+
+def _register(agent: Any, backends: Sequence[str], regs: list, mem: str, who: str) -> Any:
+    """Check the agent has every backend asked for, then register the rank's buffers."""
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:
+        raise NixlError("create_backend", "NIXL_ERR_NOT_FOUND", f"no backend {missing}")
+    with nixl_call("register_memory", f"{len(regs)} allocations of {who}"):
+        return agent.register_memory([(a, n, d, "") for a, n, d, _ in regs], mem)
 
 
 def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any) -> EngineSpec:

@@ -98,3 +98,17 @@ class PeerTable:
             errors.append(exc)
         if errors:
             raise errors[0]
+
+    def close(self, agent: Any, why: str, errors: list[BaseException]) -> None:
+        """Drop every peer and unload every other agent (initiators that said hello),
+        appending failures to ``errors`` and releasing the rest."""
+        for peer in list(self.peers.values()):
+            try:
+                self.drop(agent, peer, why)
+            except Exception as exc:  # keep releasing the rest
+                errors.append(exc)
+        for name in list(self.loaded):
+            try:
+                self.unload(agent, name)
+            except Exception as exc:
+                errors.append(exc)
