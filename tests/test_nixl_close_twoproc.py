@@ -132,7 +132,7 @@ def test_closed_peer_unreadable_even_if_its_notice_is_lost(tmp_path, monkeypatch
     peer = Peer(tmp_path, None)
     dst = np.zeros(DST.rank_region_nbytes(0), np.uint8)
     ep = Endpoint("decode", DST, 0, [dst])
-    monkeypatch.setattr(ep, "_on_control", lambda sender, msg: None)
+    monkeypatch.setattr(ep._handshake, "on_control", lambda agent, sender, msg: None)
     try:
         ep.connect(peer.md.read_bytes())
         plan = ep.map("prefill").plan([[1, 2]], [[3, 4]])
