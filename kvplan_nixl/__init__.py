@@ -13,6 +13,10 @@ The whole public API::
 
 nixl is imported on first use of ``Endpoint``, ``Transfer`` or ``State`` (PEP 562), so the
 errors, ``kvplan_nixl.descriptors``, ``kvplan_nixl.metadata`` and ``kvplan plan`` work without it.
+
+The package owns only this list of public names and where each lives: the direct executor's
+facade is ``endpoint.Endpoint``, the staged executor's ``staged.Stager`` (docs/executor.md,
+"Modules", draws the rooms behind them).
 """
 
 from __future__ import annotations

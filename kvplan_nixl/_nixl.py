@@ -7,6 +7,8 @@ torch is built for CUDA 13 may install ``nixl-cu13`` instead.
 
 NIXL logs an INFO line per agent and backend to stderr; unless the user set
 ``NIXL_LOG_LEVEL`` we ask for warnings and errors only (it is read when nixl is imported).
+
+Bottom layer: owns the import and the agent's options; it may import nothing of kvplan_nixl.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ sequence in spec order) into one ``(address, nbytes, device, memory)`` per buffe
 holds, refusing, before any transport is touched, a buffer of the wrong size, for a region of
 another pipeline stage, a missing one, two different buffers for one pool or allocation, or
 buffers that overlap in memory.
+
+Bottom layer: pure, no NIXL call; it may import only the core and ``errors``.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ Python loop per run.
 Every run is checked against the registered bounds of both sides before any index is produced;
 :class:`~kvplan_nixl.errors.BoundsError` names the first bad run in the notation
 ``p1 L3 [0:4096) -> d0 L3 [4096:8192)``.
+
+Bottom layer: pure numpy, no NIXL call; it may import only ``errors``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ with no common base and ``str(e)`` equal to a code such as ``'NIXL_ERR_NOT_FOUND
 outside this module looks at them: :func:`nixl_call` turns a failing call into
 :class:`NixlError` naming the operation, and :func:`is_nixl_error` / :func:`nixl_code` let the
 transfer state machine record a failed peer. This module does not import nixl.
+
+The lowest layer: it may import nothing of kvplan_nixl.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ Pure: no NIXL import; :func:`decode` raises :class:`~kvplan_nixl.errors.Metadata
 message saying which of foreign / other version / unsigned / wrongly signed / corrupt /
 inconsistent it is, and naming the peer once the header is readable. Every check is linear in
 the blob's size and done before anything is handed to NIXL.
+
+Bottom layer: owns the byte format only; it may import only the core and ``errors``.
 """
 
 from __future__ import annotations

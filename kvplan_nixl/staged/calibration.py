@@ -24,15 +24,15 @@ from kvplan_nixl.staged.pool import PIECE, RegisteredPool
 __all__ = ["calibrate"]
 
 
-def calibrate(ep: Endpoint, pool: RegisteredPool,
-              ask: Callable[[str], Callable[[], bool] | None], poll: Callable[[], int],
-              remote: str, *, cpu_threads: int | None = 1, progress: Iterable[Any] = (),
+def calibrate(ep: Endpoint, pool: RegisteredPool, hello: Callable[[str], str | None],
+              asking: set[str], poll: Callable[[], int], remote: str, *,
+              cpu_threads: int | None = 1, progress: Iterable[Any] = (),
               timeout: float = 10.0) -> Costs:
     """Measure the costs ``Stager.prefer`` weighs against one connected peer rank of
     ``remote`` (its Stager must be polled meanwhile: ``progress`` lists other Stagers of this
-    process; ``poll`` polls this side's): a notification round trip (``per_chunk``; ``ask``
-    sends the HELLO and returns whether the POOL came), one READ of a whole slot
-    (``per_byte``), a READ of half its bytes as unmergeable 4 KiB descriptors
+    process; ``poll`` polls this side's): a notification round trip (``per_chunk``:
+    ``hello`` sends a HELLO and returns its nonce, in ``asking`` until the POOL came), one READ
+    of a whole slot (``per_byte``), a READ of half its bytes as unmergeable 4 KiB descriptors
     (``per_descriptor``), best of three each, and a local 4 KiB-granule gather
     (``local_per_byte``, with ``cpu_threads``). Reads only the peer's pool, into a free slot of
     ``pool``.
@@ -46,15 +46,16 @@ def calibrate(ep: Endpoint, pool: RegisteredPool,
         raise RuntimeError("calibrate: every staging slot is in use")
     others = tuple(progress)
     t0 = time.perf_counter()
-    answered = ask(peer.agent)
-    if answered is None:
+    nonce = hello(peer.agent)
+    if nonce is None:
         raise NixlError("send_notif", "unreachable", f"{remote} rank {peer.rank}")
     deadline = time.monotonic() + timeout
-    while not answered():
+    while nonce in asking:
         for o in others:
             o.poll()
         poll()
         if time.monotonic() > deadline:
+            asking.discard(nonce)
             raise TimeoutError(f"calibrate: {remote} rank {peer.rank} did not answer")
     rtt = time.perf_counter() - t0
     slot = slots.free.popleft()

@@ -13,6 +13,9 @@ One exception, measured (docs/performance.md): on CPU, torch's ``index_copy_`` a
 int64 rows) while ``index_select`` copies each row as one block (0.6-0.9x). So the CPU scatter
 writes through numpy fancy indexing over the same memory (``Tensor.numpy()`` shares it, 0.6x);
 CUDA tensors use ``index_copy_``.
+
+Owns the copies only (no NIXL, no protocol, no request state); it may import no other module
+of kvplan_nixl.
 """
 
 from __future__ import annotations

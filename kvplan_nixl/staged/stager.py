@@ -183,8 +183,8 @@ class Stager:
         :func:`kvplan_nixl.staged.calibration.calibrate` (``progress``: other Stagers of this
         process to poll meanwhile, as the peer's Stager must be polled)."""
         self.costs[remote] = costs = calibrate(
-            self.ep, self._pool, self._ask_pool, self.poll, remote, cpu_threads=self.cpu_threads,
-            progress=progress, timeout=timeout)
+            self.ep, self._pool, self._hello, self._asking, self.poll, remote,
+            cpu_threads=self.cpu_threads, progress=progress, timeout=timeout)
         return costs
 
     def poll(self) -> int:
@@ -270,14 +270,14 @@ class Stager:
                 self.channel.send(agent_name,
                                   proto.encode(back, m.rid, f"malformed {m.op}: {exc}"))
 
-    def _ask_pool(self, agent_name: str) -> Callable[[], bool] | None:
-        """Send HELLO to ``agent_name``; returns ``answered()`` (None: not sent)."""
+    def _hello(self, agent_name: str) -> str | None:
+        """Ask ``agent_name`` where its pool is (HELLO); the nonce, in ``_asking`` until the
+        POOL comes (None: not sent)."""
         nonce = f"h{next(self._ids)}"
-        self._asking.add(nonce)
         if not self.channel.send(agent_name, proto.encode("HELLO", nonce)):
-            self._asking.discard(nonce)
             return None
-        return lambda: nonce not in self._asking
+        self._asking.add(nonce)
+        return nonce
 
 
 def _buffer_tensors(endpoint: Endpoint) -> dict[int, torch.Tensor]:
