@@ -126,9 +126,8 @@ class Endpoint:
             CTRL, lambda name, m: self._handshake.on_control(self._agent, name, m))
         self._poster = Poster(label, rank, self._routes_table, self._peers, self._handles,
                               lambda: self._agent, self.progress, self.telemetry)
-        self._peers.on_drop(self._poster.drop_peer)  # transfers with a dropped peer fail
-        self._peers.on_drop(lambda p, _why, errors: self._routes_table.forget_peer(
-            p.engine, p.rank, errors))
+        self._peers.on_drop(self._poster.drop_peer)  # transfers with a dropped peer fail,
+        self._peers.on_drop(self._routes_table.drop_peer)  # then its lists are released
         self._agent = None
         with nixl_call("agent creation", f"backends {list(backends)}"):
             agent = make_agent(self.agent_name, tuple(backends), self.telemetry,

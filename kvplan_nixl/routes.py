@@ -6,7 +6,7 @@ per peer rank its ladder and remote list. :class:`RouteTable` owns the routes of
 building one (the map, the local side), a peer's list, checking that a plan belongs to a
 route, lowering a plan's rows into descriptor indices (:meth:`Route.lower`, numpy only), and
 releasing lists when a peer or an engine goes. It makes no transfer, loads no agent and sends
-nothing; it may not import the endpoint, peers or posting.
+nothing; it may not import the endpoint, the handshake or posting.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvplan_nixl._nixl import NIXL_LOCAL
 from kvplan_nixl.descriptors import Ladder, Lowered, lower, run_text
 from kvplan_nixl.errors import NotConnectedError, PlanMismatchError
 from kvplan_nixl.handles import Handles
+from kvplan_nixl.peers import Peer
 
 __all__ = ["Route", "RouteTable"]
 
@@ -139,12 +140,13 @@ class RouteTable:
             self.handles.release_dlist(h, errors)
         self.handles.release_dlist(route.local_dlist, errors)
 
-    def forget_peer(self, engine: str, rank: int, errors: list[BaseException]) -> None:
-        """Release the lists of peer ``rank`` of ``engine`` in every route."""
+    def drop_peer(self, peer: Peer, _why: str, errors: list[BaseException]) -> None:
+        """Release the lists of ``peer`` in every route (a drop listener of
+        the peer table)."""
         for (e, _), route in self.routes.items():
-            if e == engine and rank in route.peer_dlists:
-                route.peer_ladders.pop(rank, None)
-                self.handles.release_dlist(route.peer_dlists.pop(rank), errors)
+            if e == peer.engine and peer.rank in route.peer_dlists:
+                route.peer_ladders.pop(peer.rank, None)
+                self.handles.release_dlist(route.peer_dlists.pop(peer.rank), errors)
 
     def drop_engine(self, engine: str) -> None:
         """Release the routes of an engine none of whose ranks is connected any more."""
