@@ -17,14 +17,13 @@ request and ``--prefill-pp`` / ``--decode-pp`` pipeline stages (any example's re
 contiguous stages); each initiator rank connects only the peer ranks its map names.
 ``--example`` also takes any preset name (``kvplan presets``): the real model's cache.
 
-``python -m kvplan_nixl.cli`` and ``kvplan_nixl.cli.main`` still run the whole command
-(deprecated: use ``kvplan`` / ``python -m kvplan.cli``).
+The whole command is ``kvplan`` (``python -m kvplan.cli``, :func:`kvplan.cli.main`); this module
+has no ``main`` of its own, so that it never imports the command it plugs into (no circle).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import numpy as np
@@ -32,12 +31,12 @@ import numpy as np
 import kvplan
 from kvplan import EngineSpec
 from kvplan.cli.cliargs import LEGEND, HelpFormatter, UsageError
-from kvplan.cli.command import engine_options, engines, main
-from kvplan.cli.command import plans as make_plans
+from kvplan.cli.engines import engine_options, engines
+from kvplan.cli.engines import plans as make_plans
 from kvplan.cli.progress import step
 from kvplan.views import human_bytes
 
-__all__ = ["main", "register"]
+__all__ = ["register"]
 
 #: ``kvplan demo`` refuses to allocate more CPU memory than this for its buffers (prefill,
 #: decode, and a reference copy of decode).
@@ -230,7 +229,3 @@ def cmd_demo(args) -> int:
           "says, and every other byte is untouched")
     print(f"\n{LEGEND}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,6 +18,9 @@ rich is not installed). Requests use non-adjacent block ids (0, 2, 4, ...), the 
 merging: real allocators rarely hand out neighbours. Runs are counted (:func:`count`) one set of
 alike lanes at a time, never materialised as a rank's whole plan, so memory does not grow with
 the layer count or the number of ranks.
+
+Layer: the CLI (top of the core); imports kvplan's public names, views and the CLI's helpers,
+never nixl, torch or kvplan_nixl.
 """
 
 from __future__ import annotations
