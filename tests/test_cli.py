@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kvplan
 from kvplan import presets
 from kvplan.cli import command as cli
-from kvplan.cli import explain
+from kvplan.cli import engines, explain
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("demo", "plan", "explain", "check", "spec", "presets")
@@ -142,7 +142,7 @@ def test_example_accepts_preset_names(capsys):
     out = capsys.readouterr().out
     assert "layers.[0-31].attn x32: S(heads 0:2) K+V" in out
     for name in presets.names():
-        assert name in cli.EXAMPLE_CHOICES
+        assert name in engines.EXAMPLE_CHOICES
 
 
 def test_plan_output_folds_alike_layers_and_explains_its_notation(capsys):
