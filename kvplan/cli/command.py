@@ -32,7 +32,8 @@ NIXL_HINT = ('moves bytes over NIXL, which is not installed: pip install "kvplan
              '(in a checkout: pip install -e ".[nixl]"; README.md: install torch first)')
 
 
-def cmd_plan(args) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``kvplan plan``: print every initiating rank's plan of one request (no NIXL)."""
     src, dst = engines(args)
     with step("planning"):
         made = plans(args, src, dst)
@@ -51,6 +52,7 @@ EPILOG = """\
 Run 'kvplan COMMAND --help' for a command's options and their defaults.
 Exit status: 0 done; 1 refused (the engines cannot talk) or a demo byte mismatch;
 2 bad input (one 'kvplan: ...' line on stderr); 3 internal error (a bug)."""
+
 
 def _version() -> str:
     try:
