@@ -41,10 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvplan
 from kvplan import EngineSpec
+from kvplan.cli.progress import step
 from kvplan.examples import kimi_linear_like, llama3_70b
 from kvplan_nixl import Endpoint
 from kvplan_nixl._nixl import NIXL_LOCAL, make_agent
-from kvplan_nixl.progress import step
 
 
 def _time(fn) -> float:

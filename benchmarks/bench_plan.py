@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from kvplan import pull_map
+from kvplan.cli.progress import step
 from kvplan.examples import (
     gqa_with_mla_draft,
     kimi_linear_like,
@@ -27,7 +28,6 @@ from kvplan.examples import (
     nemotron_h_like,
     request_blocks,
 )
-from kvplan_nixl.progress import step
 
 
 def median_time(fn, repeat: int) -> float:

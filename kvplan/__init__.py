@@ -15,9 +15,16 @@ The whole public API::
 Seeing plans (notebooks, ``kvplan[view]``): ``EngineSpec.from_hf_config(config_json, tp_size=8)``,
 ``presets.spec("llama-3.1-70b", tp_size=8)``, ``plan.to_pandas()``, ``plan.plot()``,
 ``plot_rank_map(plans)``; specs, maps and plans render as HTML tables in Jupyter.
+
+Layer 5 (the public names): imports every module below it, which also fills the hooks the
+low layers call (kvplan/hooks.py, docs/design.md). Nothing in the core imports this package
+init's names back, except the CLI above it.
 """
 
-from kvplan import presets
+from kvplan import (
+    hf,  # noqa: F401  (serves EngineSpec.from_hf_config: kvplan/hooks.py)
+    presets,
+)
 from kvplan.errors import IncompatibleLayoutError, KVPlanError, RequestError, SpecError
 from kvplan.layout import RankLayout, rank_layout
 from kvplan.placement import (

@@ -11,6 +11,9 @@ gap (see :func:`kvplan.layout.kv_split`), has its V runs moved to the V buffer's
 offsets (``build_plan`` writes every lane's buffer, its K buffer for such a region).
 
 Numpy only: one lexsort and one linear pass over the rows; loops run over regions and lanes.
+
+Layer 2 (the handshake), beside the planner: imports the values (spec, layout) only; the
+request stage (plan.py) calls it, never the reverse.
 """
 
 from __future__ import annotations

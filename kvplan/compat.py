@@ -5,6 +5,8 @@ pipeline sizes is supported by the one planning rule, so none is refused for its
 What is refused is what would make the bytes meaningless (different heads, dims, dtypes, kinds,
 windows, state parts) or what the placement rule does not define (TP sizes or block sizes that
 do not divide).
+
+Layer 1 (values): imports spec and errors only; the planner calls it at handshake.
 """
 
 from __future__ import annotations

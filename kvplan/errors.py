@@ -1,4 +1,7 @@
-"""Typed errors of the planning core: one root, each subclass a ValueError naming what is wrong."""
+"""Typed errors of the planning core: one root, each subclass a ValueError naming what is wrong.
+
+Layer 0: imports nothing; every other module may raise these.
+"""
 
 from __future__ import annotations
 

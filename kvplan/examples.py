@@ -2,6 +2,8 @@
 
 Each function returns an :class:`EngineSpec` for one engine; call it once per side with that
 side's TP size (and block size, to try mixed block sizes).
+
+Layer 4 (built on the core): imports spec and hf; nothing in the planning core imports it.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ Bytes per token or slot follow the engines' cache shapes (domain.md sections 2 a
 Not modelled: multi-token-prediction layers (DeepSeek ``num_nextn_predict_layers``, Qwen3.5
 ``mtp_num_hidden_layers``) unless passed as a draft; quantized KV-cache formats other than a
 dtype (e.g. vLLM's ``fp8_ds_mla``).
+
+Layer 4 (adapters on top): imports spec, errors and hooks; it serves
+``EngineSpec.from_hf_config`` through :mod:`kvplan.hooks`, so spec.py never imports it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any
 
 import attrs
 
+from kvplan import hooks
 from kvplan.errors import SpecError
 from kvplan.spec import DTYPE_SIZES, EngineSpec
 
@@ -456,6 +460,7 @@ def _dtype(r: _Reader, dtype: str | None) -> str:
     return dtype
 
 
+@hooks.provide("from_hf_config")
 def from_hf_config(
     config: Any,
     *,

@@ -18,6 +18,8 @@ state slot is one token whose parts sit side by side. Kernel blocks (``kernel_bl
 ``block_size``) make a logical block ``n`` consecutive kernel blocks; a pooled region steps its
 blocks by the pool's page instead of its own size. With K and V in separate buffers, stream 1
 lies past the K buffer (:func:`kv_split`) and :func:`buffer_offsets` maps offsets back.
+
+Layer 1 (values): imports spec and placement only; the planner and allocations read it.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ consecutive destination ranks (``d`` is the ``i``-th of them) and ``m`` consecut
 ``d`` reads it from source ``i*m//n`` among those. Each head is thus read exactly once per
 destination rank, and the destinations sharing a head spread evenly over its source replicas
 (loads differ by at most one). For a replicated region this is the anchors' ``t * R // T``.
+
+Layer 1 (values): imports nothing from kvplan (pure integer arithmetic on head counts).
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ within a lane, so one pass of :func:`kvplan.runs.merge_runs` joins every pair of
 contiguous on both sides -- across consecutive block ids too -- and the result is the smallest
 list of maximal runs. There is no Python loop per block, token or copy: loops run over templates
 and lanes (at most regions x peer ranks), and over the at most two partially covered blocks.
+
+Layer 3 (the request): imports the planner, allocations, runs and the values below; it
+serves ``TransferMap.plan`` (hook ``build_plan``) and calls views only through
+:mod:`kvplan.hooks`, so nothing below imports it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import numpy as np
 
+from kvplan import hooks
 from kvplan.allocations import finish
 from kvplan.errors import RequestError
 from kvplan.planner import (
@@ -244,6 +249,7 @@ def _span(
     return lo, max(lo, hi), first
 
 
+@hooks.provide("build_plan")
 def build_plan(
     tmap: TransferMap,
     src_blocks: Sequence,
@@ -416,9 +422,7 @@ class TransferPlan(ReadOnlyArrays):
     def summary(self) -> str:
         """Per peer rank: bytes, runs, and per set of alike regions (layers of one geometry on
         one line, ``layers.[0-79].attn x80``) its placement, streams, bytes and runs."""
-        from kvplan.views import plan_summary
-
-        return plan_summary(self)
+        return hooks.call("plan_summary", self)
 
     def _scope(self) -> str:
         """The request's token range (and list anchoring) and a part's regions, for summary."""
@@ -444,15 +448,11 @@ class TransferPlan(ReadOnlyArrays):
 
     def _repr_html_(self) -> str:
         """Per peer rank, an HTML table of this request's bytes and runs (notebooks)."""
-        from kvplan.views import plan_html
-
-        return plan_html(self)
+        return hooks.call("plan_html", self)
 
     def to_pandas(self):
         """The copies as a pandas DataFrame with region names (needs pandas: ``kvplan[view]``)."""
-        from kvplan.views import plan_frame
-
-        return plan_frame(self)
+        return hooks.call("plan_frame", self)
 
     def plot(self, ax=None):
         """Draw this plan's rank map with matplotlib (``kvplan[view]``); returns the Figure.
@@ -460,6 +460,4 @@ class TransferPlan(ReadOnlyArrays):
         For the whole picture of an engine pair, pass every rank's plan to
         :func:`kvplan.plot_rank_map`.
         """
-        from kvplan.views import plot_rank_map
-
-        return plot_rank_map(self, ax=ax)
+        return hooks.call("plot_rank_map", self, ax=ax)

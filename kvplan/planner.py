@@ -18,6 +18,10 @@ than a shift). Nothing here depends on ``num_blocks``.
 At request time (``plan.py``) a template is only broadcast over the block ids with numpy; the
 per-token atoms are kept for the at most two destination blocks a request covers partially
 (a sliding window's first block, or a last block the other side does not fill).
+
+Layer 2 (the handshake): imports the values (spec, layout, placement, compat, runs) and
+hooks; ``TransferMap.plan`` reaches the request stage (plan.py, above) and the views through
+:mod:`kvplan.hooks`, never by importing them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING
 import attrs
 import numpy as np
 
+from kvplan import hooks
 from kvplan.compat import region_pairs
 from kvplan.errors import SpecError
 from kvplan.layout import RankLayout, rank_layout
@@ -356,9 +361,7 @@ class TransferMap:
         and is what layer-wise posting needs: :meth:`TransferPlan.part` refuses a plan whose
         runs span several regions, since such a run would carry layers not computed yet.
         """
-        from kvplan.plan import build_plan
-
-        return build_plan(self, src_blocks, dst_blocks, tokens, dst_from, merge_slots)
+        return hooks.call("build_plan", self, src_blocks, dst_blocks, tokens, dst_from, merge_slots)
 
     def summary(self) -> str:
         """Per peer rank: each region's placement, head interval, streams and runs per block."""
@@ -398,21 +401,15 @@ class TransferMap:
 
     def _repr_html_(self) -> str:
         """Per peer rank, an HTML table of what one destination block costs (notebooks)."""
-        from kvplan.views import map_html
-
-        return map_html(self)
+        return hooks.call("map_html", self)
 
     def to_pandas(self):
         """One row per lane as a pandas DataFrame (needs pandas: ``kvplan[view]``)."""
-        from kvplan.views import map_frame
-
-        return map_frame(self)
+        return hooks.call("map_frame", self)
 
     def plot(self, ax=None):
         """Draw this map's rank map with matplotlib (``kvplan[view]``); returns the Figure."""
-        from kvplan.views import plot_rank_map
-
-        return plot_rank_map(self, ax=ax)
+        return hooks.call("plot_rank_map", self, ax=ax)
 
 
 def _streams(region) -> str:

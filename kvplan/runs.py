@@ -1,4 +1,7 @@
-"""Byte runs: merging adjacent copies into maximal runs, vectorised with numpy."""
+"""Byte runs: merging adjacent copies into maximal runs, vectorised with numpy.
+
+Layer 1 (values): imports nothing from kvplan.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The reference executor: apply a plan to numpy byte buffers, for tests and notebooks."""
+"""The reference executor: apply a plan to numpy byte buffers, for tests and notebooks.
+
+Layer 4 (built on plans): imports plan and staging; nothing in the core imports it.
+"""
 
 from __future__ import annotations
 

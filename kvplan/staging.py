@@ -20,6 +20,8 @@ bulk, then scatter writes exactly the bytes the direct plan writes.
 
 Everything here is numpy over the runs, no Python loop per run; the executor
 (``kvplan_nixl.staged``) runs the local legs as index copies and the bulk leg with NIXL.
+
+Layer 4 (built on plans): imports plan, planner and errors; the executor reads its legs.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ unique block ids of that group on that side.
 layouts (:data:`LAYOUTS`: vLLM's six, TensorRT-LLM's ``BLSHND``, others), the legacy names,
 ``"allocation"`` (regions of one shape as layer slots of one buffer) and separate K/V buffers
 (``"allocation": [k, v]``) on each side independently.
+
+Layer 4 (test tooling on top): imports spec (and hypothesis); nothing in the core imports it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,20 @@
 """Views for people: HTML tables for notebooks, pandas frames, and the rank map as a picture.
 
-Nothing here is imported by the planning core at import time: ``EngineSpec``, ``TransferMap`` and
-``TransferPlan`` delegate ``_repr_html_``, ``to_pandas`` and ``plot`` to this module from inside
-the method, and pandas and matplotlib are imported only by the functions that need them (the
-``view`` extra: ``pip install 'kvplan[view]'``).
+Nothing in the planning core imports this module: ``EngineSpec``, ``TransferMap`` and
+``TransferPlan`` reach ``_repr_html_``, ``to_pandas``, ``summary`` and ``plot`` through
+:mod:`kvplan.hooks`, which the functions here fill when ``import kvplan`` imports them; pandas
+and matplotlib are imported only by the functions that need them (the ``view`` extra:
+``pip install 'kvplan[view]'``).
 
 Layers of identical geometry are shown as one row (``layers.[0-79].attn x80``), so an 80-layer
 model is a few rows per peer rank, not a wall of numbers. The *rank map* (:func:`rank_map`) is
 the set of edges ``source rank -> destination rank`` of one or more plans (or maps), each with
 its bytes, runs and *flows*: what crosses the edge per kind of region (K+V head ranges of SPLIT
 attention, REPLICATE latents, state parts).
+
+Layer 4 (views on top): may import every layer below (lazily, for type names), and
+registers its functions as the hooks the values call (:mod:`kvplan.hooks`); pandas and
+matplotlib stay optional.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
+
+from kvplan import hooks
 
 if TYPE_CHECKING:
     from kvplan.plan import TransferPlan
@@ -181,6 +188,7 @@ def _table(rows: list[dict[str, Any]], caption: str = "", drop: Iterable[str] = 
     return "".join(out)
 
 
+@hooks.provide("spec_html")
 def spec_html(spec: EngineSpec) -> str:
     """The spec as one HTML table, layers of identical geometry on one row."""
     rows = _spec_rows(spec)
@@ -191,6 +199,7 @@ def spec_html(spec: EngineSpec) -> str:
     return _CSS + _table(rows, title, drop)
 
 
+@hooks.provide("spec_frame")
 def spec_frame(spec: EngineSpec):
     """One row per region: its JSON fields, stage and bytes per block on one rank."""
     pd = _require("pandas", "EngineSpec.to_pandas()")
@@ -365,6 +374,7 @@ def _map_header(m: TransferMap) -> str:
             f"{m.dst.tp_size}, {len(m.dst.regions)} regions, peers {list(m.peers)}")
 
 
+@hooks.provide("map_html")
 def map_html(m: TransferMap) -> str:
     """Per peer rank, a table of what this rank copies per destination block, layers merged."""
     other = "p" if m.mode.value == "pull" else "d"
@@ -380,6 +390,7 @@ def map_html(m: TransferMap) -> str:
     return "".join(parts)
 
 
+@hooks.provide("plan_html")
 def plan_html(plan: TransferPlan) -> str:
     """Per peer rank, a table of bytes and runs of this request, layers merged."""
     m = plan.map
@@ -397,6 +408,7 @@ def plan_html(plan: TransferPlan) -> str:
     return "".join(parts)
 
 
+@hooks.provide("plan_summary")
 def plan_summary(plan: TransferPlan) -> str:
     """:meth:`TransferPlan.summary`: per peer rank its bytes and runs, then one line per set of
     alike lanes (``layers.[0-79].attn x80: S(heads 0:4) K+V, 40.0 MiB in 10240 runs``)."""
@@ -419,6 +431,7 @@ def plan_summary(plan: TransferPlan) -> str:
     return "\n".join(lines)
 
 
+@hooks.provide("map_frame")
 def map_frame(m: TransferMap):
     """One row per lane: ranks, region, placement, streams, bytes and runs per block."""
     pd = _require("pandas", "TransferMap.to_pandas()")
@@ -435,6 +448,7 @@ def map_frame(m: TransferMap):
     return pd.DataFrame(rows)
 
 
+@hooks.provide("plan_frame")
 def plan_frame(plan: TransferPlan):
     """The plan's copies as a DataFrame (the columns of ``copies()``) plus region names."""
     pd = _require("pandas", "TransferPlan.to_pandas()")
@@ -468,6 +482,7 @@ def _holds(spec: EngineSpec, rank: int) -> str:
     return ""
 
 
+@hooks.provide("plot_rank_map")
 def plot_rank_map(items: Any, ax: Any = None, title: str | None = None):
     """Draw the rank map of one or more plans (or maps) with matplotlib; returns the Figure.
 

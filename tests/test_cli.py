@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import kvplan
 from kvplan import presets
-from kvplan_nixl import cli, explain
+from kvplan.cli import command as cli
+from kvplan.cli import engines, explain
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("demo", "plan", "explain", "check", "spec", "presets")
@@ -28,7 +29,7 @@ def kvplan_cmd(*argv: str, env: dict | None = None, timeout: float = 120, **kw):
     """``kvplan ARGV`` in a fresh interpreter, with this worktree first on the path."""
     e = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1", **(env or {})}
     e.pop("KVPLAN_TRACEBACK", None)
-    return subprocess.run([sys.executable, "-m", "kvplan_nixl.cli", *argv], cwd=ROOT, env=e,
+    return subprocess.run([sys.executable, "-m", "kvplan.cli", *argv], cwd=ROOT, env=e,
                           capture_output=True, text=True, timeout=timeout, **kw)
 
 
@@ -141,7 +142,7 @@ def test_example_accepts_preset_names(capsys):
     out = capsys.readouterr().out
     assert "layers.[0-31].attn x32: S(heads 0:2) K+V" in out
     for name in presets.names():
-        assert name in cli.EXAMPLE_CHOICES
+        assert name in engines.EXAMPLE_CHOICES
 
 
 def test_plan_output_folds_alike_layers_and_explains_its_notation(capsys):
@@ -160,7 +161,7 @@ def test_plan_output_folds_alike_layers_and_explains_its_notation(capsys):
 
 def test_a_closed_pipe_stops_quietly():
     e = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-m", "kvplan_nixl.cli", "presets", "--json"],
+    p = subprocess.Popen([sys.executable, "-m", "kvplan.cli", "presets", "--json"],
                          cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()  # the reader is gone before the first write: `kvplan ... | head -0`
     err = p.stderr.read().decode()
@@ -174,7 +175,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split('.')[0] in ('nixl', 'nixl_cu12', 'nixl_cu13'):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Block())
-from kvplan_nixl.cli import main
+from kvplan.cli import main
 sys.exit(main(['demo', '--tokens', '64', '--num-blocks', '16']))
 """
 
@@ -231,7 +232,7 @@ _BOUNDED = """
 import resource, sys
 limit = {mib} << 20
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-from kvplan_nixl.cli import main
+from kvplan.cli import main
 sys.exit(main(["explain", "--prefill", "llama-3.1-70b", "--prefill-tp", "8", "--decode",
                "llama-3.1-70b", "--decode-tp", "2", "--layout", "NHD", "--tokens", "131072",
                "--json"]))

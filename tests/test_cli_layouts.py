@@ -4,8 +4,8 @@ runs-per-layout comparison explain prints (issue 8). No NIXL."""
 import json
 
 from kvplan import EngineSpec, presets, pull_map
-from kvplan_nixl.cli import main
-from kvplan_nixl.explain import request
+from kvplan.cli import main
+from kvplan.cli.explain import request
 
 
 def run(capsys, *argv):

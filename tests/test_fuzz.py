@@ -157,7 +157,7 @@ def cli_outcomes(tmp_path_factory) -> dict[str, tuple[str, str]]:
     """Every CLI probe, run at once (each is a fresh interpreter)."""
     cases = _cli_cases(tmp_path_factory.mktemp("cli"))
     procs = [
-        subprocess.Popen([sys.executable, "-m", "kvplan_nixl.cli", *argv], cwd=REPO,
+        subprocess.Popen([sys.executable, "-m", "kvplan.cli", *argv], cwd=REPO,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env=peer_env())
         for _, argv in cases

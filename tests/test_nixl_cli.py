@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from kvplan_nixl.cli import main
+from kvplan.cli import main
 from tests.nixl_util import REPO, peer_env
 
 
 def test_plan_prints_without_importing_nixl_or_torch():
     code = (
-        "import sys; from kvplan_nixl.cli import main; rc = main(['plan', '--tokens', '64']); "
+        "import sys; from kvplan.cli import main; rc = main(['plan', '--tokens', '64']); "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('nixl', 'nixl_cu12', 'nixl_cu13', "
         "'torch')]; print('IMPORTED', bad); sys.exit(rc)"
     )

@@ -233,7 +233,7 @@ def test_calibrate_measures_costs_the_chooser_then_uses():
 
 @pytest.mark.parametrize("extra", [[], ["--push", "--prefill-tp", "2", "--decode-tp", "4"]])
 def test_demo_shows_both_modes(capsys, extra):
-    from kvplan_nixl.cli import main
+    from kvplan.cli import main
 
     rc = main(["demo", "--tokens", "256", "--num-blocks", "32", *extra])
     out = capsys.readouterr().out

@@ -92,7 +92,7 @@ def test_summary_names_the_part():
 
 
 def test_explain_shows_the_range_and_the_part():
-    from kvplan_nixl.explain import explain
+    from kvplan.cli.explain import explain
 
     s = preset("llama-3.1-8b", tp_size=2, num_blocks=64)
     d = preset("llama-3.1-8b", tp_size=1, num_blocks=64)

@@ -44,6 +44,8 @@ multimodal wrappers, Gemma 3 27B and Qwen3.5):
 - Eagle-3 drafts: ``llama-3.1-8b-eagle3`` (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: one layer,
   8 KV heads, 4096 / 32 = 128) and ``kimi-k2.5-eagle3`` (the draft architecture TorchSpec trains
   for Kimi-K2.5: one layer, 64 KV heads of 128), for ``from_hf_config(..., draft=...)``.
+
+Layer 4 (adapters on top): imports errors and, when building a spec, spec and hf.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ rich is not installed). Requests use non-adjacent block ids (0, 2, 4, ...), the 
 merging: real allocators rarely hand out neighbours. Runs are counted (:func:`count`) one set of
 alike lanes at a time, never materialised as a rank's whole plan, so memory does not grow with
 the layer count or the number of ranks.
+
+Layer: the CLI (top of the core); imports kvplan's public names, views and the CLI's helpers,
+never nixl, torch or kvplan_nixl.
 """
 
 from __future__ import annotations
@@ -33,10 +36,7 @@ import attrs
 
 import kvplan
 from kvplan import EngineSpec, TransferMap, presets
-from kvplan.compat import region_pairs
-from kvplan.planner import Lane, Mode
-from kvplan.views import human_bytes, peer_rows
-from kvplan_nixl.cliargs import (
+from kvplan.cli.cliargs import (
     LEGEND,
     MAX_BLOCK_SIZE,
     MAX_BLOCKS,
@@ -45,6 +45,9 @@ from kvplan_nixl.cliargs import (
     UsageError,
     int_in,
 )
+from kvplan.compat import region_pairs
+from kvplan.planner import Lane, Mode
+from kvplan.views import human_bytes, peer_rows
 
 _Usage = UsageError  # the name this module used before
 
@@ -295,7 +298,7 @@ def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
 
     Runs are counted per lane (:func:`count`), never materialised for a whole rank: a 128k-token
     NHD request of a 70B model answers in seconds in a few hundred MiB. ``progress`` (e.g.
-    :func:`kvplan_nixl.progress.step`) wraps each rank's work. Raises
+    :func:`kvplan.cli.progress.step`) wraps each rank's work. Raises
     :class:`kvplan.IncompatibleLayoutError` when the two engines cannot talk.
     """
     ranks = list(range(dst.num_ranks)) if ranks is None else list(ranks)
@@ -461,7 +464,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         dst = _engine(args.decode, args.decode_tp, args, "decode", need)
         if args.rank is not None and not 0 <= args.rank < dst.num_ranks:
             raise _Usage(f"--rank {args.rank} is not a decode rank (0..{dst.num_ranks - 1})")
-        from kvplan_nixl.progress import step
+        from kvplan.cli.progress import step
 
         doc = explain(src, dst, args.tokens, None if args.rank is None else [args.rank],
                       progress=step, cached=args.cached, part=args.part)

@@ -5,6 +5,8 @@ while the block runs and erases it when the block ends, so stdout (tables, JSON)
 and a pipe or a log file never sees escape codes. Environment ``KVPLAN_PROGRESS=1`` forces
 the display (a CI log that wants to see the steps), ``KVPLAN_PROGRESS=0`` turns it off. Uses
 ``rich`` (the ``cli`` extra); without it a terminal gets one plain line per step.
+
+Layer: the CLI (top of the core); imports only rich (optional).
 """
 
 from __future__ import annotations

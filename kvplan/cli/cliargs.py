@@ -3,6 +3,8 @@ one-line usage errors, and the legend printed under plans.
 
 Other modules add options to the command with these (``type=int_in(1, MAX_TP)``), so that a
 user's value is either used or refused in one ``kvplan: ...`` line, never replaced by a default.
+
+Layer: the CLI (top of the core); imports kvplan.spec's limits only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,158 @@
+"""The ``kvplan`` command: the offline commands, and the door through which NIXL adds its own.
+
+Layer: the top of the core (``kvplan.cli``). It may import any ``kvplan`` module and rich
+(optional); it never imports nixl, torch or ``kvplan_nixl`` at module level. ``plan`` prints
+the plans of one request of a built-in example or a preset; ``explain``, ``check``, ``spec`` and
+``presets`` live in :mod:`kvplan.cli.explain`. Commands that move bytes belong to the NIXL
+package: :func:`_plugins` is the one place the core reaches for it (``kvplan_nixl.cli``, inside
+``try/except ImportError``), and without it ``kvplan demo`` prints one line naming the extra to
+install (tests/test_structure.py checks this is the only such import).
+
+Errors: :func:`main` prints one ``kvplan: ...`` line and returns the exit status (EPILOG);
+options are typed with bounds (:mod:`kvplan.cli.cliargs`), so a user's value is used or
+refused, never replaced by a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import kvplan
+from kvplan.cli.cliargs import LEGEND, HelpFormatter, Parser, UsageError
+from kvplan.cli.engines import engine_options, engines, plans
+from kvplan.cli.progress import step
+
+#: The commands the NIXL package adds (``kvplan_nixl.cli.register``), named here so that
+#: ``kvplan demo`` without it says what to install instead of "invalid choice".
+NIXL_COMMANDS = ("demo",)
+NIXL_HINT = ('moves bytes over NIXL, which is not installed: pip install "kvplan[nixl]" '
+             '(in a checkout: pip install -e ".[nixl]"; README.md: install torch first)')
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``kvplan plan``: print every initiating rank's plan of one request (no NIXL)."""
+    src, dst = engines(args)
+    with step("planning"):
+        made = plans(args, src, dst)
+    for plan in made:
+        print(plan.summary())
+    print(f"\n{LEGEND}")
+    return 0
+
+
+DESCRIPTION = """\
+kvplan: plan KV-cache transfers between prefill and decode engines, and move them over NIXL.
+Only demo needs NIXL (the nixl extra); the other commands are pure: no NIXL, no GPU, nothing
+downloaded."""
+
+EPILOG = """\
+Run 'kvplan COMMAND --help' for a command's options and their defaults.
+Exit status: 0 done; 1 refused (the engines cannot talk) or a demo byte mismatch;
+2 bad input (one 'kvplan: ...' line on stderr); 3 internal error (a bug)."""
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvplan")
+    except Exception:  # not installed (a plain checkout on PYTHONPATH)
+        return kvplan.__version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = Parser(prog="kvplan", description=DESCRIPTION, epilog=EPILOG,
+               formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"kvplan {_version()}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", title="commands")
+    text = "print the plans of one request of an example or preset (no NIXL)"
+    s = sub.add_parser("plan", help=text, description=text, formatter_class=HelpFormatter)
+    s.set_defaults(fn=cmd_plan)
+    engine_options(s)
+    from kvplan.cli import explain  # explain, check, spec, presets
+
+    explain.register(sub)
+    _plugins(sub)
+    return p
+
+
+def _plugins(sub: argparse._SubParsersAction) -> None:
+    """The plug-in hook: the NIXL package's commands, or a one-line hint in their place.
+
+    ``kvplan_nixl.cli`` imports neither nixl nor torch until one of its commands runs, so
+    registering costs nothing; where the package is absent, each command it would add says
+    which extra to install (exit 2) instead of argparse's "invalid choice".
+    """
+    try:
+        from kvplan_nixl.cli import register
+    except ImportError:
+        for name in NIXL_COMMANDS:
+            # no option is parsed (prefix_chars matches none): any argument reaches the hint
+            s = sub.add_parser(name, help="(needs the nixl extra)", add_help=False,
+                               prefix_chars="\0")
+            s.add_argument("rest", nargs="*")
+            s.set_defaults(fn=_missing(name))
+        return
+    register(sub)
+
+
+def _missing(name: str):
+    def refuse(args: argparse.Namespace) -> int:
+        raise UsageError(f"{name} {NIXL_HINT}")
+
+    return refuse
+
+
+def _broken_pipe() -> int:
+    """The reader of stdout went away (``kvplan plan | head``): stop quietly, as Unix tools do."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail too
+    except (OSError, ValueError):
+        pass
+    return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the broken pipe
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvplan`` command; returns the exit status (see EPILOG). Never raises, and
+    prints at most one ``kvplan: ...`` line on stderr on failure, never a traceback."""
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if not argv:  # bare `kvplan`: the help, not "required: COMMAND"
+            parser.print_help()
+            return 0
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help, --version, or a usage error already printed
+            return exc.code if isinstance(exc.code, int) else 2
+        if getattr(args, "fn", None) is None:
+            parser.print_help()
+            return 0
+        rc = args.fn(args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        return _broken_pipe()
+    except KeyboardInterrupt:
+        print("kvplan: interrupted", file=sys.stderr)
+        return 130
+    except UsageError as exc:
+        print(f"kvplan: {exc}", file=sys.stderr)
+        return 2
+    except kvplan.KVPlanError as exc:
+        print(f"kvplan: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a bug: still one line; KVPLAN_TRACEBACK=1 shows where
+        if os.environ.get("KVPLAN_TRACEBACK"):
+            raise
+        print(f"kvplan: internal error: {type(exc).__name__}: {exc} (please report it; "
+              "KVPLAN_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""What an engine's regions add up to: the checks across regions and the derived layout of
+stages, pages and buffers that :class:`~kvplan.spec.EngineSpec` computes once on construction.
+
+Layer 1 (values), beside :mod:`kvplan.spec`: it reads a spec's regions and its ``tp_size`` /
+``pp_size`` / DCP fields and returns plain tuples (or raises :class:`~kvplan.SpecError` naming
+the region and the numbers); ``EngineSpec.__attrs_post_init__`` calls it and keeps the results.
+It imports :mod:`kvplan.regions` and :mod:`kvplan.errors` only; the engine class is named for
+type hints alone (it is the caller, never imported at run time), so the value stays one class
+and this module holds the derivations that made it long.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvplan.errors import SpecError
+from kvplan.regions import (
+    _UNIT_AXES,
+    MAX_ALLOCATION_BYTES,
+    MAX_BLOCK_ATOMS,
+    Kind,
+    RegionSpec,
+)
+
+if TYPE_CHECKING:
+    from kvplan.spec import EngineSpec
+
+
+@attrs.frozen
+class Buffers:
+    """Where an engine's regions live: buffer names; per region ``(K buffer, V buffer, slot,
+    slots)`` (one buffer twice unless K and V are separate); per buffer its bytes on a rank."""
+
+    names: tuple[str, ...]
+    slots: tuple[tuple[int, int, int, int], ...]
+    nbytes: tuple[int, ...]
+
+
+
+def check_sizes(spec: EngineSpec) -> None:
+    """Refuse buffers whose byte offsets would not fit in int64 (see MAX_ALLOCATION_BYTES)."""
+    for b, nbytes in enumerate(spec._buffers.nbytes):
+        if nbytes > MAX_ALLOCATION_BYTES:
+            i = next(k for k, sl in enumerate(spec._buffers.slots) if b in sl[:2])
+            r = spec.regions[i]
+            raise SpecError(
+                f"region {r.name!r}: {nbytes} bytes on a rank in buffer "
+                f"{spec._buffers.names[b]!r} ({r.num_blocks} blocks of {spec._pages[i]} "
+                f"bytes) exceed the limit {MAX_ALLOCATION_BYTES} (2**61): byte offsets must "
+                "fit in int64"
+            )
+
+def check_components(spec: EngineSpec, r: RegionSpec) -> None:
+    tp = spec.tp_size
+    atoms = r.block_size * sum(c.streams * c.units for c in r.components)
+    if atoms > MAX_BLOCK_ATOMS:
+        raise SpecError(
+            f"region {r.name!r}: a block holds {atoms} (stream, unit, token) pieces, over the "
+            f"limit {MAX_BLOCK_ATOMS}: block_size {r.block_size} or the unit counts are too "
+            "large"
+        )
+    for c in r.components:
+        k = c.units
+        if k % tp and tp % k:
+            what = "num_kv_heads" if r.kind is Kind.ATTENTION else f"part {c.name!r} units"
+            raise SpecError(
+                f"region {r.name!r}: {what} {k} and tp_size {tp} must divide one another "
+                f"({k} % {tp} = {k % tp}, {tp} % {k} = {tp % k})"
+            )
+
+def check_dcp(spec: EngineSpec) -> None:
+    """Decode context parallelism as vLLM lays it out (docs/concepts.md): the DCP groups
+    are ``dcp_size`` consecutive ranks of a TP group that hold the same heads, each rank
+    holding every ``dcp_size``-th run of ``dcp_interleave`` tokens of a block id."""
+    dcp, il, tp = spec.dcp_size, spec.dcp_interleave, spec.tp_size
+    if tp % dcp:
+        raise SpecError(
+            f"dcp_size {dcp} does not divide tp_size {tp} ({tp} % {dcp} = {tp % dcp}): "
+            "a DCP group is carved out of a TP group"
+        )
+    if dcp == 1:
+        return
+    for r in spec.regions:
+        if r.is_state:  # a state slot is not a sequence of tokens: TP placement only
+            continue
+        if r.block_size % il:
+            raise SpecError(
+                f"region {r.name!r}: dcp_interleave {il} does not divide block_size "
+                f"{r.block_size} ({r.block_size} % {il} = {r.block_size % il})"
+            )
+        k = r.heads
+        if k * dcp > tp or (tp // k) % dcp:
+            raise SpecError(
+                f"region {r.name!r}: dcp_size {dcp} needs every DCP group to hold the same "
+                f"heads: {k} head(s) over tp_size {tp} give {max(1, tp // k)} rank(s) per "
+                f"head, not a multiple of {dcp}"
+            )
+
+def check_groups(spec: EngineSpec) -> None:
+    groups = sorted({r.group for r in spec.regions})
+    if groups != list(range(len(groups))):
+        raise SpecError(
+            f"group ids must be 0..{len(groups) - 1} with none missing, got {groups}"
+        )
+    kinds_of: dict[int, set[bool]] = {}  # one pass over the regions, not one per group
+    for r in spec.regions:
+        kinds_of.setdefault(r.group, set()).add(r.is_state)
+    for g in groups:
+        kinds = kinds_of[g]
+        if len(kinds) > 1:
+            names = [r.name for r in spec.regions if r.group == g]
+            raise SpecError(
+                f"group {g} mixes state regions and token regions ({names}): a state group's "
+                "block ids are slots, a token group's are pages of tokens"
+            )
+
+def assign_stages(spec: EngineSpec) -> tuple[int, ...]:
+    n, pp = len(spec.regions), spec.pp_size
+    given = [r.stage for r in spec.regions]
+    if all(s is None for s in given):
+        if n < pp:
+            raise SpecError(f"pp_size {pp} needs at least {pp} regions, got {n}")
+        per, extra = divmod(n, pp)
+        sizes = [per + (1 if s < extra else 0) for s in range(pp)]
+        return tuple(s for s, size in enumerate(sizes) for _ in range(size))
+    if any(s is None for s in given):
+        missing = [r.name for r in spec.regions if r.stage is None]
+        raise SpecError(f"either every region names its stage or none does; missing: {missing}")
+    for r in spec.regions:
+        if r.stage >= pp:  # type: ignore[operator]
+            raise SpecError(f"region {r.name!r}: stage {r.stage} is not in [0, {pp})")
+    if any(b < a for a, b in itertools.pairwise(given)):
+        raise SpecError(f"stages must hold contiguous ranges in spec order, got {given}")
+    if set(given) != set(range(pp)):
+        raise SpecError(f"every stage needs a region: stages {sorted(set(given))} of {pp}")
+    return tuple(given)  # type: ignore[arg-type]
+
+def assign_pages(spec: EngineSpec) -> tuple[int, ...]:
+    blocks = [spec.rank_block_nbytes(i) for i in range(len(spec.regions))]
+    pages = list(blocks)
+    pools: dict[str, list[int]] = {}
+    for i, r in enumerate(spec.regions):
+        if r.pool is not None:
+            pools.setdefault(r.pool, []).append(i)
+    for pool, members in pools.items():
+        regions = [spec.regions[i] for i in members]
+        groups = [r.group for r in regions]
+        if len(set(groups)) != len(groups):
+            raise SpecError(
+                f"pool {pool!r}: regions {[r.name for r in regions]} share group(s) "
+                f"{groups}; each view of a pool must belong to its own group"
+            )
+        if len({spec._stages[i] for i in members}) > 1:
+            raise SpecError(f"pool {pool!r}: its regions lie on different pipeline stages")
+        explicit = {r.page_bytes for r in regions}
+        if None in explicit and len(explicit) > 1:
+            raise SpecError(f"pool {pool!r}: give page_bytes on every region or on none")
+        if len(explicit) > 1:  # one allocation has one page size
+            raise SpecError(
+                f"pool {pool!r}: its regions give different page_bytes "
+                f"{sorted(r.page_bytes for r in regions)}; one pool has one page size"
+            )
+        page = max(blocks[i] for i in members) if None in explicit else explicit.pop()
+        for i in members:
+            if blocks[i] > page:  # type: ignore[operator]
+                raise SpecError(
+                    f"pool {pool!r}: region {spec.regions[i].name!r} needs "
+                    f"{blocks[i]} bytes per block on a rank but the page is {page} bytes"
+                )
+            pages[i] = page  # type: ignore[call-overload]
+    return tuple(pages)
+
+def slot_signature(spec: EngineSpec, i: int) -> tuple[tuple[str, Any], ...]:
+    """What sizes one layer slot of region ``i`` (compared across an allocation's slots)."""
+    r = spec.regions[i]
+    if r.pool is not None or any(spec.regions[m].pool is not None
+                                 for m in alloc_members(spec, i)):
+        outer = "".join(x for x in r.order if x not in _UNIT_AXES[r.kind])[:2]
+        blocks = max(x.num_blocks for x in spec.regions if x.pool == r.pool) if r.pool \
+            else r.num_blocks
+        return (("pages", blocks), ("page bytes", spec._pages[i]), ("outer axes", outer))
+    comps = tuple((c.units, c.unit_bytes, c.streams) for c in r.components)
+    order = "".join(x for x in r.order if x not in _UNIT_AXES[r.kind])
+    return (("num_blocks", r.num_blocks), ("block_size", r.block_size),
+            ("kernel block", r.kernel_size), ("units, unit bytes and streams", comps),
+            ("axis order", order))
+
+def alloc_members(spec: EngineSpec, i: int) -> list[int]:
+    a = spec.regions[i].allocation
+    return [i] if a is None else [m for m, r in enumerate(spec.regions) if r.allocation == a]
+
+def assign_buffers(spec: EngineSpec) -> Buffers:
+    """Name every buffer, give each region its buffer(s), slot and slot count, and check
+    that an allocation's slots agree on everything sizing a slot."""
+    def key_of(r: RegionSpec) -> tuple:  # what a region's buffer is: allocation, pool, own
+        if r.allocation is not None:
+            return ("alloc", r.allocation)
+        return ("pool", r.pool) if r.pool else ("region", r.name)
+
+    names: list[str] = []
+    owner: dict[str, str] = {}  # buffer name -> what names it, for clash messages
+    slots: list[tuple[int, int, int, int]] = []
+    slot_keys: dict[Any, list[Any]] = {}  # buffer key -> its slots in order of appearance
+    for i, r in enumerate(spec.regions):
+        a = r.allocation
+        key = key_of(r)
+        bufs = a if isinstance(a, tuple) else (a,) if a is not None else (r.pool or r.name,)
+        what = (f"allocation {a!r}" if a is not None else
+                f"pool {r.pool!r}" if r.pool else f"region {r.name!r}")
+        for b in bufs:
+            if b in owner and owner[b] != what:
+                raise SpecError(
+                    f"buffer name {b!r} is used by {owner[b]} and by {what} (region "
+                    f"{r.name!r}); buffer names must be distinct"
+                )
+            if b not in owner:
+                owner[b] = what
+                names.append(b)
+        if r.pool is not None:
+            first = next(m for m, x in enumerate(spec.regions) if x.pool == r.pool)
+            if spec.regions[first].allocation != a:
+                raise SpecError(
+                    f"pool {r.pool!r}: regions {spec.regions[first].name!r} and {r.name!r} "
+                    f"name different allocations ({spec.regions[first].allocation!r}, "
+                    f"{a!r}); a pool is one layer slot of one allocation"
+                )
+        slot = ("pool", r.pool) if r.pool else ("region", i)
+        members = slot_keys.setdefault(key, [])
+        if slot not in members:
+            members.append(slot)
+        slots.append((names.index(bufs[0]), names.index(bufs[-1]), members.index(slot), 0))
+    for key in slot_keys:
+        if key[0] != "alloc":
+            continue
+        key = key[1]
+        regs = [m for m, r in enumerate(spec.regions) if r.allocation == key]
+        ref = regs[0]
+        for m in regs[1:]:
+            if spec._stages[m] != spec._stages[ref]:
+                raise SpecError(
+                    f"allocation {key!r}: regions {spec.regions[ref].name!r} and "
+                    f"{spec.regions[m].name!r} lie on different pipeline stages"
+                )
+            mine, theirs = slot_signature(spec, ref), slot_signature(spec, m)
+            for (field, x), (_, y) in zip(mine, theirs):
+                if x != y:
+                    raise SpecError(
+                        f"allocation {key!r}: regions {spec.regions[ref].name!r} and "
+                        f"{spec.regions[m].name!r} are layer slots of one buffer but differ "
+                        f"in {field} ({x} vs {y})"
+                    )
+    count = {k: len(v) for k, v in slot_keys.items()}
+    full = []
+    for i, r in enumerate(spec.regions):
+        full.append((*slots[i][:3], count[key_of(r)]))
+    sizes = [0] * len(names)
+    for i, (bk, bv, _, n) in enumerate(full):
+        r = spec.regions[i]
+        blocks = max(x.num_blocks for x in spec.regions if x.pool == r.pool) if r.pool \
+            else r.num_blocks
+        per = spec._pages[i] // (2 if r.separate_kv else 1)
+        for b in {bk, bv}:
+            sizes[b] = n * blocks * per
+    return Buffers(names=tuple(names), slots=tuple(full), nbytes=tuple(sizes))

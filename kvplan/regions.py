@@ -1,0 +1,486 @@
+"""Region specs: one region of an engine's KV cache (its kind, geometry, dtype and layout),
+validated and immutable, with the enums, axis orders and limits every spec shares.
+
+Layer 1 (values), with :mod:`kvplan.spec` (the engine) and :mod:`kvplan.engine_derive` (what
+an engine's regions add up to). It imports only :mod:`kvplan.errors`: nothing here knows about
+ranks, plans or views. A region enters through :meth:`RegionSpec.from_dict` (the JSON-able
+form), is checked on construction, and leaves through ``to_dict``. :mod:`kvplan.spec`
+re-exports every public name here, so ``from kvplan.spec import RegionSpec`` keeps working.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvplan.errors import SpecError
+
+#: Bytes per element of each dtype name a spec may use (torch's spelling).
+DTYPE_SIZES: Mapping[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+#: Bounds a spec must respect (see docs/design.md, "Limits"): they keep every byte offset a plan
+#: computes inside int64 and make a forged or mistyped spec cheap to refuse.
+MAX_TP_SIZE = 256
+MAX_PP_SIZE = 256
+MAX_REGIONS = 1024
+MAX_BLOCK_SIZE = 1 << 16
+#: Largest buffer (bytes on one rank) of a region, pool or allocation: offsets plus lengths
+#: stay < 2**63 even where the planner lays a V buffer one block above its K buffer.
+MAX_ALLOCATION_BYTES = 1 << 61
+#: Largest number of (stream, unit, token) atoms in one block on one rank; the handshake builds
+#: a template of that many rows per lane, so this bounds its time and memory.
+MAX_BLOCK_ATOMS = 1 << 20
+
+
+class Kind(enum.Enum):
+    """What a region's blocks hold; decides its components and their placement over TP."""
+
+    ATTENTION = "attention"  # K and V per token, heads SPLIT over ranks (sliding window included)
+    MLA = "mla"  # one latent vector per token, REPLICATE on every rank
+    INDEXER = "indexer"  # sparse-attention index keys per token, REPLICATE on every rank
+    STATE = "state"  # one recurrent-state slot per block, each part SPLIT on its own units
+
+
+class Layout(enum.Enum):
+    """Order of heads and tokens inside one stream of one block (domain.md section 4)."""
+
+    HND = "HND"  # heads outer, tokens inner: a head slice of a block is one run
+    NHD = "NHD"  # tokens outer, heads inner: a head slice is block_size runs
+
+
+class KV(enum.Enum):
+    """Where the K and V streams live relative to the block axis (with ``HND``/``NHD`` only)."""
+
+    SPLIT = "split"  # (2, num_blocks, ...): all K blocks, then all V blocks
+    JOINT = "joint"  # (num_blocks, 2, ...): K and V of one block side by side
+
+
+#: The axes of an allocation, outermost first in the canonical spelling: layer slot, block
+#: (kernel block), stream (K, V), head, token in a block, and the bytes of one head of one token.
+AXES = "LBSHND"
+#: vLLM's six physical orders of its logical shape [L, B, H, N, C], C being the content
+#: [2, head_dim] of one head and token (K then V side by side), so ``C`` reads ``SD``.
+VLLM_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+#: The orders the legacy names stand for, by (layout, kv).
+LEGACY_ORDERS: Mapping[tuple[str, str], str] = {
+    ("HND", "split"): "LSBHND",
+    ("HND", "joint"): "LBSHND",
+    ("NHD", "split"): "LSBNHD",
+    ("NHD", "joint"): "LBSNHD",
+}
+
+
+def layout_order(layout: str, kv: str = "split") -> str:
+    """The six-letter axis order (a permutation of :data:`AXES`, ``D`` last) a layout names.
+
+    ``layout`` is ``"HND"``/``"NHD"`` (with ``kv``: ``"split"`` puts S outermost, ``"joint"``
+    right after B), a permutation of ``LBSHN`` followed by ``D``, one of ``LBHN`` followed by
+    ``D`` (no S: a buffer of one stream, read as S outermost), or one of ``LBHN`` followed by
+    ``C`` (= ``SD``; vLLM's six names are such). Raises ``ValueError`` naming the letters
+    otherwise.
+    """
+    if (layout, kv) in LEGACY_ORDERS:
+        return LEGACY_ORDERS[(layout, kv)]
+    if not isinstance(layout, str):
+        raise ValueError(f"a layout is a string, got {layout!r}")
+    order = layout.replace("C", "SD") if layout.endswith("C") else layout
+    if sorted(order) == sorted("LBHND") and order.endswith("D"):
+        order = "S" + order  # no S: one stream per buffer (separate K/V, or MLA / state)
+    if sorted(order) != sorted(AXES) or not order.endswith("D"):
+        raise ValueError(
+            f"layout {layout!r} is not HND/NHD, a permutation of {AXES[:-1]!r} (or of 'LBHN' "
+            f"without S) followed by 'D', nor of 'LBHN' followed by 'C' "
+            f"(e.g. {', '.join(VLLM_ORDERS)})"
+        )
+    return order
+
+
+def _positive(name: str, field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(f"region {name!r}: {field} must be a positive integer, got {value!r}")
+    return value
+
+
+def _enum(cls: type[enum.Enum], name: str, field: str, value: Any) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise SpecError(f"region {name!r}: {field} {value!r} is not one of {allowed}") from None
+
+
+@attrs.frozen
+class StatePart:
+    """One named part of a state slot: ``units`` shardable units of ``unit_bytes`` each."""
+
+    name: str
+    units: int
+    unit_bytes: int
+
+
+@attrs.frozen
+class Component:
+    """A shardable piece of a region's block: ``units`` global units (heads, channel groups)
+    of ``unit_bytes`` bytes per token and stream. Attention has one (the KV heads, 2 streams),
+    MLA and indexer one with a single unit every rank holds, a state region one per part."""
+
+    name: str
+    units: int
+    unit_bytes: int
+    streams: int
+
+    def local_units(self, tp_size: int) -> int:
+        """Units one rank holds: ``max(1, units // tp_size)``."""
+        return max(1, self.units // tp_size)
+
+
+def _parts(value: Any) -> tuple[StatePart, ...] | None:
+    return None if value is None else tuple(value)
+
+
+def _layout(value: Any) -> Any:
+    """Keep the legacy names as :class:`Layout` members (as before); other orders as strings."""
+    if isinstance(value, str) and value in ("HND", "NHD"):
+        return Layout(value)
+    return value
+
+
+def _allocation(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
+
+
+_TOKEN_KINDS_ONLY = ("block_size", "kernel_block_size")
+_OWN_FIELDS = {
+    Kind.ATTENTION: ("num_kv_heads", "head_dim", "kv", "window", *_TOKEN_KINDS_ONLY),
+    Kind.MLA: ("dim", *_TOKEN_KINDS_ONLY),
+    Kind.INDEXER: ("dim", *_TOKEN_KINDS_ONLY),
+    Kind.STATE: ("parts",),
+}
+_COMMON = ("name", "kind", "group", "num_blocks", "dtype", "pool", "page_bytes", "stage",
+           "layout", "allocation")
+_OPTIONAL = ("kernel_block_size", "pool", "page_bytes", "stage")  # written only when set
+#: Axes whose size is 1 for a kind whatever the rank (so their place in an order is moot).
+_UNIT_AXES = {Kind.ATTENTION: "", Kind.MLA: "SH", Kind.INDEXER: "SH", Kind.STATE: "SHN"}
+
+
+@attrs.frozen(kw_only=True)
+class RegionSpec:
+    """One region of a rank's KV cache: ``num_blocks`` equal blocks, usually one layer.
+
+    Attention regions carry ``num_kv_heads``, ``head_dim``, ``layout``, ``kv`` and ``window``;
+    MLA and indexer regions carry ``dim`` (values per token); state regions carry ``parts`` and
+    hold one slot per block (``block_size`` 1). ``group`` names the KV-cache group whose block
+    table indexes the region. Optional: ``kernel_block_size`` (bytes laid out as blocks of that
+    many tokens, a logical block being consecutive kernel blocks), ``pool`` (regions naming the
+    same pool share one allocation, block ``b`` at ``b * page_bytes``), ``page_bytes`` and
+    ``stage`` (pipeline stage). Construct from JSON with :meth:`from_dict`.
+
+    ``layout`` is the order of the axes of the region's allocation (see :func:`layout_order`
+    and :attr:`order`): ``HND``/``NHD`` with ``kv`` as before, any order of ``LBSHND`` (``D``
+    last) or vLLM's names (``BLHNC`` ...). ``allocation`` names the buffer the region is a layer
+    slot of (regions naming one allocation are its slots in spec order), or is a pair
+    ``(k, v)`` of buffer names holding K and V separately. Both apply to every kind.
+    """
+
+    name: str
+    kind: Kind
+    num_blocks: int
+    block_size: int = 1
+    dtype: str
+    group: int = 0
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    layout: Layout | str = attrs.field(default=Layout.HND, converter=_layout)
+    kv: KV = KV.SPLIT
+    window: int | None = None
+    dim: int | None = None
+    parts: tuple[StatePart, ...] | None = attrs.field(default=None, converter=_parts)
+    kernel_block_size: int | None = None
+    pool: str | None = None
+    page_bytes: int | None = None
+    stage: int | None = None
+    allocation: str | tuple[str, str] | None = attrs.field(default=None, converter=_allocation)
+
+    def __attrs_post_init__(self) -> None:
+        name = self.name
+        if not isinstance(name, str) or not name:
+            raise SpecError(f"region name must be a non-empty string, got {name!r}")
+        if not isinstance(self.kind, Kind):
+            raise SpecError(f"region {name!r}: kind must be a Kind, got {self.kind!r}")
+        _positive(name, "num_blocks", self.num_blocks)
+        _positive(name, "block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise SpecError(f"region {name!r}: block_size {self.block_size} exceeds the limit "
+                            f"{MAX_BLOCK_SIZE}")
+        for field in ("group", "stage"):
+            v = getattr(self, field)
+            if v is None and field == "group":  # only stage is optional
+                raise SpecError(f"region {name!r}: group must be an integer >= 0, got None")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise SpecError(f"region {name!r}: {field} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
+            raise SpecError(
+                f"region {name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}"
+            )
+        own = _OWN_FIELDS[self.kind]
+        foreign = [
+            f for f in ("num_kv_heads", "head_dim", "window", "dim", "parts", "kernel_block_size")
+            if f not in own and getattr(self, f) is not None
+        ]
+        if foreign:
+            raise SpecError(f"region {name!r}: a {self.kind.value} region does not take "
+                            f"{', '.join(foreign)}")
+        if self.kind is Kind.ATTENTION:
+            _positive(name, "num_kv_heads", self.num_kv_heads)
+            _positive(name, "head_dim", self.head_dim)
+            if self.window is not None:
+                _positive(name, "window", self.window)
+        elif self.kind is Kind.STATE:
+            self._check_parts()
+        else:
+            _positive(name, "dim", self.dim)
+        if self.kernel_block_size is not None:
+            _positive(name, "kernel_block_size", self.kernel_block_size)
+            if self.block_size % self.kernel_block_size:
+                raise SpecError(
+                    f"region {name!r}: kernel_block_size {self.kernel_block_size} does not "
+                    f"divide block_size {self.block_size} "
+                    f"({self.block_size} % {self.kernel_block_size} = "
+                    f"{self.block_size % self.kernel_block_size})"
+                )
+        if self.pool is not None:
+            if not isinstance(self.pool, str) or not self.pool:
+                raise SpecError(f"region {name!r}: pool must be a non-empty string")
+        if self.page_bytes is not None:
+            _positive(name, "page_bytes", self.page_bytes)
+            if self.pool is None:
+                raise SpecError(f"region {name!r}: page_bytes is only meaningful with a pool")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        name = self.name
+        if not isinstance(self.layout, (Layout, str)):
+            raise SpecError(f"region {name!r}: layout must be a string, got {self.layout!r}")
+        if not isinstance(self.kv, KV):
+            raise SpecError(f"region {name!r}: kv must be a KV, got {self.kv!r}")
+        if not isinstance(self.layout, Layout) and self.kv is not KV.SPLIT:
+            raise SpecError(
+                f"region {name!r}: kv {self.kv.value!r} applies only to layout HND or NHD; "
+                f"layout {self.layout!r} already places S"
+            )
+        try:
+            order = self.order
+        except ValueError as e:
+            raise SpecError(f"region {name!r}: {e}") from None
+        a = self.allocation
+        if (self.kind is Kind.ATTENTION and "S" not in self.layout_name.replace("C", "SD")
+                and not isinstance(a, tuple) and not isinstance(self.layout, Layout)):
+            raise SpecError(
+                f"region {name!r}: layout {self.layout_name!r} has no S axis, which only a "
+                "region keeping K and V in separate buffers (allocation [k, v]) may omit"
+            )
+        if a is not None:
+            pair = isinstance(a, tuple)
+            names = a if pair else (a,)
+            if (pair and len(a) != 2) or not all(isinstance(x, str) and x for x in names):
+                raise SpecError(
+                    f"region {name!r}: allocation must be a buffer name or a pair [k, v] of "
+                    f"buffer names, got {a!r}"
+                )
+            if pair and a[0] == a[1]:
+                raise SpecError(f"region {name!r}: allocation [k, v] names {a[0]!r} twice")
+            if pair and self.kind is not Kind.ATTENTION:
+                raise SpecError(
+                    f"region {name!r}: separate K and V buffers need an attention region, "
+                    f"a {self.kind.value} region has one stream"
+                )
+            if pair and self.pool is not None:
+                raise SpecError(
+                    f"region {name!r}: a pooled region cannot keep K and V in separate buffers "
+                    f"(its block must be contiguous in its page of pool {self.pool!r})"
+                )
+        if self.pool is not None:  # a block must be contiguous in its page: L, B outermost
+            outer = [x for x in order if x not in _UNIT_AXES[self.kind]][:2]
+            if sorted(outer) != ["B", "L"]:
+                raise SpecError(
+                    f"region {name!r}: a region in pool {self.pool!r} needs its block "
+                    f"contiguous in its page, so axes L and B outermost; layout "
+                    f"{self.layout_name!r} is {order}"
+                    + (" (use kv 'joint')" if isinstance(self.layout, Layout) else "")
+                )
+
+    @property
+    def layout_name(self) -> str:
+        """The layout as written in the spec: ``HND``, ``NHD``, ``BLHNC``, ``LBSHND``..."""
+        return self.layout.value if isinstance(self.layout, Layout) else self.layout
+
+    @property
+    def order(self) -> str:
+        """The allocation's axis order, six letters of :data:`AXES`, outermost first."""
+        return layout_order(self.layout_name, self.kv.value)
+
+    @property
+    def separate_kv(self) -> bool:
+        """True when K and V live in two buffers (``allocation`` is a pair)."""
+        return isinstance(self.allocation, tuple)
+
+    def _check_parts(self) -> None:
+        name = self.name
+        if self.block_size != 1:
+            raise SpecError(f"region {name!r}: a state region's block is one slot, block_size 1")
+        if not self.parts:
+            raise SpecError(f"region {name!r}: a state region needs at least one part")
+        seen = set()
+        for p in self.parts:
+            if not isinstance(p, StatePart) or not isinstance(p.name, str) or not p.name:
+                raise SpecError(f"region {name!r}: parts must be named StatePart values, got {p!r}")
+            if p.name in seen:
+                raise SpecError(f"region {name!r}: part {p.name!r} appears twice")
+            seen.add(p.name)
+            _positive(name, f"part {p.name!r} units", p.units)
+            _positive(name, f"part {p.name!r} unit_bytes", p.unit_bytes)
+
+    @property
+    def is_replicated(self) -> bool:
+        """True when every rank holds the whole region (MLA, indexer): placement REPLICATE."""
+        return self.kind in (Kind.MLA, Kind.INDEXER)
+
+    @property
+    def is_state(self) -> bool:
+        """True for a recurrent-state region: blocks are slots, paired by list position."""
+        return self.kind is Kind.STATE
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        """The shardable pieces of a block, in their order within a slot (see Component)."""
+        e = DTYPE_SIZES[self.dtype]
+        if self.kind is Kind.ATTENTION:
+            return (Component("kv", self.num_kv_heads, self.head_dim * e, 2),)  # type: ignore[operator]
+        if self.kind is Kind.STATE:
+            return tuple(Component(p.name, p.units, p.unit_bytes, 1) for p in self.parts or ())
+        return (Component(self.kind.value, 1, self.dim * e, 1),)  # type: ignore[operator]
+
+    @property
+    def streams(self) -> int:
+        """Number of streams per block: 2 (K, V) for attention, 1 otherwise (key only)."""
+        return 2 if self.kind is Kind.ATTENTION else 1
+
+    @property
+    def heads(self) -> int:
+        """Global KV heads (attention); a replicated region is one head every rank holds."""
+        return self.num_kv_heads if self.kind is Kind.ATTENTION else 1  # type: ignore[return-value]
+
+    @property
+    def kernel_size(self) -> int:
+        """Tokens per kernel block: ``kernel_block_size``, or ``block_size`` when not given."""
+        return self.kernel_block_size or self.block_size
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RegionSpec:
+        """Build from the JSON-able form; unknown keys and keys of another kind are refused."""
+        if not isinstance(d, Mapping):
+            raise SpecError(f"a region must be a mapping, got {type(d).__name__}")
+        name = d.get("name")
+        for key in ("name", "kind", "num_blocks", "dtype"):
+            if key not in d:
+                raise SpecError(f"region {name!r}: missing field {key!r}")
+        kind = _enum(Kind, name, "kind", d["kind"])
+        own = _OWN_FIELDS[kind]
+        unknown = sorted(set(d) - {*_COMMON, *own})
+        if unknown:
+            raise SpecError(f"region {name!r}: unknown field(s) {unknown} for kind {kind.value!r}")
+        required = {
+            Kind.ATTENTION: ("block_size", "num_kv_heads", "head_dim"),
+            Kind.STATE: ("parts",),
+        }.get(kind, ("block_size", "dim"))
+        for key in required:
+            if key not in d:
+                raise SpecError(f"region {name!r}: missing field {key!r}")
+        kwargs: dict[str, Any] = {k: d[k] for k in (*_COMMON, *own) if k in d}
+        kwargs["kind"] = kind
+        if kind is Kind.ATTENTION:
+            kwargs["kv"] = _enum(KV, name, "kv", d.get("kv", "split"))
+        if "layout" in d and not isinstance(d["layout"], str):
+            raise SpecError(f"region {name!r}: layout must be a string, got {d['layout']!r}")
+        if kind is Kind.STATE:
+            kwargs["parts"] = _parts_from_json(name, d["parts"])
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able form, defaults written out; ``from_dict(r.to_dict()) == r``."""
+        d: dict[str, Any] = {
+            "name": self.name,
+            "kind": self.kind.value,
+            "group": self.group,
+            "num_blocks": self.num_blocks,
+        }
+        if self.kind is not Kind.STATE:
+            d["block_size"] = self.block_size
+        d["dtype"] = self.dtype
+        if self.kind is Kind.ATTENTION:
+            d.update(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                     layout=self.layout_name)
+            if isinstance(self.layout, Layout):
+                d["kv"] = self.kv.value
+            d["window"] = self.window
+        elif self.kind is Kind.STATE:
+            d["parts"] = [attrs.asdict(p) for p in self.parts or ()]
+        else:
+            d["dim"] = self.dim
+        if self.kind is not Kind.ATTENTION and self.layout is not Layout.HND:
+            d["layout"] = self.layout_name
+        d.update({k: getattr(self, k) for k in _OPTIONAL if getattr(self, k) is not None})
+        if self.allocation is not None:
+            a = self.allocation
+            d["allocation"] = list(a) if isinstance(a, tuple) else a
+        return d
+
+    def __str__(self) -> str:
+        if self.kind is Kind.ATTENTION:
+            win = f" window {self.window}" if self.window else ""
+            kv = f" {self.kv.value}" if isinstance(self.layout, Layout) else ""
+            shape = f"{self.num_kv_heads}x{self.head_dim} {self.layout_name}{kv}{win}"
+        elif self.kind is Kind.STATE:
+            shape = " ".join(f"{p.name}:{p.units}x{p.unit_bytes}B" for p in self.parts or ())
+        else:
+            shape = f"dim {self.dim}"
+        extra = "".join(
+            f", {label} {getattr(self, k)}"
+            for k, label in (("kernel_block_size", "kernel"), ("pool", "pool"), ("stage", "stage"),
+                             ("allocation", "allocation"))
+            if getattr(self, k) is not None
+        )
+        blocks = "slots" if self.kind is Kind.STATE else f"blocks of {self.block_size}"
+        return (
+            f"{self.name} [{self.kind.value} g{self.group}] {shape} {self.dtype}, "
+            f"{self.num_blocks} {blocks}{extra}"
+        )
+
+
+def _parts_from_json(name: str, parts: Any) -> tuple[StatePart, ...]:
+    if isinstance(parts, (str, bytes, Mapping)) or not hasattr(parts, "__iter__"):
+        raise SpecError(f"region {name!r}: parts must be a list of part mappings")
+    out = []
+    for p in parts:
+        if not isinstance(p, Mapping) or set(p) != {"name", "units", "unit_bytes"}:
+            raise SpecError(
+                f"region {name!r}: a part needs exactly name, units and unit_bytes, got {p!r}"
+            )
+        out.append(StatePart(p["name"], p["units"], p["unit_bytes"]))
+    return tuple(out)
