@@ -1,10 +1,10 @@
 """The import graph of the repo's packages, read from the source (AST), not from a running
 interpreter: every ``import`` statement counts wherever it is (module level or inside a
 function), because a lazy import still ties a reader of one file to another. Imports under
-``if TYPE_CHECKING:`` are the exception: they never run and only name types for annotations.
+``if TYPE_CHECKING:`` are left out unless asked for (``typing=True``): they never run and only
+name types for annotations.
 
-Used by tests/test_structure.py; :func:`graph` and :func:`classes` are small enough to reuse
-for any package of the repo.
+Used by tests/test_structure.py and tests/test_structure_executor.py.
 """
 
 from __future__ import annotations
@@ -56,28 +56,29 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _walk(node: ast.AST, lazy: bool, guarded: bool):
-    """Yield ``(import node, lazy, guarded)`` under ``node``, skipping TYPE_CHECKING blocks."""
+def _walk(node: ast.AST, lazy: bool, guarded: bool, typing: bool = False):
+    """Yield ``(import node, lazy, guarded)`` under ``node``; TYPE_CHECKING blocks only where
+    ``typing`` (a reader follows them; the interpreter never runs them)."""
     for child in ast.iter_child_nodes(node):
-        yield from _walk_one(child, lazy, guarded)
+        yield from _walk_one(child, lazy, guarded, typing)
 
 
-def _walk_one(node: ast.AST, lazy: bool, guarded: bool):
-    if isinstance(node, ast.If) and _is_type_checking(node):
+def _walk_one(node: ast.AST, lazy: bool, guarded: bool, typing: bool = False):
+    if isinstance(node, ast.If) and _is_type_checking(node) and not typing:
         for n in node.orelse:
-            yield from _walk_one(n, lazy, guarded)
+            yield from _walk_one(n, lazy, guarded, typing)
     elif isinstance(node, (ast.Import, ast.ImportFrom)):
         yield node, lazy, guarded
     elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-        yield from _walk(node, True, guarded)
+        yield from _walk(node, True, guarded, typing)
     elif isinstance(node, ast.Try):
         optional = _catches_import_error(node)
         for n in node.body:
-            yield from _walk_one(n, lazy, guarded or optional)
+            yield from _walk_one(n, lazy, guarded or optional, typing)
         for n in [*node.handlers, *node.orelse, *node.finalbody]:
-            yield from _walk_one(n, lazy, guarded)
+            yield from _walk_one(n, lazy, guarded, typing)
     else:
-        yield from _walk(node, lazy, guarded)
+        yield from _walk(node, lazy, guarded, typing)
 
 
 def _resolve(name: str, known: Iterable[str]) -> str:
@@ -89,12 +90,13 @@ def _resolve(name: str, known: Iterable[str]) -> str:
     return name
 
 
-def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
-    """Every import of one module, targets resolved against ``known`` module names."""
+def imports_of(module: str, path: Path, known: set[str], typing: bool = False) -> list[Import]:
+    """Every import of one module, targets resolved against ``known`` module names (those
+    under ``if TYPE_CHECKING:`` too where ``typing``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
-    for node, lazy, guarded in _walk(tree, False, False):
+    for node, lazy, guarded in _walk(tree, False, False, typing):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
@@ -110,11 +112,12 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
     return out
 
 
-def graph(*packages: str, root: Path = ROOT) -> dict[str, list[Import]]:
-    """``{module: its imports}`` over every module of ``packages``."""
+def graph(*packages: str, root: Path = ROOT, typing: bool = False) -> dict[str, list[Import]]:
+    """``{module: its imports}`` over every module of ``packages`` (with ``typing``, the
+    imports under ``if TYPE_CHECKING:`` too)."""
     files = {m: p for pkg in packages for m, p in modules(pkg, root).items()}
     known = set(files)
-    return {m: imports_of(m, p, known) for m, p in files.items()}
+    return {m: imports_of(m, p, known, typing) for m, p in files.items()}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
