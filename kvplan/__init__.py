@@ -18,7 +18,13 @@ Seeing plans (notebooks, ``kvplan[view]``): ``EngineSpec.from_hf_config(config_j
 """
 
 from kvplan import presets
-from kvplan.errors import IncompatibleLayoutError, KVPlanError, RequestError, SpecError
+from kvplan.errors import (
+    IncompatibleLayoutError,
+    KVPlanError,
+    PlanError,
+    RequestError,
+    SpecError,
+)
 from kvplan.layout import RankLayout, rank_layout
 from kvplan.placement import (
     HeadSource,
@@ -51,6 +57,7 @@ __all__ = [
     "Leg",
     "Mode",
     "Placement",
+    "PlanError",
     "RankLayout",
     "RegionSpec",
     "RequestError",
