@@ -166,7 +166,7 @@ def _import_endpoint():
             from kvplan_nixl.endpoint import Endpoint
     except ImportError as exc:
         what = ("which is not installed" if exc.name in ("nixl", "nixl_cu12", "nixl_cu13")
-                else f"which does not import ({exc})")
+                and "installed but" not in str(exc) else f"which does not import ({exc})")
         raise UsageError(
             f"kvplan demo moves bytes over NIXL, {what}: pip install -e \".[nixl]\" in a "
             "checkout of kvplan (README.md: install torch first)"
