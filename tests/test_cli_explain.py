@@ -21,7 +21,7 @@ def test_explain_text_names_sources_placements_and_costs(capsys):
                          "--decode", "kimi-k2", "--decode-tp", "4", "--rank", "1",
                          "--draft", "kimi-k2.5-eagle3", "--tokens", "1024")
     assert code == 0, err
-    assert "prefill kimi-k2 TP8 -> decode kimi-k2 TP4" in out
+    assert "prefill kimi-k2 TP8 HND -> decode kimi-k2 TP4 HND" in out
     assert "d1: " in out and "from p2, p3" in out
     assert "layers.[0-60].mla x61" in out and "S(heads 16:24)" in out
     lines = [ln for ln in out.splitlines() if "mla x61" in ln]
