@@ -31,7 +31,6 @@ from kvplan import EngineSpec, TransferPlan, presets
 from kvplan.examples import EXAMPLES, request_blocks
 from kvplan.views import human_bytes
 from kvplan_nixl.cliargs import (
-    LEGEND,
     MAX_BLOCK_SIZE,
     MAX_BLOCKS,
     MAX_TOKENS,
@@ -39,7 +38,9 @@ from kvplan_nixl.cliargs import (
     HelpFormatter,
     Parser,
     UsageError,
+    columns,
     int_in,
+    legend,
 )
 from kvplan_nixl.explain import layout_arg as explain_layout
 from kvplan_nixl.progress import step
@@ -120,7 +121,7 @@ def cmd_plan(args) -> int:
         plans = _plans(args, src, dst)
     for plan in plans:
         print(plan.summary())
-    print(f"\n{LEGEND}")
+    print(f"\n{legend(columns())}")
     return 0
 
 
@@ -298,7 +299,7 @@ def cmd_demo(args) -> int:
     print(f"verified: all {human_bytes(checked)} ({checked} bytes) of the decode ranks' "
           f"buffers match kvplan.simulate: the {human_bytes(total)} moved landed where the plan "
           "says, and every other byte is untouched")
-    print(f"\n{LEGEND}")
+    print(f"\n{legend(columns())}")
     return 0
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "HelpFormatter",
     "Parser",
     "UsageError",
+    "columns",
     "int_in",
     "legend",
 ]
@@ -52,6 +53,19 @@ LEGEND_ENTRIES = (
     ("layers.[0-79].attn x80", "80 alike layers on one line"),
     ("units", "B = bytes; KiB/MiB/GiB = 2^10/2^20/2^30 bytes; GB/s = 10^9 bytes per second"),
 )
+
+
+def columns() -> int:
+    """Columns the output should fit: ``COLUMNS`` if set, else the terminal's; a pipe or a file
+    gets 160 (long enough for the tables, short enough to read)."""
+    import os
+    import shutil
+    import sys
+
+    cols = os.environ.get("COLUMNS", "")
+    if cols.isdigit() and int(cols) > 0:
+        return int(cols)
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else 160
 
 
 def legend(width: int = 96, extra: tuple[tuple[str, str], ...] = ()) -> str:

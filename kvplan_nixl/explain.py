@@ -43,6 +43,7 @@ from kvplan_nixl.cliargs import (
     MAX_TOKENS,
     MAX_TP,
     UsageError,
+    columns,
     int_in,
     legend,
 )
@@ -403,23 +404,12 @@ def _warnings(src, dst, src_blocks, dst_blocks, ranks, counted: list[Counted],
 # -- printing ----------------------------------------------------------------------------------
 
 
-def _width() -> int:
-    """Columns to fit: ``COLUMNS`` if set, else the terminal's; a pipe or a file gets 160."""
-    import os
-    import shutil
-
-    cols = os.environ.get("COLUMNS", "")
-    if cols.isdigit() and int(cols) > 0:
-        return int(cols)
-    return shutil.get_terminal_size().columns if sys.stdout.isatty() else 160
-
-
 def _console():
     try:
         from rich.console import Console
     except ImportError:
         return None
-    return Console(highlight=False, width=_width())
+    return Console(highlight=False, width=columns())
 
 
 def _title(args, src: EngineSpec, dst: EngineSpec) -> str:
@@ -476,7 +466,7 @@ def _rank_title(r: dict[str, Any]) -> str:
 def _print_text(doc: dict[str, Any], title: str) -> None:
     import textwrap
 
-    width = _width()
+    width = columns()
     console = _console()
     notes = legend(width, [("offsets +a -> +b", OFFSETS)])
     wrap = lambda text: textwrap.fill(text, width, subsequent_indent="  ",  # noqa: E731
@@ -576,7 +566,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     else:
         text = (f"(runs per layout are compared up to {COMPARE_LAYOUTS_TOKENS} tokens; "
                 "pass --compare-layouts to count them for this request)")
-    print("\n" + textwrap.fill(text, _width(), subsequent_indent="  ", break_long_words=False,
+    print("\n" + textwrap.fill(text, columns(), subsequent_indent="  ", break_long_words=False,
                                break_on_hyphens=False))
     return 0
 

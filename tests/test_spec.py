@@ -109,6 +109,6 @@ def test_rank_buffer_nbytes_takes_a_buffer_name_or_its_index():
         assert spec.rank_buffer_nbytes(np.int64(b)) == spec.rank_buffer_nbytes(b)
     assert spec.rank_buffer_nbytes("layers.0.attn") == 2 * 1024 * 16 * 128 * 2  # K+V, 1 head
     for bad in ("layers.80.attn", len(spec.buffers), -1, True, 1.0, None):
-        with pytest.raises(SpecError, match="'layers.0.attn', 'layers.1.attn'") as info:
+        with pytest.raises(SpecError, match=r"'layers\.0\.attn', 'layers\.1\.attn'") as info:
             spec.rank_buffer_nbytes(bad)
         assert "(80 in all)" in str(info.value) and len(str(info.value)) < 300
