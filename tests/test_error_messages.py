@@ -24,7 +24,7 @@ def test_buffer_errors_of_an_80_layer_engine_are_short_and_lead_with_the_fix(lay
     n = len(spec.buffers)
     bufs = {name: np.zeros(spec.rank_buffer_nbytes(b), np.uint8)
             for b, name in enumerate(spec.buffers)}
-    wrong_count = _refusal(spec, list(bufs.values())[:-1] + [])
+    wrong_count = _refusal(spec, list(bufs.values())[:-1])
     if n > 1:
         assert wrong_count.startswith(f"{n - 1} buffers for rank 0, which holds {n} "
                                       "allocation(s): pass them in spec order")
