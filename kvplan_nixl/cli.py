@@ -172,8 +172,12 @@ def _alloc_nbytes(spec: EngineSpec) -> int:
 def _import_endpoint():
     """``kvplan_nixl.Endpoint``, or a one-line usage error naming the install command."""
     try:
-        with step("importing NIXL"):
+        with step("importing NIXL and torch"):  # seconds each; the buffers are torch tensors
             from kvplan_nixl.endpoint import Endpoint
+            try:
+                import torch  # noqa: F401
+            except ImportError:  # numpy buffers then
+                pass
     except ImportError as exc:
         what = ("which is not installed" if exc.name in ("nixl", "nixl_cu12", "nixl_cu13")
                 and "installed but" not in str(exc) else f"which does not import ({exc})")
