@@ -153,16 +153,24 @@ def _spec_rows(spec: EngineSpec) -> list[dict[str, Any]]:
 
 _CSS = (
     "<style>table.kvplan{border-collapse:collapse;margin:2px 0 8px 0;font-size:12px}"
-    "table.kvplan th,table.kvplan td{border:1px solid #ccc;padding:2px 6px;text-align:left}"
+    "table.kvplan th,table.kvplan td{border:1px solid #ccc;padding:2px 6px;text-align:left;"
+    "white-space:normal;max-width:30em}"  # long placements wrap: bytes and runs stay in view
     "table.kvplan caption{text-align:left;font-weight:bold;padding:2px 0}"
     "table.kvplan td.num{text-align:right;font-family:monospace}</style>"
 )
+
+
+#: Columns an HTML table shows first when it has them: a narrow notebook then keeps the
+#: numbers in view, and the long placements wrap at the end.
+_FIRST = ("regions", "bytes", "runs", "bytes/block", "runs/block")
 
 
 def _table(rows: list[dict[str, Any]], caption: str = "", drop: Iterable[str] = ()) -> str:
     if not rows:
         return f"<p>{html.escape(caption)}: nothing</p>"
     cols = [c for c in rows[0] if c not in set(drop)]
+    if "placement" in cols and "kind" not in cols:  # a map's or plan's rows (not a spec's)
+        cols = [c for c in _FIRST if c in cols] + [c for c in cols if c not in _FIRST]
     out = ["<table class='kvplan'>"]
     if caption:
         out.append(f"<caption>{html.escape(caption)}</caption>")
@@ -174,8 +182,9 @@ def _table(rows: list[dict[str, Any]], caption: str = "", drop: Iterable[str] = 
             if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
                 text = human_bytes(int(v)) if "bytes" in c else str(v)
                 cells.append(f"<td class='num'>{html.escape(text)}</td>")
-            else:
-                cells.append(f"<td>{html.escape(str(v))}</td>")
+            else:  # a break may fall after '+' or ', ' (q_conv+k_conv+..., state parts)
+                text = html.escape(str(v)).replace("+", "+<wbr>").replace(", ", ", <wbr>")
+                cells.append(f"<td>{text}</td>")
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>")
     return "".join(out)

@@ -425,7 +425,8 @@ def _shape(spec: EngineSpec) -> str:
             + (f" DCP{spec.dcp_size}" if spec.dcp_size > 1 else "") + f" {layouts(spec)}")
 
 
-OFFSETS = "where the first run starts in the source block (+a) and in the destination block (+b)"
+OFFSETS = ("where the first run starts, in bytes from the block's start, in the source block (+a) "
+           "and in the destination block (+b)")
 _COLUMNS = ("from", "regions", "placement", "streams", "offsets", "bytes", "runs")
 
 

@@ -254,3 +254,20 @@ def test_plot_says_what_its_total_covers_and_what_labels_mean():
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+def test_plan_html_keeps_bytes_and_runs_in_view_and_wraps_long_placements():
+    """A notebook column is narrow: bytes and runs come right after the regions, and the long
+    state placements and stream lists may break after ', ' and '+' (no horizontal scroll)."""
+    src, dst = presets.spec("qwen3-next-80b-a3b", 2), presets.spec("qwen3-next-80b-a3b", 4)
+    plan = kvplan.pull_map(src, dst, 1).plan(_ids(src, 1024), _ids(dst, 1024))
+    page = plan._repr_html_()
+    header = re.findall(r"<th>([^<]*)</th>", page)[:5]
+    assert header == ["regions", "bytes", "runs", "placement", "streams"]
+    assert "white-space:normal" in page
+    assert "q_conv+<wbr>k_conv+<wbr>v_conv+<wbr>ssm" in page
+    assert "S(q_conv 512:1024, <wbr>k_conv 512:1024" in page
+    m_page = kvplan.pull_map(src, dst, 1)._repr_html_()
+    assert re.findall(r"<th>([^<]*)</th>", m_page)[:3] == ["regions", "bytes/block", "runs/block"]
+    spec_header = re.findall(r"<th>([^<]*)</th>", src._repr_html_())
+    assert spec_header[:2] == ["regions", "kind"]  # a spec's table keeps its own order
