@@ -445,8 +445,10 @@ def plan_summary(plan: TransferPlan) -> str:
 
     m = plan.map
     me, other = ("d", "p") if m.mode.value == "pull" else ("p", "d")
+    share = rank_share(m.dst if m.mode.value == "pull" else m.src, m.rank)
     lines = [
-        f"TransferPlan {m.mode.value} {me}{m.rank}: {human_bytes(plan.nbytes)} in {len(plan)} "
+        f"TransferPlan {m.mode.value} {me}{m.rank}{f' ({share})' if share else ''}: "
+        f"{human_bytes(plan.nbytes)} in {len(plan)} "
         f"runs, {_blocks_text(plan)} in {len(plan.dst_blocks)} group(s){plan._scope()}"
     ]
     for peer, rows in peer_rows(plan).items():
@@ -502,10 +504,11 @@ def _xs(n: int, width: float) -> list[float]:
     return [step * (i + 0.5) for i in range(n)]
 
 
-def _holds(spec: EngineSpec, rank: int) -> str:
-    """How a rank's share is cut, for node labels: the KV heads it holds of the first attention
-    region (``heads 0:4``), which replica of them (``replica 2/4`` when fewer heads than TP
-    ranks) and, under decode context parallelism, which token slice (``DCP slice 1/2``)."""
+def rank_share(spec: EngineSpec, rank: int, sep: str = ", ") -> str:
+    """How a rank's share of a sharded engine is cut: the KV heads it holds of the first
+    attention region (``heads 0:4``), which replica of them (``replica 2/4`` when fewer heads
+    than TP ranks) and, under decode context parallelism, its token slice (``DCP slice 1/2``).
+    Empty for an engine with no attention region and no DCP (every rank holds everything)."""
     from kvplan.placement import held_heads
 
     t, dcp = rank % spec.tp_size, spec.dcp_size
@@ -521,7 +524,7 @@ def _holds(spec: EngineSpec, rank: int) -> str:
             break
     if dcp > 1:
         lines.append(f"DCP slice {t % dcp + 1}/{dcp}")
-    return "\n".join(lines)
+    return sep.join(lines)
 
 
 #: Under a rank map picture: what its abbreviations mean (the text outputs' legend says the same).
@@ -610,7 +613,7 @@ def plot_rank_map(items: Any, ax: Any = None, title: str | None = None):
         ("d", xs_dst, y_dst, used_dst, dst, "decode"),
     ):
         for r, x in enumerate(xs):
-            holds = _holds(spec, r)
+            holds = rank_share(spec, r, "\n")
             label = f"{row}{r}" + (f"\n{holds}" if holds else "")
             faded = r not in used
             ax.text(x, y, label, ha="center", va="center", fontsize=9, zorder=4,

@@ -51,7 +51,9 @@ LEGEND_ENTRIES = (
     ("run", "one contiguous byte copy (one NIXL descriptor)"),
     ("group", "KV-cache group (layers sharing one block table)"),
     ("layers.[0-79].attn x80", "80 alike layers on one line"),
-    ("units", "B = bytes; KiB/MiB/GiB = 2^10/2^20/2^30 bytes; GB/s = 10^9 bytes per second"),
+    ("B, KiB, MiB, GiB", "bytes, and 2^10, 2^20, 2^30 bytes; GB/s = 10^9 bytes per second"),
+    ("d0 (heads 0:4, replica 2/4, DCP slice 1/2)", "what a rank holds of a sharded engine: KV "
+     "heads 0..3, the second of 4 ranks holding them, the first of 2 DCP token slices"),
 )
 
 

@@ -35,7 +35,7 @@ import kvplan
 from kvplan import EngineSpec, TransferMap, presets
 from kvplan.compat import region_pairs
 from kvplan.planner import Lane, Mode
-from kvplan.views import human_bytes, peer_rows
+from kvplan.views import human_bytes, peer_rows, rank_share
 from kvplan_nixl.cliargs import (
     LEGEND,  # noqa: F401  # re-exported: the legend explain prints at 96 columns
     MAX_BLOCK_SIZE,
@@ -326,8 +326,8 @@ def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
                     "src_offset": first[0], "dst_offset": first[1],
                     "bytes": row["bytes"], "runs": row["runs"],
                 })
-        out_ranks.append({"rank": d, "peers": list(c.peers), "nbytes": c.nbytes,
-                          "runs": c.runs, "rows": rows})
+        out_ranks.append({"rank": d, "holds": rank_share(dst, d), "peers": list(c.peers),
+                          "nbytes": c.nbytes, "runs": c.runs, "rows": rows})
     with _maybe(progress, "comparing with HND layouts"):
         warnings = _warnings(src, dst, src_blocks, dst_blocks, ranks, counted, rng, part)
     return {
@@ -460,7 +460,8 @@ def _records(r: dict[str, Any], width: int) -> list[str]:
 
 
 def _rank_title(r: dict[str, Any]) -> str:
-    return (f"d{r['rank']}: {human_bytes(r['nbytes'])} in {r['runs']} runs from "
+    holds = f" ({r['holds']})" if r.get("holds") else ""
+    return (f"d{r['rank']}{holds}: {human_bytes(r['nbytes'])} in {r['runs']} runs from "
             f"{', '.join(f'p{p}' for p in r['peers'])}")
 
 

@@ -298,8 +298,8 @@ def test_plan_summary_folds_alike_layers():
     src, dst = presets.spec("llama-3.1-70b", 4), presets.spec("llama-3.1-70b", 2)
     plan = kvplan.pull_map(src, dst, 1).plan([[0, 2, 4]], [[1, 3, 5]])
     lines = plan.summary().splitlines()
-    assert lines[0] == ("TransferPlan pull d1: 7.5 MiB in 960 runs, 3 destination blocks in "
-                        "1 group(s)")
+    assert lines[0] == ("TransferPlan pull d1 (heads 4:8): 7.5 MiB in 960 runs, 3 destination "
+                        "blocks in 1 group(s)")
     assert lines[1:] == [
         "  p2: 3.8 MiB, 480 runs",
         "    layers.[0-79].attn x80: S(heads 4:6) K+V, 3.8 MiB in 480 runs",

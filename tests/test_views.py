@@ -271,3 +271,18 @@ def test_plan_html_keeps_bytes_and_runs_in_view_and_wraps_long_placements():
     assert re.findall(r"<th>([^<]*)</th>", m_page)[:3] == ["regions", "bytes/block", "runs/block"]
     spec_header = re.findall(r"<th>([^<]*)</th>", src._repr_html_())
     assert spec_header[:2] == ["regions", "kind"]  # a spec's table keeps its own order
+
+
+def test_outputs_say_how_a_rank_of_a_sharded_engine_is_cut():
+    """Heads, replica and DCP token slice: in summaries, explain's JSON and plot nodes alike."""
+    attn = {"name": "layers.0.attn", "kind": "attention", "group": 0, "num_blocks": 16,
+            "block_size": 16, "dtype": "bfloat16", "num_kv_heads": 2, "head_dim": 128}
+    src = kvplan.EngineSpec.from_dict({"tp_size": 2, "regions": [attn]})
+    dst = kvplan.EngineSpec.from_dict({"tp_size": 8, "dcp_size": 2, "regions": [attn]})
+    assert [views.rank_share(dst, r) for r in range(4)] == [
+        "heads 0:1, replica 1/2, DCP slice 1/2", "heads 0:1, replica 1/2, DCP slice 2/2",
+        "heads 0:1, replica 2/2, DCP slice 1/2", "heads 0:1, replica 2/2, DCP slice 2/2"]
+    plan = kvplan.pull_map(src, dst, 3).plan([[0, 1]], [[0]])
+    assert plan.summary().startswith(
+        "TransferPlan pull d3 (heads 0:1, replica 2/2, DCP slice 2/2): ")
+    assert views.rank_share(src, 1) == "heads 1:2"
