@@ -13,22 +13,12 @@ Times are medians of repeated runs.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
+from bench_plan import median_time  # benchmarks/ is on sys.path when run as a script
 
 import kvplan
 from kvplan import presets
-
-
-def median_time(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def _case(name: str, src_layout: str, dst_layout: str, repeat: int) -> str:
