@@ -9,7 +9,8 @@ the display (a CI log that wants to see the steps), ``KVPLAN_PROGRESS=0`` turns 
 A step made of parts (``with step("counting", log=True) as update: ... update("part 2 of 7")``)
 changes the spinner's text on a terminal; on a pipe or a log file, where no spinner is drawn,
 ``log=True`` prints each part as one plain line on stderr once the step has run for
-:data:`LOG_AFTER` seconds, so a long run is never silent and a short one stays quiet.
+:data:`LOG_AFTER` seconds, so a long run is never silent and a short one stays quiet (not in a
+Jupyter cell, whose saved output would keep them).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def enabled() -> bool:
     return sys.stderr.isatty()
 
 
+def _notebook() -> bool:
+    """Whether stderr is a Jupyter cell's output (lines there would stay in the notebook)."""
+    return type(sys.stderr).__module__.startswith("ipykernel")
+
+
 @contextmanager
 def step(text: str, *, log: bool = False) -> Iterator[Callable[[str], None]]:
     """Show ``text`` with a spinner and the elapsed time on stderr while the block runs.
@@ -46,7 +52,7 @@ def step(text: str, *, log: bool = False) -> Iterator[Callable[[str], None]]:
     shown = [text]
 
     def log_line(part: str) -> None:
-        if time.monotonic() - start >= LOG_AFTER:
+        if time.monotonic() - start >= LOG_AFTER and not _notebook():
             print(f"{text}: {part} ({time.monotonic() - start:.1f} s)", file=sys.stderr,
                   flush=True)
 
