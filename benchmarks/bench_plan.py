@@ -14,6 +14,7 @@ Times are medians of repeated runs; ratios, not absolute times, are what carries
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -65,7 +66,11 @@ def handshake(repeat: int) -> list[str]:
 
 
 def main() -> None:
-    repeat = 11
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[2:]))
+    ap.add_argument("--repeat", type=int, default=11, help="timed runs per row (median)")
+    repeat = ap.parse_args().repeat
     print("\n".join([
         "### Request path: `plan()` + `copies()` vs `np.full` of the same int64 size",
         "",

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks of the executor (tensor buffers, staged legs on CUDA), as one short script for
-# a session that is lent a GPU machine. It has never run on one: no GPU was lent to the
-# sessions that wrote it; expect to fix small things on the first try.
+# GPU checks of the executor: tensor buffers on CUDA (direct and staged, pull and push, checked
+# byte for byte) and the staged benchmark with CUDA buffers. Run it on a machine with an NVIDIA
+# GPU, a CUDA build of torch and NIXL, from the repository root:
 #
-# That machine (NVIDIA H200 image) has python3 3.12 with a CUDA build of torch, numpy, attrs,
-# hypothesis and pytest, but no NIXL and no network. Carry NIXL as a wheel, prepared here once
-# from the repository root (59 MB; the tree that travels may hold 64 MiB):
-#   echo /.whl/ >> .git/info/exclude
+#   bash benchmarks/device_check.sh          # about 5 minutes; logs in $OUT or /tmp/kvplan-device
+#
+# Needs: python3 with torch (CUDA), numpy, attrs, pytest, hypothesis, and NIXL (pip install -e
+# ".[nixl]"; nixl-cu13 instead of nixl-cu12 for a CUDA 13 torch). A machine without network can
+# take NIXL as a wheel in .whl/ (installed from there to /tmp/site, nothing else is fetched);
+# prepare it where the network is:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 -d .whl nixl-cu13==1.5.1
-# (cu13 matches that image's torch; take nixl-cu12 for a CUDA 12 torch). Then run on the
-# device, with carry [".whl"], the command `bash benchmarks/device_check.sh` (about 5 min).
-# Logs land in $OUT (the device tool returns them) or /tmp/kvplan-device.
+# Output: env.txt (GPU, torch, which NIXL module), tests.txt (pytest), bench_staged_cuda.md.
+# Status: written without a GPU at hand; the CPU half of each check runs in the test suite.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvplan-device}
 mkdir -p "$OUT"

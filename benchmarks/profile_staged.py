@@ -121,7 +121,7 @@ def two_process(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--window", type=int, default=None, help="Stager window (default: its own)")

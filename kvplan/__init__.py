@@ -25,7 +25,13 @@ from kvplan import (
     hf,  # noqa: F401  (serves EngineSpec.from_hf_config: kvplan/hooks.py)
     presets,
 )
-from kvplan.errors import IncompatibleLayoutError, KVPlanError, RequestError, SpecError
+from kvplan.errors import (
+    IncompatibleLayoutError,
+    KVPlanError,
+    PlanError,
+    RequestError,
+    SpecError,
+)
 from kvplan.layout import RankLayout, rank_layout
 from kvplan.placement import (
     HeadSource,
@@ -58,6 +64,7 @@ __all__ = [
     "Leg",
     "Mode",
     "Placement",
+    "PlanError",
     "RankLayout",
     "RegionSpec",
     "RequestError",

@@ -20,3 +20,8 @@ class IncompatibleLayoutError(KVPlanError, ValueError):
 
 class RequestError(KVPlanError, ValueError):
     """A request's block ids do not fit the map: wrong group count, id out of range, repeated id."""
+
+
+class PlanError(KVPlanError, ValueError):
+    """A plan disagrees with itself or with the buffers it is applied to (``simulate``): a run
+    outside its buffer, two runs writing one byte, a buffer missing or of the wrong type."""

@@ -237,7 +237,8 @@ def _span(
             raise RequestError(
                 f"group {lane.group} (region {name!r}): tokens {tokens[0]}:{tokens[1]} need "
                 f"source positions up to {hi}, but {n_src} source block(s) of {vs} positions "
-                f"cover [0, {n_src * vs})"
+                f"cover [0, {n_src * vs}); the source list always starts at position 0: pass "
+                "every source block of the request, not only the last len(destination list)"
             )
         if (first + n_dst) * vd < hi:
             where = f"[{first * vd}, {(first + n_dst) * vd})"

@@ -241,9 +241,21 @@ class EngineSpec:
         _, _, slot, n = self._buffers.slots[index]
         return slot, n
 
-    def rank_buffer_nbytes(self, buffer: int) -> int:
-        """Bytes of buffer ``buffer`` (an index in :attr:`buffers`) on a rank that holds it."""
-        return self._buffers.nbytes[buffer]
+    def rank_buffer_nbytes(self, buffer: int | str) -> int:
+        """Bytes of buffer ``buffer`` on a rank that holds it: a name of :attr:`buffers` or its
+        index there. Raises :class:`~kvplan.SpecError` naming the valid names otherwise."""
+        names = self.buffers
+        if isinstance(buffer, str):
+            index = names.index(buffer) if buffer in names else -1
+        else:  # an int, numpy's too (a copies() column), never a bool
+            index = -1 if isinstance(buffer, bool) or not hasattr(buffer, "__index__") else (
+                buffer.__index__())
+        if not 0 <= index < len(names):
+            shown = ", ".join(map(repr, names[:8])) + (
+                f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            raise SpecError(f"rank_buffer_nbytes: no buffer {buffer!r}; the engine's buffers "
+                            f"are {shown} (or their indices 0..{len(names) - 1})")
+        return self._buffers.nbytes[index]
 
     def buffer_regions(self, buffer: int) -> tuple[int, ...]:
         """Indices of the regions living (wholly or one stream) in buffer ``buffer``."""

@@ -160,16 +160,24 @@ def _spec_rows(spec: EngineSpec) -> list[dict[str, Any]]:
 
 _CSS = (
     "<style>table.kvplan{border-collapse:collapse;margin:2px 0 8px 0;font-size:12px}"
-    "table.kvplan th,table.kvplan td{border:1px solid #ccc;padding:2px 6px;text-align:left}"
+    "table.kvplan th,table.kvplan td{border:1px solid #ccc;padding:2px 6px;text-align:left;"
+    "white-space:normal;max-width:30em}"  # long placements wrap: bytes and runs stay in view
     "table.kvplan caption{text-align:left;font-weight:bold;padding:2px 0}"
     "table.kvplan td.num{text-align:right;font-family:monospace}</style>"
 )
+
+
+#: Columns an HTML table shows first when it has them: a narrow notebook then keeps the
+#: numbers in view, and the long placements wrap at the end.
+_FIRST = ("regions", "bytes", "runs", "bytes/block", "runs/block")
 
 
 def _table(rows: list[dict[str, Any]], caption: str = "", drop: Iterable[str] = ()) -> str:
     if not rows:
         return f"<p>{html.escape(caption)}: nothing</p>"
     cols = [c for c in rows[0] if c not in set(drop)]
+    if "placement" in cols and "kind" not in cols:  # a map's or plan's rows (not a spec's)
+        cols = [c for c in _FIRST if c in cols] + [c for c in cols if c not in _FIRST]
     out = ["<table class='kvplan'>"]
     if caption:
         out.append(f"<caption>{html.escape(caption)}</caption>")
@@ -181,8 +189,9 @@ def _table(rows: list[dict[str, Any]], caption: str = "", drop: Iterable[str] = 
             if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
                 text = human_bytes(int(v)) if "bytes" in c else str(v)
                 cells.append(f"<td class='num'>{html.escape(text)}</td>")
-            else:
-                cells.append(f"<td>{html.escape(str(v))}</td>")
+            else:  # a break may fall after '+' or ', ' (q_conv+k_conv+..., state parts)
+                text = html.escape(str(v)).replace("+", "+<wbr>").replace(", ", ", <wbr>")
+                cells.append(f"<td>{text}</td>")
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>")
     return "".join(out)
@@ -238,17 +247,12 @@ class Flow:
 
     @property
     def label(self) -> str:
-        """Short text for a picture: ``KV h0:4``, ``MLA R``, ``state x0:2048 B0:4``."""
+        """The placement as the text outputs write it: ``S(heads 0:4)``, ``MLA R``,
+        ``S(x 0:2048, B 0:4)`` (a picture wraps it between parts)."""
         if self.kind == "latent":
             names = {"mla": "MLA", "indexer": "indexer"}
             return "+".join(names[k] for k in names if k in self.region_kinds) + " R"
-        inner = self.placement[2:-1] if self.placement.startswith("S(") else self.placement
-        if self.kind == "kv":
-            return "KV h" + inner.replace("heads ", "").replace(", ", " h")
-        if self.share:
-            return f"state {self.share}"
-        parts = inner.split(", ")
-        return f"state {parts[0].replace(' ', '')}" + (f" +{len(parts) - 1}" if parts[1:] else "")
+        return self.placement
 
 
 @attrs.frozen
@@ -390,15 +394,52 @@ def map_html(m: TransferMap) -> str:
     return "".join(parts)
 
 
+def blocks_written(plan: TransferPlan) -> tuple[int, int]:
+    """``(written, listed)``: destination block ids that receive bytes, and those listed.
+
+    A prefix hit (``tokens=(1024, 3000)``) lists the request's every block but writes only the
+    ones holding positions ``1024..3000``; a sliding window writes its last blocks only. Per
+    group, the blocks from the lowest first position any of its lanes copies to the end.
+    """
+    from kvplan.plan import _span
+
+    m = plan.map
+    keep = None if plan.regions is None else set(plan.regions)
+    spans: dict[int, tuple[int, int]] = {}
+    for lane in m.lanes:
+        if keep is not None and lane.dst_region not in keep:
+            continue
+        g = lane.group
+        n_src, n_dst = len(plan.src_blocks[g]), len(plan.dst_blocks[g])
+        state = m.dst.regions[lane.dst_region].is_state
+        lo, hi, first = _span(m, lane, n_src, n_dst, None if state else plan.tokens,
+                              plan.dst_from)
+        if hi <= lo:
+            continue
+        vd = lane.templates[0].dst_bs
+        a, b = lo // vd - first, (hi - 1) // vd - first + 1
+        old = spans.get(g)
+        spans[g] = (a, b) if old is None else (min(a, old[0]), max(b, old[1]))
+    written = sum(b - a for a, b in spans.values())
+    return written, sum(len(b) for b in plan.dst_blocks)
+
+
+def _blocks_text(plan: TransferPlan) -> str:
+    """``124 of 188 listed destination blocks written`` (or ``188 destination blocks``)."""
+    written, listed = blocks_written(plan)
+    if written == listed:
+        return f"{listed} destination blocks"
+    return f"{written} of {listed} listed destination blocks written"
+
+
 @hooks.provide("plan_html")
 def plan_html(plan: TransferPlan) -> str:
     """Per peer rank, a table of bytes and runs of this request, layers merged."""
     m = plan.map
     other = "p" if m.mode.value == "pull" else "d"
-    blocks = sum(len(b) for b in plan.dst_blocks)
     parts = [_CSS, f"<p><b>TransferPlan {html.escape(_map_header(m))}</b>: "
-             f"{human_bytes(plan.nbytes)} in {len(plan)} runs, {blocks} destination blocks in "
-             f"{len(plan.dst_blocks)} group(s)</p>"]
+             f"{human_bytes(plan.nbytes)} in {len(plan)} runs, {_blocks_text(plan)} in "
+             f"{len(plan.dst_blocks)} group(s){html.escape(plan._scope())}</p>"]
     for peer, rows in peer_rows(plan).items():
         nbytes = sum(r["bytes"] for r in rows)
         runs = sum(r["runs"] for r in rows)
@@ -416,10 +457,11 @@ def plan_summary(plan: TransferPlan) -> str:
 
     m = plan.map
     me, other = ("d", "p") if m.mode.value == "pull" else ("p", "d")
+    share = rank_share(m.dst if m.mode.value == "pull" else m.src, m.rank)
     lines = [
-        f"TransferPlan {m.mode.value} {me}{m.rank}: {human_bytes(plan.nbytes)} in {len(plan)} "
-        f"runs, {sum(len(b) for b in plan.dst_blocks)} destination blocks in "
-        f"{len(plan.dst_blocks)} group(s){plan._scope()}"
+        f"TransferPlan {m.mode.value} {me}{m.rank}{f' ({share})' if share else ''}: "
+        f"{human_bytes(plan.nbytes)} in {len(plan)} "
+        f"runs, {_blocks_text(plan)} in {len(plan.dst_blocks)} group(s){plan._scope()}"
     ]
     for peer, rows in peer_rows(plan).items():
         nbytes, runs = sum(r["bytes"] for r in rows), sum(r["runs"] for r in rows)
@@ -448,12 +490,18 @@ def map_frame(m: TransferMap):
     return pd.DataFrame(rows)
 
 
+#: ``plan.to_pandas()`` names the byte columns of ``copies()`` with their unit.
+FRAME_COLUMNS = {"src_offset": "src_offset_bytes", "dst_offset": "dst_offset_bytes",
+                 "length": "length_bytes"}
+
+
 @hooks.provide("plan_frame")
 def plan_frame(plan: TransferPlan):
-    """The plan's copies as a DataFrame (the columns of ``copies()``) plus region names."""
+    """The plan's copies as a DataFrame (the columns of ``copies()``, the byte ones named with
+    their unit: :data:`FRAME_COLUMNS`) plus region names."""
     pd = _require("pandas", "TransferPlan.to_pandas()")
     rows = plan.copies()
-    df = pd.DataFrame({name: rows[name] for name in rows.dtype.names})
+    df = pd.DataFrame({FRAME_COLUMNS.get(name, name): rows[name] for name in rows.dtype.names})
     m = plan.map
     src_names = np.array([r.name for r in m.src.regions], dtype=object)
     dst_names = np.array([r.name for r in m.dst.regions], dtype=object)
@@ -470,16 +518,45 @@ def _xs(n: int, width: float) -> list[float]:
     return [step * (i + 0.5) for i in range(n)]
 
 
-def _holds(spec: EngineSpec, rank: int) -> str:
-    """What a rank holds of the first attention region: ``h0:4`` (for node labels)."""
+def rank_share(spec: EngineSpec, rank: int, sep: str = ", ") -> str:
+    """How a rank's share of a sharded engine is cut: the KV heads it holds of the first
+    attention region (``heads 0:4``), which replica of them (``replica 2/4`` when fewer heads
+    than TP ranks) and, under decode context parallelism, its token slice (``DCP slice 1/2``).
+    Empty for an engine with no attention region and no DCP (every rank holds everything)."""
     from kvplan.placement import held_heads
 
+    t, dcp = rank % spec.tp_size, spec.dcp_size
+    lines = []
     for i in spec.regions_on(rank):
         r = spec.regions[i]
         if r.kind.value == "attention":
-            h = held_heads(r.num_kv_heads, spec.tp_size, rank % spec.tp_size)
-            return f"h{h.start}:{h.stop}"
-    return ""
+            h = held_heads(r.num_kv_heads, spec.tp_size, t)
+            lines.append(f"heads {h.start}:{h.stop}")
+            share = spec.tp_size // r.num_kv_heads  # ranks holding each head (>= 1)
+            if share // dcp > 1:
+                lines.append(f"replica {(t % share) // dcp + 1}/{share // dcp}")
+            break
+    if dcp > 1:
+        lines.append(f"DCP slice {t % dcp + 1}/{dcp}")
+    return sep.join(lines)
+
+
+#: Under a rank map picture: what its abbreviations mean (the text outputs' legend says the same).
+PLOT_NOTES = (
+    "under a rank: the KV heads it holds (heads a:b = heads a..b-1), which replica when heads "
+    "are fewer than ranks, its DCP token slice.  On an edge: S(heads a:b) = those heads copied "
+    "(SPLIT); R = whole block (REPLICATE); S(x a:b, ...) = units a..b-1 of each state part x; "
+    "bytes in KiB/MiB/GiB (2^10/2^20/2^30)."
+)
+
+
+def _total_scope(item) -> str:
+    """What a picture's byte total covers: a request's token range, or a map's block."""
+    if not hasattr(item, "rows"):
+        return "per destination block"
+    if item.tokens is None:
+        return "for this request (every listed block)"
+    return f"for tokens {item.tokens[0]}:{item.tokens[1]} of this request"
 
 
 @hooks.provide("plot_rank_map")
@@ -502,11 +579,16 @@ def plot_rank_map(items: Any, ax: Any = None, title: str | None = None):
     src, dst = m.src, m.dst
     edges = rank_map(items)
     n_src, n_dst = src.num_ranks, dst.num_ranks
-    labels = {
-        (e.src_rank, e.dst_rank): [f"{f.label}  {human_bytes(f.nbytes)}" for f in e.flows]
-        for e in edges
-    }
-    chars = max((len(t) for ls in labels.values() for t in ls), default=10)
+    import textwrap
+
+    def wrapped(f: Flow) -> str:  # a long state placement: one part per line
+        size = human_bytes(f.nbytes).replace(" ", "\u00a0")  # never "9.4" and "MiB" apart
+        return "\n".join(textwrap.wrap(f"{f.label}  {size}", 30,
+                                        break_long_words=False, break_on_hyphens=False))
+
+    labels = {(e.src_rank, e.dst_rank): [wrapped(f) for f in e.flows] for e in edges}
+    chars = max((len(ln) for ls in labels.values() for t in ls for ln in t.splitlines()),
+                default=10)
     width = max(n_src, n_dst) * max(1.6, 0.07 * chars + 0.35)
     if ax is None:
         fig, ax = plt.subplots(figsize=(min(24.0, max(7.0, width + 2.4)), 4.8))
@@ -546,7 +628,7 @@ def plot_rank_map(items: Any, ax: Any = None, title: str | None = None):
         ("d", xs_dst, y_dst, used_dst, dst, "decode"),
     ):
         for r, x in enumerate(xs):
-            holds = _holds(spec, r)
+            holds = rank_share(spec, r, "\n")
             label = f"{row}{r}" + (f"\n{holds}" if holds else "")
             faded = r not in used
             ax.text(x, y, label, ha="center", va="center", fontsize=9, zorder=4,
@@ -557,7 +639,7 @@ def plot_rank_map(items: Any, ax: Any = None, title: str | None = None):
         ax.text(-0.2, y, f"{name}\nTP{spec.tp_size}{pp}", ha="right", va="center",
                 fontsize=10, fontweight="bold")
     total = sum(e.nbytes for e in edges)
-    per = "per destination block" if not hasattr(items[0], "rows") else "for this request"
+    per = _total_scope(items[0])
     if title is None:
         title = (f"{m.mode.value}: prefill TP{src.tp_size} -> decode TP{dst.tp_size}, "
                  f"{len(edges)} edges, {human_bytes(total)} {per}")
@@ -567,6 +649,8 @@ def plot_rank_map(items: Any, ax: Any = None, title: str | None = None):
     if handles:
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02),
                   ncol=len(handles), fontsize=8, frameon=False)
+    ax.text(0.5, -0.12, "\n".join(textwrap.wrap(PLOT_NOTES, 150)), transform=ax.transAxes,
+            ha="center", va="top", fontsize=7, color="#444")
     ax.set_xlim(-1.6, width + 0.2)
     ax.set_ylim(-0.28, 1.22)
     ax.axis("off")

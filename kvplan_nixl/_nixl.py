@@ -17,13 +17,37 @@ import os
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-try:
-    from nixl._api import nixl_agent, nixl_agent_config
-except ImportError:  # meta package absent: use a backend wheel directly
-    try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
+#: Where NIXL's Python API may live: the meta package, then a backend wheel directly.
+_NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
+
+
+def _import_nixl():
+    """``(nixl_agent, nixl_agent_config)`` from the first of :data:`_NIXL_MODULES` that
+    imports; else one ImportError saying what to install (or which wheel is installed but does
+    not import, and why), with no chain of the three attempts behind it."""
+    import importlib.util
+
+    broken = []
+    for top in _NIXL_MODULES:
+        try:
+            api = importlib.import_module(f"{top}._api")
+        except ImportError as exc:
+            try:  # present, but something it needs is not?
+                present = importlib.util.find_spec(top) is not None
+            except (ImportError, ValueError):
+                present = False
+            if present:
+                broken.append(f"{top} is installed but does not import ({exc})")
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    what = "; ".join(broken) if broken else "NIXL is not installed"
+    raise ImportError(
+        f"kvplan_nixl moves bytes over NIXL: {what}. Install it with the 'nixl' extra, "
+        "pip install -e \".[nixl]\" in a checkout of kvplan (nixl-cu12 and torch; install torch "
+        "first, README.md), or pip install nixl-cu12", name="nixl") from None
+
+
+nixl_agent, nixl_agent_config = _import_nixl()
 
 __all__ = ["NIXL_LOCAL", "make_agent"]
 

@@ -27,10 +27,13 @@ from kvplan_nixl.errors import BufferSizeError
 def _alloc_label(spec: EngineSpec, b: int) -> str:
     """How error messages name buffer ``b`` (an index of ``spec.buffers``): a region, a pool,
     an allocation, or a K or V buffer, and the regions living in it."""
+    from kvplan.views import name_set
+
     name = spec.buffers[b]
     regions = [spec.regions[i] for i in spec.buffer_regions(b)]
     r = regions[0]
-    names = ", ".join(repr(x.name) for x in regions)
+    names = (", ".join(repr(x.name) for x in regions) if len(regions) <= LISTED
+             else name_set([x.name for x in regions]))  # 80 slots: layers.[0-79].attn x80
     if r.separate_kv:
         which = "K" if spec.buffer_of(spec.regions.index(r), 0) == b else "V"
         return f"{which} buffer {name!r} (regions {names})"
@@ -89,6 +92,16 @@ def _buffer(buf: Any, spec: EngineSpec, a: int, key: str) -> tuple[int, int, int
     return addr, nbytes, dev, mem
 
 
+#: An error lists at most this many buffers, then says how many more (a message stays short).
+LISTED = 4
+
+
+def _listed(labels: Sequence[str]) -> str:
+    """``a, b, c, d and 76 more``: a list in an error message, capped at :data:`LISTED`."""
+    more = len(labels) - LISTED
+    return ", ".join(labels[:LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
 def _stage_text(spec: EngineSpec, stage: int) -> str:
     tp = spec.tp_size
     return f"pipeline stage {stage} (ranks {stage * tp}..{stage * tp + tp - 1})"
@@ -123,8 +136,8 @@ def resolve_buffers(
                 )
             else:
                 raise BufferSizeError(
-                    f"buffers: {key!r} is neither a region nor a pool nor a buffer of the spec "
-                    f"(rank {rank} needs {', '.join(labels)})"
+                    f"buffers: {key!r} is neither a region nor a pool nor a buffer of the spec; "
+                    f"rank {rank} needs {len(labels)}: {_listed(labels)}"
                 )
             if b not in allocs:
                 i = spec.buffer_regions(b)[0]
@@ -135,7 +148,7 @@ def resolve_buffers(
                     f"buffers: {short} lies on "
                     f"{_stage_text(spec, spec.stage_of(i))}, not on rank {rank}'s "
                     f"{_stage_text(spec, rank // spec.tp_size)}; give buffers only for what "
-                    f"rank {rank} holds: {', '.join(labels)}"
+                    f"rank {rank} holds: {_listed(labels)}"
                 )
             entries.append((key, b, buf))
     else:
@@ -154,8 +167,8 @@ def resolve_buffers(
             )
             raise BufferSizeError(
                 f"{len(bufs)} buffers for rank {rank}, which holds {len(allocs)} "
-                f"allocation(s){per_region}: {', '.join(labels)}; pass them in spec order, or "
-                "a mapping by region, pool, allocation or buffer name"
+                f"allocation(s){per_region}: pass them in spec order, or a mapping by region, "
+                f"pool, allocation or buffer name; it holds {_listed(labels)}"
             )
     got: dict[int, tuple[str, Any, tuple[int, int, int, str]]] = {}
     for key, a, buf in entries:
@@ -171,7 +184,7 @@ def resolve_buffers(
         got.setdefault(a, (key, buf, reg))
     missing = [_alloc_label(spec, a) for a in allocs if a not in got]
     if missing:
-        raise BufferSizeError(f"buffers: rank {rank} has no buffer for {', '.join(missing)}")
+        raise BufferSizeError(f"buffers: rank {rank} has no buffer for {_listed(missing)}")
     out = {a: (got[a][1], got[a][2]) for a in allocs}
     spans = sorted((r[3], r[2], r[0], r[0] + r[1], a) for a, (_, r) in out.items())
     for x, y in itertools.pairwise(spans):

@@ -30,7 +30,7 @@ import numpy as np
 
 import kvplan
 from kvplan import EngineSpec
-from kvplan.cli.cliargs import LEGEND, HelpFormatter, UsageError
+from kvplan.cli.cliargs import HelpFormatter, UsageError, columns, legend
 from kvplan.cli.engines import engine_options, engines
 from kvplan.cli.engines import plans as make_plans
 from kvplan.cli.progress import step
@@ -53,21 +53,30 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="skip the staged (bounce-buffer) run shown beside the direct one")
 
 
-def _buffers(spec: EngineSpec, rank: int, fill: int | None, rng) -> dict[int, object]:
+#: The demo fills its buffers this many bytes at a time, reporting each step: one numpy call
+#: over GiBs holds the GIL for seconds, and the spinner (a thread) would freeze meanwhile.
+FILL_CHUNK = 64 << 20
+
+
+def _buffers(spec: EngineSpec, rank: int, fill: int | None, rng,
+             done=lambda nbytes: None) -> dict[int, object]:
     """One CPU tensor (numpy when torch is absent) per buffer ``rank`` holds (a region, a pool
     or an allocation shared by its regions, a K or V buffer), keyed by its index in
-    ``spec.buffers``, with known bytes."""
+    ``spec.buffers``, with known bytes, filled :data:`FILL_CHUNK` bytes at a time (``done(n)``
+    after each)."""
     torch = None
     try:
         import torch
-    except ImportError:
+    except ImportError:  # numpy buffers: nixl-cu12 wants torch, but a user may have NIXL alone
         pass
     out = {}
     for a in sorted({spec.buffer_of(i, s) for i in spec.regions_on(rank) for s in (0, 1)}):
         n = spec.rank_buffer_nbytes(a)
-        data = (
-            rng.integers(0, 256, n, dtype=np.uint8) if fill is None else np.full(n, fill, np.uint8)
-        )
+        data = np.empty(n, np.uint8)
+        for at in range(0, n, FILL_CHUNK):
+            end = min(n, at + FILL_CHUNK)
+            data[at:end] = rng.integers(0, 256, end - at, dtype=np.uint8) if fill is None else fill
+            done(end - at)
         out[a] = torch.from_numpy(data) if torch is not None else data
     return out
 
@@ -91,11 +100,15 @@ def _alloc_nbytes(spec: EngineSpec) -> int:
 def _import_endpoint():
     """``kvplan_nixl.Endpoint``, or a one-line usage error naming the install command."""
     try:
-        with step("importing NIXL"):
+        with step("importing NIXL and torch"):  # seconds each; the buffers are torch tensors
             from kvplan_nixl.endpoint import Endpoint
+            try:
+                import torch  # noqa: F401
+            except ImportError:  # numpy buffers then
+                pass
     except ImportError as exc:
         what = ("which is not installed" if exc.name in ("nixl", "nixl_cu12", "nixl_cu13")
-                else f"which does not import ({exc})")
+                and "installed but" not in str(exc) else f"which does not import ({exc})")
         raise UsageError(
             f"kvplan demo moves bytes over NIXL, {what}: pip install -e \".[nixl]\" in a "
             "checkout of kvplan (README.md: install torch first)"
@@ -116,13 +129,20 @@ def cmd_demo(args) -> int:
         )
     Endpoint = _import_endpoint()
     rng = np.random.default_rng(args.seed)
-    with step(f"filling {human_bytes(need)} of buffers and computing the expected bytes"):
-        p_bufs = [_buffers(src, r, None, rng) for r in range(src.num_ranks)]
-        d_bufs = [_buffers(dst, r, 0xEE, rng) for r in range(dst.num_ranks)]
+    with step(f"filling {human_bytes(need)} of buffers and computing the expected bytes") as update:
+        filled = [0]
+
+        def done(nbytes: int) -> None:
+            filled[0] += nbytes
+            update(f"{human_bytes(filled[0])} filled")
+
+        p_bufs = [_buffers(src, r, None, rng, done) for r in range(src.num_ranks)]
+        d_bufs = [_buffers(dst, r, 0xEE, rng, done) for r in range(dst.num_ranks)]
         ref_allocs = [{a: _as_numpy(b).copy() for a, b in bs.items()} for bs in d_bufs]
         ref = _views(dst, ref_allocs)
         srcs = {k: _as_numpy(b) for k, b in _views(src, p_bufs).items()}
-        for plan in plans:
+        for k, plan in enumerate(plans):
+            update(f"expected bytes of plan {k + 1} of {len(plans)} (kvplan.simulate)")
             kvplan.simulate(plan, srcs, ref)
 
     mode = "push" if args.push else "pull"
@@ -227,5 +247,5 @@ def cmd_demo(args) -> int:
     print(f"verified: all {human_bytes(checked)} ({checked} bytes) of the decode ranks' "
           f"buffers match kvplan.simulate: the {human_bytes(total)} moved landed where the plan "
           "says, and every other byte is untouched")
-    print(f"\n{LEGEND}")
+    print(f"\n{legend(columns())}")
     return 0

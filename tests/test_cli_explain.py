@@ -21,8 +21,8 @@ def test_explain_text_names_sources_placements_and_costs(capsys):
                          "--decode", "kimi-k2", "--decode-tp", "4", "--rank", "1",
                          "--draft", "kimi-k2.5-eagle3", "--tokens", "1024")
     assert code == 0, err
-    assert "prefill kimi-k2 TP8 -> decode kimi-k2 TP4" in out
-    assert "d1: " in out and "from p2, p3" in out
+    assert "prefill kimi-k2 TP8 HND -> decode kimi-k2 TP4 HND" in out
+    assert "d1 (heads 16:32): " in out and "from p2, p3" in out  # kimi-k2.5-eagle3: 64 heads
     assert "layers.[0-60].mla x61" in out and "S(heads 16:24)" in out
     lines = [ln for ln in out.splitlines() if "mla x61" in ln]
     assert len(lines) == 1 and " R " in lines[0] and "p2" in lines[0]  # t*R//T = 1*8//4
@@ -132,7 +132,8 @@ def test_plain_text_without_rich(capsys, monkeypatch):
                        "--decode", "llama-3.1-8b", "--decode-tp", "1", "--layout", "NHD",
                        "--tokens", "64")
     assert code == 0
-    assert "d0: " in out and "from  regions" in out and "p1    layers.[0-31].attn x32" in out
+    assert "d0 (heads 0:8): " in out and "from  regions" in out
+    assert "p1    layers.[0-31].attn x32" in out
     assert "warning: NHD layout" in out
 
 

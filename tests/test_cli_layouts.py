@@ -56,4 +56,4 @@ def test_spec_and_plan_take_layouts(capsys):
                        "--decode-tp", "4", "--prefill-layout", "BHLNC", "--decode-layout",
                        "BHLNC", "--tokens", "512", "--num-blocks", "64")
     assert code == 0
-    assert "TransferPlan pull d0: 40.0 MiB in 64 runs" in out  # 32 blocks x 2 peers
+    assert "TransferPlan pull d0 (heads 0:2): 40.0 MiB in 64 runs" in out  # 32 blocks x 2 peers

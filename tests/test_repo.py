@@ -52,3 +52,19 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_the_second():
     assert "torch==2.13.0" in run_cmd and run_cmd.endswith("kvplan demo")
     assert "torch==2.13.0" in test_cmd and "pytest" in test_cmd
     assert test_cmd in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_prints_its_help_without_running(script):
+    """``python benchmarks/X.py --help`` prints argparse's help and exits 0 at once: it never
+    starts the benchmark (which takes minutes and NIXL)."""
+    import os
+    import time
+
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "KVPLAN_PROGRESS": "0"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("usage: ") and "--help" in r.stdout
+    assert "|---" not in r.stdout and time.monotonic() - t < 60  # no table: nothing measured

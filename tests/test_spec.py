@@ -94,3 +94,21 @@ def test_specs_are_frozen_values():
     assert spec == EngineSpec.from_dict(ISSUE_EXAMPLE)
     assert hash(spec) == hash(EngineSpec.from_dict(ISSUE_EXAMPLE))
     assert "layers.0.attn" in str(spec) and "RegionSpec(" in repr(spec)
+
+
+def test_rank_buffer_nbytes_takes_a_buffer_name_or_its_index():
+    """The docs pass the names of ``spec.buffers``; an index (numpy's too) works as well, and
+    anything else is a SpecError listing the valid names (not a raw TypeError)."""
+    import numpy as np
+
+    from kvplan import presets
+
+    spec = presets.spec("llama-3.1-70b", 8)
+    for b, name in enumerate(spec.buffers):
+        assert spec.rank_buffer_nbytes(name) == spec.rank_buffer_nbytes(b)
+        assert spec.rank_buffer_nbytes(np.int64(b)) == spec.rank_buffer_nbytes(b)
+    assert spec.rank_buffer_nbytes("layers.0.attn") == 2 * 1024 * 16 * 128 * 2  # K+V, 1 head
+    for bad in ("layers.80.attn", len(spec.buffers), -1, True, 1.0, None):
+        with pytest.raises(SpecError, match=r"'layers\.0\.attn', 'layers\.1\.attn'") as info:
+            spec.rank_buffer_nbytes(bad)
+        assert "(80 in all)" in str(info.value) and len(str(info.value)) < 300

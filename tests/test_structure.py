@@ -203,7 +203,8 @@ def test_offline_commands_run_without_nixl_or_torch(bare, argv, expect):
     r = _kvplan(bare, *argv)
     assert r.returncode == 0, r.stderr
     assert expect in r.stdout
-    assert r.stderr == ""
+    # stderr may carry progress lines of a long step (kvplan.cli.progress), never an error
+    assert "Traceback" not in r.stderr and "error" not in r.stderr.lower(), r.stderr
 
 
 def test_check_runs_without_nixl_or_torch(bare, tmp_path):

@@ -28,6 +28,8 @@ def test_tutorial_notebook_executes(tmp_path, monkeypatch):
     client.execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
+    # no progress lines or warnings land in the cells' output (explain runs for seconds there)
+    assert not [o for o in outputs if o.output_type == "stream" and o.name == "stderr"]
     kinds = {k for o in outputs for k in o.get("data", {})}
     assert {"text/html", "image/png"} <= kinds
     assert any("'verified'" in o.get("data", {}).get("text/plain", "") for o in outputs)

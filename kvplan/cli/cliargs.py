@@ -17,6 +17,7 @@ import kvplan.spec as spec_limits
 
 __all__ = [
     "LEGEND",
+    "LEGEND_ENTRIES",
     "MAX_BLOCKS",
     "MAX_BLOCK_SIZE",
     "MAX_TOKENS",
@@ -24,7 +25,9 @@ __all__ = [
     "HelpFormatter",
     "Parser",
     "UsageError",
+    "columns",
     "int_in",
+    "legend",
 ]
 
 #: Bounds of the command line's integers (a larger value is a usage error, exit 2). 2**21 tokens
@@ -35,14 +38,55 @@ MAX_TP = spec_limits.MAX_TP_SIZE  # TP and PP sizes: the spec's own limits (both
 MAX_BLOCKS = 1 << 31  # blocks or slots per region
 MAX_BLOCK_SIZE = spec_limits.MAX_BLOCK_SIZE  # tokens per block
 
-#: What the outputs' notation means, printed under ``explain``, ``plan`` and ``demo`` output.
-LEGEND = """\
-legend: S(heads a:b) = SPLIT placement, the pair copies KV heads a..b-1; R = REPLICATE, the
-  whole block (every rank holds it: MLA, indexer); S(x a:b, B c:d, ...) = slices of a
-  recurrent state's parts. K+V = key and value streams, K = one stream (a latent).
-  run = one contiguous byte copy (one NIXL descriptor); group = KV-cache group (layers
-  sharing one block table); layers.[0-79].attn x80 = 80 alike layers on one line.
-units: KiB/MiB/GiB = 2^10/2^20/2^30 bytes; GB/s = 10^9 bytes per second."""
+#: What the outputs' notation means: (term, meaning), printed under ``explain``, ``plan`` and
+#: ``demo`` output by :func:`legend`, wrapped to the terminal.
+LEGEND_ENTRIES = (
+    ("p0, d1", "prefill rank 0, decode rank 1 (flat ranks: PP stage x TP size + TP rank)"),
+    ("S(heads a:b)", "SPLIT placement: the pair copies KV heads a..b-1"),
+    ("R", "REPLICATE: the whole block (every rank holds it: MLA, indexer)"),
+    ("S(x a:b, B c:d, ...)", "slices of a recurrent state's parts x, B, ... (units a..b-1)"),
+    ("TP8 PP2 DCP2", "tensor-, pipeline- and decode-context-parallel sizes: under DCP n, each "
+                     "rank of a DCP group holds every n-th token slice of a block's positions"),
+    ("HND, NHD, BLHNC", "a cache layout: the order of the axes of a region's (or an "
+                        "allocation's) buffer, outermost first (docs/concepts.md)"),
+    ("K+V", "key and value streams; K = one stream (a latent)"),
+    ("run", "one contiguous byte copy (one NIXL descriptor)"),
+    ("group", "KV-cache group (layers sharing one block table)"),
+    ("layers.[0-79].attn x80", "80 alike layers on one line"),
+    ("B, KiB, MiB, GiB", "bytes, and 2^10, 2^20, 2^30 bytes; GB/s = 10^9 bytes per second"),
+    ("d0 (heads 0:4, replica 2/4, DCP slice 1/2)", "what a rank holds of a sharded engine: KV "
+     "heads 0..3, the second of 4 ranks holding them, the first of 2 DCP token slices"),
+)
+
+
+def columns() -> int:
+    """Columns the output should fit: ``COLUMNS`` if set, else the terminal's; a pipe or a file
+    gets 160 (long enough for the tables, short enough to read)."""
+    import os
+    import shutil
+    import sys
+
+    cols = os.environ.get("COLUMNS", "")
+    if cols.isdigit() and int(cols) > 0:
+        return int(cols)
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else 160
+
+
+def legend(width: int = 96, extra: tuple[tuple[str, str], ...] = ()) -> str:
+    """The legend, one ``term = meaning`` per line, each wrapped between words at ``width``
+    with a hanging indent (so a narrow terminal never cuts a word or mixes entries)."""
+    import textwrap
+
+    lines = ["legend:"]
+    for term, meaning in (*extra, *LEGEND_ENTRIES):
+        lines.append(textwrap.fill(f"{term} = {meaning}", max(width, 30), initial_indent="  ",
+                                   subsequent_indent="      ", break_long_words=False,
+                                   break_on_hyphens=False))
+    return "\n".join(lines)
+
+
+#: The legend at 96 columns (as docs/concepts.md shows it).
+LEGEND = legend()
 
 
 class UsageError(Exception):

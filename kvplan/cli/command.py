@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 import kvplan
-from kvplan.cli.cliargs import LEGEND, HelpFormatter, Parser, UsageError
+from kvplan.cli.cliargs import HelpFormatter, Parser, UsageError, columns, legend
 from kvplan.cli.engines import engine_options, engines, plans
 from kvplan.cli.progress import step
 
@@ -39,7 +39,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         made = plans(args, src, dst)
     for plan in made:
         print(plan.summary())
-    print(f"\n{LEGEND}")
+    print(f"\n{legend(columns())}")
     return 0
 
 

@@ -37,17 +37,19 @@ import attrs
 import kvplan
 from kvplan import EngineSpec, TransferMap, presets
 from kvplan.cli.cliargs import (
-    LEGEND,
+    LEGEND,  # noqa: F401  # re-exported: the legend explain prints at 96 columns
     MAX_BLOCK_SIZE,
     MAX_BLOCKS,
     MAX_TOKENS,
     MAX_TP,
     UsageError,
+    columns,
     int_in,
+    legend,
 )
 from kvplan.compat import region_pairs
 from kvplan.planner import Lane, Mode
-from kvplan.views import human_bytes, peer_rows
+from kvplan.views import human_bytes, peer_rows, rank_share
 
 _Usage = UsageError  # the name this module used before
 
@@ -266,17 +268,23 @@ def count(tmap: TransferMap, src_blocks: Sequence, dst_blocks: Sequence, *,
 
 
 def runs_by_layout(src: EngineSpec, dst: EngineSpec, tokens: int,
-                   ranks: Sequence[int] | None = None) -> dict[str, int]:
+                   ranks: Sequence[int] | None = None, *, cached: int | None = None,
+                   part: Sequence[str] | None = None,
+                   progress: Callable[[str], Any] | None = None) -> dict[str, int]:
     """Runs (NIXL descriptors) per request on ``ranks`` with each of :data:`COMPARED_LAYOUTS`
     on both sides (``EngineSpec.with_layout``: an order packs a group's layers in one buffer),
-    counted as :func:`count` does."""
+    counted as :func:`count` does, for the request :func:`explain` shows (``cached`` and
+    ``part`` as there). ``progress(text)`` is called before each layout is counted."""
     ranks = list(range(dst.num_ranks)) if ranks is None else list(ranks)
     src_blocks, dst_blocks = request(src, tokens), request(dst, tokens)
+    rng = None if cached is None else (cached, tokens)
     out = {}
-    for name in COMPARED_LAYOUTS:
+    for k, name in enumerate(COMPARED_LAYOUTS):
+        if progress is not None:
+            progress(f"{name} ({k + 1} of {len(COMPARED_LAYOUTS)} layouts)")
         s, d = src.with_layout(name), dst.with_layout(name)
-        out[name] = sum(count(kvplan.pull_map(s, d, r), src_blocks, dst_blocks).runs
-                        for r in ranks)
+        out[name] = sum(count(kvplan.pull_map(s, d, r), src_blocks, dst_blocks, tokens=rng,
+                              part=part).runs for r in ranks)
     return out
 
 
@@ -321,14 +329,13 @@ def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
                     "src_offset": first[0], "dst_offset": first[1],
                     "bytes": row["bytes"], "runs": row["runs"],
                 })
-        out_ranks.append({"rank": d, "peers": list(c.peers), "nbytes": c.nbytes,
-                          "runs": c.runs, "rows": rows})
+        out_ranks.append({"rank": d, "holds": rank_share(dst, d), "peers": list(c.peers),
+                          "nbytes": c.nbytes, "runs": c.runs, "rows": rows})
     with _maybe(progress, "comparing with HND layouts"):
-        warnings = _warnings(src, dst, src_blocks, dst_blocks, ranks, counted)
+        warnings = _warnings(src, dst, src_blocks, dst_blocks, ranks, counted, rng, part)
     return {
-        "source": {"tp_size": src.tp_size, "pp_size": src.pp_size, "regions": len(src.regions)},
-        "destination": {"tp_size": dst.tp_size, "pp_size": dst.pp_size,
-                        "regions": len(dst.regions)},
+        "source": _engine_doc(src),
+        "destination": _engine_doc(dst),
         "tokens": tokens,
         **({"range": list(rng)} if rng is not None else {}),
         **({"part": list(part)} if part else {}),
@@ -339,18 +346,34 @@ def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
     }
 
 
+def layouts(spec: EngineSpec) -> str:
+    """The layouts of an engine's regions as written in its spec (``BLHNC``; ``HND, NHD`` when
+    they differ), for titles and JSON."""
+    return ", ".join(dict.fromkeys(r.layout_name for r in spec.regions))
+
+
+def _engine_doc(spec: EngineSpec) -> dict[str, Any]:
+    """An engine's shape in explain's JSON: TP, PP, DCP, layouts and region count."""
+    return {"tp_size": spec.tp_size, "pp_size": spec.pp_size, "dcp_size": spec.dcp_size,
+            "layout": layouts(spec), "kv": ", ".join(dict.fromkeys(
+                r.kv.value for r in spec.regions if r.kind is kvplan.Kind.ATTENTION)),
+            "regions": len(spec.regions)}
+
+
 def _maybe(progress, text: str):
     from contextlib import nullcontext
 
     return nullcontext() if progress is None else progress(text)
 
 
-def _warnings(src, dst, src_blocks, dst_blocks, ranks, counted: list[Counted]) -> list[str]:
+def _warnings(src, dst, src_blocks, dst_blocks, ranks, counted: list[Counted],
+              rng: tuple[int, int] | None = None, part: Sequence[str] | None = None) -> list[str]:
     out = []
     runs = sum(c.runs for c in counted)
     if _has_nhd(src) or _has_nhd(dst):
         s2, d2 = _with_layout(src, "HND"), _with_layout(dst, "HND")
-        hnd = sum(count(kvplan.pull_map(s2, d2, d), src_blocks, dst_blocks).runs for d in ranks)
+        hnd = sum(count(kvplan.pull_map(s2, d2, d), src_blocks, dst_blocks, tokens=rng,
+                        part=part).runs for d in ranks)
         if runs > hnd:
             sides = " and ".join(n for n, s in (("prefill", src), ("decode", dst)) if _has_nhd(s))
             hetero = (f"under heterogeneous TP (TP{src.tp_size} -> TP{dst.tp_size})"
@@ -389,18 +412,24 @@ def _console():
         from rich.console import Console
     except ImportError:
         return None
-    # a terminal decides its width; a pipe or file gets lines long enough for the tables
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    return Console(highlight=False, width=columns())
 
 
 def _title(args, src: EngineSpec, dst: EngineSpec) -> str:
     scope = "" if args.cached is None else f", positions {args.cached}:{args.tokens} copied"
     scope += f"; part: {', '.join(args.part)}" if args.part else ""
-    return (f"prefill {args.prefill} TP{src.tp_size} -> decode {args.decode} TP{dst.tp_size}: "
+    return (f"prefill {args.prefill} {_shape(src)} -> decode {args.decode} {_shape(dst)}: "
             f"one request of {args.tokens} tokens (non-adjacent block ids), pull{scope}")
 
 
-OFFSETS = "+a -> +b = where the first run starts in the source block and in the destination block"
+def _shape(spec: EngineSpec) -> str:
+    """``TP8 PP2 DCP2 BLHNC``: how an engine is sharded and laid out (the title's words)."""
+    return (f"TP{spec.tp_size}" + (f" PP{spec.pp_size}" if spec.pp_size > 1 else "")
+            + (f" DCP{spec.dcp_size}" if spec.dcp_size > 1 else "") + f" {layouts(spec)}")
+
+
+OFFSETS = ("where the first run starts, in bytes from the block's start, in the source block (+a) "
+           "and in the destination block (+b)")
 _COLUMNS = ("from", "regions", "placement", "streams", "offsets", "bytes", "runs")
 
 
@@ -418,40 +447,86 @@ def _rows(r: dict[str, Any]) -> list[dict[str, Any]]:
              f"+{row['src_offset']} -> +{row['dst_offset']}"} for row in r["rows"]]
 
 
+def _records(r: dict[str, Any], width: int) -> list[str]:
+    """A rank's rows one block each, wrapped between words at ``width``: what a terminal too
+    narrow for the table gets (no cell is ever cut inside a word)."""
+    import textwrap
+
+    out = []
+    for row in _rows(r):
+        text = (f"{_cell(row, 'from')}  {row['regions']}: {_cell(row, 'bytes')} in "
+                f"{row['runs']} runs; placement {row['placement']}; streams {row['streams']}"
+                + (f"; offsets {row['offsets']}" if row["offsets"] else ""))
+        out.append(textwrap.fill(text, width, initial_indent="  ", subsequent_indent="      ",
+                                 break_long_words=False, break_on_hyphens=False))
+    return out
+
+
+def _rank_title(r: dict[str, Any]) -> str:
+    holds = f" ({r['holds']})" if r.get("holds") else ""
+    return (f"d{r['rank']}{holds}: {human_bytes(r['nbytes'])} in {r['runs']} runs from "
+            f"{', '.join(f'p{p}' for p in r['peers'])}")
+
+
 def _print_text(doc: dict[str, Any], title: str) -> None:
+    import textwrap
+
+    width = columns()
     console = _console()
+    notes = legend(width, [("offsets +a -> +b", OFFSETS)])
+    wrap = lambda text: textwrap.fill(text, width, subsequent_indent="  ",  # noqa: E731
+                                      break_long_words=False, break_on_hyphens=False)
     if console is None:
-        print(title)
+        print(wrap(title))
         for r in doc["ranks"]:
-            print(f"\nd{r['rank']}: {human_bytes(r['nbytes'])} in {r['runs']} runs from "
-                  f"{', '.join(f'p{p}' for p in r['peers'])}")
+            print(f"\n{_rank_title(r)}")
             table = [list(_COLUMNS)] + [[_cell(row, c) for c in _COLUMNS] for row in _rows(r)]
             widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
+            if 2 + sum(widths) + 2 * (len(widths) - 1) > width:
+                print("\n".join(_records(r, width)))
+                continue
             for line in table:
-                print("  " + "  ".join(c.ljust(w) for c, w in zip(line, widths)))
+                print("  " + "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
         for w in doc["warnings"]:
-            print(f"warning: {w}")
-        print(f"\noffsets: {OFFSETS}\n{LEGEND}")
+            print(wrap(f"warning: {w}"))
+        print(f"\n{notes}")
         return
+    from rich import box
+    from rich.markup import escape
+    from rich.measure import Measurement
     from rich.table import Table
 
-    console.print(f"[bold]{title}[/bold]")
+    console.print(escape(wrap(title)), style="bold", soft_wrap=True)
+    wide = console.options.update_width(1 << 16)
     for r in doc["ranks"]:
-        table = Table(
-            title=f"d{r['rank']}: {human_bytes(r['nbytes'])} in {r['runs']} runs from "
-                  f"{', '.join(f'p{p}' for p in r['peers'])}",
-            title_justify="left",
-        )
+        cells = [list(_COLUMNS)] + [[_cell(row, c) for c in _COLUMNS] for row in _rows(r)]
+        longest = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
+        words = [max(len(w) for line in cells for w in (line[i].split() or [""]))
+                 for i in range(len(_COLUMNS))]
+        table = Table(title=_rank_title(r), title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False)
         for c in _COLUMNS:
             table.add_column(c, justify="right" if c in ("bytes", "runs") else "left",
-                             no_wrap=c in ("from", "regions", "bytes", "runs"),
-                             overflow="fold")
-        for row in _rows(r):
-            table.add_row(*(_cell(row, c) for c in _COLUMNS))
+                             no_wrap=c in ("from", "bytes", "runs"))
+        for line in cells[1:]:
+            table.add_row(*map(escape, line))
+        extra = Measurement.get(console, wide, table).maximum - sum(longest)  # borders, padding
+        if sum(longest) + extra > width:  # wrap cells between words only, never inside one
+            if sum(words) + extra > width:  # too narrow even so: one block per row
+                console.print(f"\n{_rank_title(r)}")
+                console.print(escape("\n".join(_records(r, width))), soft_wrap=True)
+                continue
+            sizes, spare = list(words), width - extra - sum(words)
+            for i in sorted(range(len(sizes)), key=lambda i: longest[i] - words[i]):
+                grow = min(spare, longest[i] - words[i])
+                sizes[i] += grow
+                spare -= grow
+            for col, size in zip(table.columns, sizes):
+                col.width = size
         console.print(table)
     for w in doc["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {w}")
-    console.print(f"\noffsets: {OFFSETS}\n{LEGEND}", style="dim")
+        console.print(escape(wrap(f"warning: {w}")), style="yellow", soft_wrap=True)
+    console.print(f"\n{escape(notes)}", style="dim", soft_wrap=True)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -479,19 +554,25 @@ def cmd_explain(args: argparse.Namespace) -> int:
         compare = args.tokens <= COMPARE_LAYOUTS_TOKENS
     shown = 0 if args.rank is None else args.rank  # one decode rank: ranks are alike
     if compare:
-        with step(f"counting runs for each layout on decode rank {shown}"):
-            doc["runs_by_layout"] = runs_by_layout(src, dst, args.tokens, [shown])
+        with step(f"counting runs per layout on decode rank {shown}", log=True) as update:
+            doc["runs_by_layout"] = runs_by_layout(src, dst, args.tokens, [shown],
+                                                   cached=args.cached, part=args.part,
+                                                   progress=update)
             doc["runs_by_layout_rank"] = shown
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
     _print_text(doc, _title(args, src, dst))
+    import textwrap
+
     if compare:
-        print(f"\nruns per request on decode rank {shown} with one layout on both sides: "
-              + ", ".join(f"{k} {v:,}" for k, v in doc["runs_by_layout"].items()))
+        text = (f"runs per request on decode rank {shown} with one layout on both sides: "
+                + ", ".join(f"{k} {v:,}" for k, v in doc["runs_by_layout"].items()))
     else:
-        print(f"\n(runs per layout are compared up to {COMPARE_LAYOUTS_TOKENS} tokens; "
-              "pass --compare-layouts to count them for this request)")
+        text = (f"(runs per layout are compared up to {COMPARE_LAYOUTS_TOKENS} tokens; "
+                "pass --compare-layouts to count them for this request)")
+    print("\n" + textwrap.fill(text, columns(), subsequent_indent="  ", break_long_words=False,
+                               break_on_hyphens=False))
     return 0
 
 

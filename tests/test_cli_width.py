@@ -1,0 +1,109 @@
+"""``kvplan explain`` as a person reads it: at 80 and 200 columns no header or cell is cut
+inside a word, the layouts planned are named (text and JSON), the layout comparison counts the
+request shown (``--cached``), and a long comparison reports progress on a pipe."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import kvplan.cli.progress as progress
+from kvplan.cli import main
+
+LLAMA = ["explain", "--prefill", "llama-3.1-70b", "--prefill-tp", "8", "--decode",
+         "llama-3.1-70b", "--decode-tp", "4", "--prefill-layout", "LBHNC", "--decode-layout",
+         "BLHNC", "--rank", "0", "--tokens", "3000", "--cached", "1024"]
+HYBRID = ["explain", "--prefill", "qwen3-next-80b-a3b", "--prefill-tp", "2", "--decode",
+          "qwen3-next-80b-a3b", "--decode-tp", "4", "--rank", "1", "--tokens", "1024",
+          "--no-compare-layouts"]
+HEADERS = ("from", "regions", "placement", "streams", "offsets", "bytes", "runs")
+
+
+def run(capsys, monkeypatch, argv, columns=None, env=None):
+    if columns is not None:
+        monkeypatch.setenv("COLUMNS", str(columns))
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out, err
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+@pytest.mark.parametrize("argv", [LLAMA, HYBRID], ids=["llama-70b-packed", "qwen3-next"])
+def test_no_header_or_cell_is_cut_inside_a_word(capsys, monkeypatch, argv, columns):
+    doc = json.loads(run(capsys, monkeypatch, [*argv, "--json", "--no-compare-layouts"])[0])
+    out, _ = run(capsys, monkeypatch, argv, columns)
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= columns
+    flat = " ".join(out.split())  # a word cut across lines would be two words here
+    body = flat[flat.index(" d") : flat.index("legend:")]
+    for r in doc["ranks"]:
+        for row in r["rows"]:
+            cells = [f"p{row['from']}", row["regions"], row["placement"], row["streams"],
+                     f"+{row['src_offset']}", f"+{row['dst_offset']}", str(row["runs"])]
+            for cell in cells:
+                for word in _words(cell):
+                    assert re.search(rf"(^|\s){re.escape(word)}(\s|$|[:;,)])", body), (
+                        word, columns)
+    if "placement S(" in body and "; streams" in body:  # the one-block-per-row form
+        assert columns < 200
+    else:  # the table: every header whole
+        for h in HEADERS:
+            assert re.search(rf"(^|\s){h}(\s|$)", body), h
+    for line in out[out.index("legend:"):].splitlines()[1:]:
+        if not line.strip() or line.startswith("("):
+            break
+        assert line.startswith("  "), line  # each entry, and its wrapped lines, indented
+    # every legend term is whole on its line
+    assert "  layers.[0-79].attn x80 = 80 alike layers" in out
+    assert "  S(heads a:b) = SPLIT placement" in out
+
+
+def test_explain_names_the_layouts_it_planned(capsys, monkeypatch):
+    out, _ = run(capsys, monkeypatch, [*LLAMA, "--no-compare-layouts"], 200)
+    assert out.startswith("prefill llama-3.1-70b TP8 LBHNC -> decode llama-3.1-70b TP4 BLHNC:")
+    doc = json.loads(run(capsys, monkeypatch, [*LLAMA, "--json", "--no-compare-layouts"])[0])
+    assert doc["source"]["layout"] == "LBHNC" and doc["destination"]["layout"] == "BLHNC"
+    assert doc["source"]["tp_size"] == 8 and doc["destination"]["dcp_size"] == 1
+
+
+def test_layout_comparison_counts_the_request_shown(capsys, monkeypatch):
+    """With --cached the table, runs_by_layout and the printed comparison agree: one count."""
+    doc = json.loads(run(capsys, monkeypatch, [*LLAMA, "--json", "--compare-layouts"])[0])
+    shown = doc["ranks"][0]["runs"]
+    assert doc["range"] == [1024, 3000]
+    assert doc["runs_by_layout"]["BLHNC"] == shown == 19840  # both sides BLHNC: merge 2 slots
+    for name in ("HND", "LBHNC"):
+        argv = [a if a not in ("LBHNC", "BLHNC") else name for a in LLAMA]
+        one = json.loads(run(capsys, monkeypatch, [*argv, "--json", "--no-compare-layouts"])[0])
+        assert doc["runs_by_layout"][name] == one["ranks"][0]["runs"], name
+    whole = json.loads(run(capsys, monkeypatch, [*(a for a in LLAMA if a not in (
+        "--cached", "1024")), "--json", "--compare-layouts"])[0])
+    assert whole["runs_by_layout"]["HND"] > doc["runs_by_layout"]["HND"]
+    out, _ = run(capsys, monkeypatch, [*LLAMA, "--compare-layouts"], 200)
+    assert f"HND {doc['runs_by_layout']['HND']:,}" in out
+
+
+def test_a_long_layout_comparison_reports_progress_on_a_pipe(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "LOG_AFTER", 0.0)  # every comparison counts as long here
+    monkeypatch.delenv("KVPLAN_PROGRESS", raising=False)
+    _, err = run(capsys, monkeypatch, [*LLAMA, "--compare-layouts"], 80)
+    lines = err.splitlines()
+    assert len(lines) == 7 and all(ln.startswith("counting runs per layout on decode rank 0: ")
+                                   for ln in lines)
+    assert "HND (1 of 7 layouts)" in lines[0] and "BHLNC (7 of 7 layouts)" in lines[-1]
+    assert all(re.search(r"\(\d+\.\d s\)$", ln) for ln in lines)
+    _, err = run(capsys, monkeypatch, [*LLAMA, "--compare-layouts"], 80,
+                 env={"KVPLAN_PROGRESS": "0"})
+    assert err == ""
+    monkeypatch.setattr(progress, "LOG_AFTER", 3600.0)  # a short one stays quiet
+    monkeypatch.delenv("KVPLAN_PROGRESS")
+    _, err = run(capsys, monkeypatch, [*LLAMA, "--compare-layouts"], 80)
+    assert err == ""
