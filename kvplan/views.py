@@ -137,7 +137,7 @@ def _spec_rows(spec: EngineSpec) -> list[dict[str, Any]]:
             "regions": name_set([spec.regions[k].name for k in members]),
             "kind": r.kind.value,
             "group": r.group,
-            "placement": "R" if r.is_replicated else "S",
+            "placement": _spec_placement(spec, r),
             "shape": glob,
             "per rank": local,
             "dtype": r.dtype,
@@ -215,6 +215,16 @@ def _streams(region: RegionSpec) -> str:
     return "K+V" if region.streams == 2 else "K"
 
 
+def _spec_placement(spec: EngineSpec, r: RegionSpec) -> str:
+    """``R``/``S``, with DCP (``R DCP/2``) where the ranks shard the tokens, PCP replicas."""
+    out = "R" if r.is_replicated else "S"
+    if spec.dcp_size > 1 and not r.is_state:
+        out += f" {'PCP' if spec.pcp_sharded else 'DCP'}/{spec.dcp_size}"
+    if spec.pcp_size > 1 and not (spec.pcp_sharded and not r.is_state):
+        out += f" x{spec.pcp_size} PCP replicas"
+    return out
+
+
 @attrs.frozen
 class Flow:
     """What crosses one rank-map edge for one kind of region and one placement."""
@@ -229,13 +239,25 @@ class Flow:
 
     @property
     def label(self) -> str:
-        """Short text for a picture: ``KV h0:4``, ``MLA R``, ``state x0:2048 B0:4``."""
+        """Short text for a picture: ``KV h0:4``, ``MLA R``, ``state x0:2048 B0:4``; under
+        context parallelism the rank's share follows: ``MLA DCP 1/2``, ``KV h0:4 PCP replica
+        1/2``."""
+        placement, context = self.placement, ""
+        if not placement.startswith(("R", "S(")):  # token-sharded: DCP/PCP share, no R
+            placement, context = "", placement
+        elif placement.startswith("S(") and ") " in placement:
+            placement, _, context = placement.partition(") ")
+            placement += ")"
+        elif placement.startswith("R "):
+            placement, context = "R", placement[2:]
+        context = f" {context.split(' (')[0]}" if context else ""
         if self.kind == "latent":
             names = {"mla": "MLA", "indexer": "indexer"}
-            return "+".join(names[k] for k in names if k in self.region_kinds) + " R"
-        inner = self.placement[2:-1] if self.placement.startswith("S(") else self.placement
+            kinds = "+".join(names[k] for k in names if k in self.region_kinds)
+            return kinds + (" R" if placement == "R" else "") + context
+        inner = placement[2:-1] if placement.startswith("S(") else placement
         if self.kind == "kv":
-            return "KV h" + inner.replace("heads ", "").replace(", ", " h")
+            return "KV h" + inner.replace("heads ", "").replace(", ", " h") + context
         if self.share:
             return f"state {self.share}"
         parts = inner.split(", ")

@@ -28,6 +28,7 @@ import numpy as np
 
 import kvplan
 from kvplan import EngineSpec, TransferPlan, presets
+from kvplan.cp import parallel_label
 from kvplan.examples import EXAMPLES, request_blocks
 from kvplan.views import human_bytes
 from kvplan_nixl.cliargs import (
@@ -41,6 +42,7 @@ from kvplan_nixl.cliargs import (
     UsageError,
     int_in,
 )
+from kvplan_nixl.explain import context_options, context_sizes
 from kvplan_nixl.explain import layout_arg as explain_layout
 from kvplan_nixl.progress import step
 
@@ -63,8 +65,12 @@ def _preset_spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | N
 
 def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None,
           side: str | None = None) -> EngineSpec:
-    """The engine of ``--example`` on one side, re-laid out by ``--{side}-layout`` if given."""
+    """The engine of ``--example`` on one side, with ``--{side}-dcp-size``... if given,
+    re-laid out by ``--{side}-layout`` if given."""
     spec = _base_spec(args, tp, pp, block_size)
+    context = context_sizes(args, side) if side else {}
+    if context:
+        spec = EngineSpec.from_dict({**spec.to_dict(), **context})
     own = getattr(args, f"{side}_layout", None) if side else None
     return spec if own is None else spec.with_layout(own, args.kv or "split")
 
@@ -198,9 +204,7 @@ def cmd_demo(args) -> int:
 
     mode = "push" if args.push else "pull"
 
-    def shape(spec: EngineSpec) -> str:
-        return f"TP{spec.tp_size}" + (f" PP{spec.pp_size}" if spec.pp_size > 1 else "")
-
+    shape = parallel_label
     print(f"kvplan demo: {args.example}, prefill {shape(src)} -> decode {shape(dst)}, "
           f"{mode}, {args.tokens} tokens")
     t0 = time.perf_counter()
@@ -344,6 +348,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--decode-tp", type=tp, default=2, help="tensor-parallel ranks of decode")
         s.add_argument("--prefill-pp", type=pp, default=1, help="pipeline stages of prefill")
         s.add_argument("--decode-pp", type=pp, default=1, help="pipeline stages of decode")
+        context_options(s, "prefill")
+        context_options(s, "decode")
         s.add_argument("--push", action="store_true", help="prefill writes instead of decode reads")
         s.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=2048,
                        help="request length in tokens")

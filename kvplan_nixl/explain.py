@@ -34,6 +34,7 @@ import attrs
 import kvplan
 from kvplan import EngineSpec, TransferMap, presets
 from kvplan.compat import region_pairs
+from kvplan.cp import parallel_fields, parallel_label
 from kvplan.planner import Lane, Mode
 from kvplan.views import human_bytes, peer_rows
 from kvplan_nixl.cliargs import (
@@ -113,10 +114,16 @@ def _draft(arg: str | None) -> Any:
 def _engine(arg: str, tp: int | None, args: argparse.Namespace, side: str,
             min_blocks: int = 0) -> EngineSpec:
     kind, data = _model(arg)
+    cp = context_sizes(args, side)
     if kind == "spec":
         spec = EngineSpec.from_dict(data)
         if tp is not None and tp != spec.tp_size:
             raise _Usage(f"--{side}-tp {tp} but {arg!r} is a spec of tp_size {spec.tp_size}")
+        for field, value in cp.items():
+            if value != getattr(spec, field):
+                flag = f"--{side}-" if side != "model" else "--"
+                raise _Usage(f"{flag}{field.replace('_', '-')} {value} but {arg!r} is a spec "
+                             f"of {field} {getattr(spec, field)}")
         return spec
     if tp is None:
         raise _Usage(f"--{side}-tp is needed for the model {arg!r}")
@@ -130,7 +137,33 @@ def _engine(arg: str, tp: int | None, args: argparse.Namespace, side: str,
         layout=_opt(args, f"{side}_layout", args.layout),
         kv=args.kv,
         draft=_draft(args.draft),
+        **cp,
     )
+
+
+def context_sizes(args: argparse.Namespace, side: str) -> dict[str, int]:
+    """``dcp_size``, ``dcp_interleave`` and ``pcp_size`` a user gave for one side (those left
+    unset are absent), from ``--{side}-dcp-size``... (``--dcp-size``... for ``kvplan spec``)."""
+    return {f: getattr(args, f"{side}_{f}") for f in ("dcp_size", "dcp_interleave", "pcp_size")
+            if getattr(args, f"{side}_{f}", None) is not None}
+
+
+def context_options(p: argparse.ArgumentParser, side: str | None) -> None:
+    """Add the context-parallel options of one side (``None``: ``kvplan spec``'s only model)."""
+    flag, dest = (f"--{side}-", f"{side}_") if side else ("--", "model_")
+    who = f" of {side}" if side else ""
+    size = int_in(1, MAX_TP)
+    p.add_argument(f"{flag}dcp-size", dest=f"{dest}dcp_size", type=size, default=None,
+                   help=f"decode-context-parallel ranks{who} (a divisor of the TP size; "
+                        "default 1)")
+    p.add_argument(f"{flag}dcp-interleave", dest=f"{dest}dcp_interleave",
+                   type=int_in(1, MAX_BLOCK_SIZE), default=None,
+                   help=f"tokens a DCP rank{who} takes at a time (vLLM's "
+                        "cp_kv_cache_interleave_size; must divide the kernel block size; "
+                        "default 1)")
+    p.add_argument(f"{flag}pcp-size", dest=f"{dest}pcp_size", type=size, default=None,
+                   help=f"prefill-context-parallel ranks{who}: full replicas, or with TP 1 and "
+                        "the same --dcp-size DCP shards (vLLM 0.33; default 1)")
 
 
 def _blocks_needed(tokens: int, block_size: int) -> int:
@@ -323,9 +356,8 @@ def explain(src: EngineSpec, dst: EngineSpec, tokens: int,
     with _maybe(progress, "comparing with HND layouts"):
         warnings = _warnings(src, dst, src_blocks, dst_blocks, ranks, counted)
     return {
-        "source": {"tp_size": src.tp_size, "pp_size": src.pp_size, "regions": len(src.regions)},
-        "destination": {"tp_size": dst.tp_size, "pp_size": dst.pp_size,
-                        "regions": len(dst.regions)},
+        "source": {**parallel_fields(src), "regions": len(src.regions)},
+        "destination": {**parallel_fields(dst), "regions": len(dst.regions)},
         "tokens": tokens,
         **({"range": list(rng)} if rng is not None else {}),
         **({"part": list(part)} if part else {}),
@@ -393,7 +425,8 @@ def _console():
 def _title(args, src: EngineSpec, dst: EngineSpec) -> str:
     scope = "" if args.cached is None else f", positions {args.cached}:{args.tokens} copied"
     scope += f"; part: {', '.join(args.part)}" if args.part else ""
-    return (f"prefill {args.prefill} TP{src.tp_size} -> decode {args.decode} TP{dst.tp_size}: "
+    return (f"prefill {args.prefill} {parallel_label(src)} -> decode {args.decode} "
+            f"{parallel_label(dst)}: "
             f"one request of {args.tokens} tokens (non-adjacent block ids), pull{scope}")
 
 
@@ -523,17 +556,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         return _refused(args, exc)
     doc = {
         "compatible": True,
-        "source": {"tp_size": src.tp_size, "pp_size": src.pp_size, "regions": len(src.regions),
+        "source": {**parallel_fields(src), "regions": len(src.regions),
                    "groups": src.num_groups},
-        "destination": {"tp_size": dst.tp_size, "pp_size": dst.pp_size,
-                        "regions": len(dst.regions), "groups": dst.num_groups},
+        "destination": {**parallel_fields(dst), "regions": len(dst.regions),
+                        "groups": dst.num_groups},
         "region_pairs": len(pairs),
     }
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(f"compatible: source TP{src.tp_size} ({len(src.regions)} regions) -> destination "
-              f"TP{dst.tp_size} ({len(dst.regions)} regions), {len(pairs)} region pairs")
+        print(f"compatible: source {parallel_label(src)} ({len(src.regions)} regions) -> "
+              f"destination {parallel_label(dst)} ({len(dst.regions)} regions), {len(pairs)} "
+              "region pairs")
     return 0
 
 
@@ -602,6 +636,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tensor-parallel ranks of decode (needed unless MODEL is a spec)")
     p.add_argument("--prefill-pp", type=pp, default=1, help="pipeline stages of prefill")
     p.add_argument("--decode-pp", type=pp, default=1, help="pipeline stages of decode")
+    context_options(p, "prefill")
+    context_options(p, "decode")
     p.add_argument("--prefill-block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
                    help="tokens per block on prefill (default: --block-size)")
     p.add_argument("--decode-block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
@@ -638,6 +674,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL", help="preset or HF config.json (or its directory)")
     p.add_argument("--tp", type=tp, required=True, help="tensor-parallel ranks")
     p.add_argument("--pp", dest="model_pp", type=pp, default=1, help="pipeline stages")
+    context_options(p, None)
     p.add_argument("--indent", action="store_true", help="pretty-print")
     _model_options(p)
 
