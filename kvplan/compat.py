@@ -3,8 +3,8 @@
 Every layout pair (HND/NHD, split/joint, kernel blocks, pools, either way) and every pair of
 pipeline sizes is supported by the one planning rule, so none is refused for its layout alone.
 What is refused is what would make the bytes meaningless (different heads, dims, dtypes, kinds,
-windows, state parts) or what the placement rule does not define (TP sizes or block sizes that
-do not divide).
+windows, state parts) or what the placement rule does not define (TP sizes that do not
+divide). Block sizes need not divide: two sizes plan by their gcd (``granules.py``).
 
 Layer 1 (values): imports spec and errors only; the planner calls it at handshake.
 """
@@ -12,6 +12,7 @@ Layer 1 (values): imports spec and errors only; the planner calls it at handshak
 from __future__ import annotations
 
 from kvplan.errors import IncompatibleLayoutError
+from kvplan.granules import check_phase_budget
 from kvplan.spec import EngineSpec, RegionSpec
 
 # Fields that must be equal on both sides of a region pair, with how to name them in a message.
@@ -22,7 +23,6 @@ _MUST_MATCH = (
     ("head_dim", "head_dim"),
     ("dim", "dim"),
     ("window", "window"),
-    ("group", "group"),
     ("parts", "state parts"),
 )
 
@@ -63,13 +63,9 @@ def region_pairs(src: EngineSpec, dst: EngineSpec) -> tuple[tuple[int, int], ...
     for j, d in enumerate(dst.regions):
         i = src.region_index(d.name)
         check_region_pair(src.regions[i], d)
-        vs, vd = src.positions_per_block(i), dst.positions_per_block(j)
-        if not _divides_either_way(vs, vd):  # decode context parallelism scales a block id
-            raise IncompatibleLayoutError(
-                f"region {d.name!r}: positions per block id do not divide: source "
-                f"{src.regions[i].block_size} x dcp {src.dcp_size} = {vs}, destination "
-                f"{d.block_size} x dcp {dst.dcp_size} = {vd}"
-            )
+        if not d.is_state:  # any two block sizes plan by their gcd, within a size budget
+            check_phase_budget(d.name, src.positions_per_block(i), dst.positions_per_block(j),
+                               sum(c.streams * c.units for c in d.components))
         pairs.append((i, j))
     return tuple(pairs)
 
@@ -83,8 +79,3 @@ def check_region_pair(s: RegionSpec, d: RegionSpec) -> None:
             raise IncompatibleLayoutError(
                 f"region {d.name!r}: {label} differs: source {a!r}, destination {b!r}"
             )
-    if not _divides_either_way(s.block_size, d.block_size):
-        raise IncompatibleLayoutError(
-            f"region {d.name!r}: block sizes do not divide: source {s.block_size}, "
-            f"destination {d.block_size}"
-        )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvplan.cp import check_pcp
 from kvplan.errors import SpecError
 from kvplan.regions import (
     _UNIT_AXES,
@@ -76,7 +77,9 @@ def check_dcp(spec: EngineSpec) -> None:
     are ``dcp_size`` consecutive ranks of a TP group that hold the same heads, each rank
     holding every ``dcp_size``-th run of ``dcp_interleave`` tokens of a block id."""
     dcp, il, tp = spec.dcp_size, spec.dcp_interleave, spec.tp_size
-    if tp % dcp:
+    check_pcp(spec)
+    sharded = spec.pcp_sharded  # DCP over the PCP ranks (TP 1): each rank has every head
+    if tp % dcp and not sharded:
         raise SpecError(
             f"dcp_size {dcp} does not divide tp_size {tp} ({tp} % {dcp} = {tp % dcp}): "
             "a DCP group is carved out of a TP group"
@@ -86,18 +89,24 @@ def check_dcp(spec: EngineSpec) -> None:
     for r in spec.regions:
         if r.is_state:  # a state slot is not a sequence of tokens: TP placement only
             continue
-        if r.block_size % il:
+        if r.kernel_size % il:  # vLLM's slot mapping works per kernel block: refuse
+            what = "block_size" if r.kernel_block_size is None else "kernel_block_size"
+            k, span = r.kernel_size, r.kernel_size * dcp
+            first = span // (dcp * il) * il + min(il, span % (dcp * il))  # DCP rank 0's
             raise SpecError(
-                f"region {r.name!r}: dcp_interleave {il} does not divide block_size "
-                f"{r.block_size} ({r.block_size} % {il} = {r.block_size % il})"
+                f"region {r.name!r}: dcp_interleave {il} does not divide {what} {k} "
+                f"({k} % {il} = {k % il}): vLLM's slot mapping would give DCP rank 0 "
+                f"{first} of a kernel block's {span} positions, {first - k} past its "
+                f"{k}-token block (docs/concepts.md, 'DCP interleave')"
             )
         k = r.heads
-        if k * dcp > tp or (tp // k) % dcp:
+        if not sharded and (k * dcp > tp or (tp // k) % dcp):
             raise SpecError(
                 f"region {r.name!r}: dcp_size {dcp} needs every DCP group to hold the same "
                 f"heads: {k} head(s) over tp_size {tp} give {max(1, tp // k)} rank(s) per "
                 f"head, not a multiple of {dcp}"
             )
+
 
 def check_groups(spec: EngineSpec) -> None:
     groups = sorted({r.group for r in spec.regions})

@@ -474,6 +474,9 @@ def from_hf_config(
     kv: str = "split",
     state_dtype: str | None = None,
     family: str | None = None,
+    dcp_size: int = 1,
+    dcp_interleave: int = 1,
+    pcp_size: int = 1,
 ) -> EngineSpec:
     """An :class:`~kvplan.EngineSpec` for one engine serving the model of a HF ``config.json``.
 
@@ -487,7 +490,9 @@ def from_hf_config(
     ``kv.{k}``, as vLLM does; ``num_blocks`` is the blocks (or state
     slots) of every region. ``draft`` (an Eagle-3 config, same forms) adds its layers as
     regions ``draft.{i}.attn`` / ``draft.{i}.mla`` of group 0. With ``pp_size`` > 1 layer ``i``
-    of ``L`` lies on stage ``i * pp_size // L`` and the draft on the last.
+    of ``L`` lies on stage ``i * pp_size // L`` and the draft on the last. ``dcp_size`` /
+    ``dcp_interleave`` (decode context parallelism) and ``pcp_size`` (prefill context
+    parallelism, see kvplan/cp.py) are the engine's; the spec refuses what no engine stores.
 
     Post-conditions: one region per layer that keeps a cache (two for a DeepSeek-V3.2 layer),
     in layer order; bytes per token or slot as the module docstring states. Raises
@@ -529,8 +534,16 @@ def from_hf_config(
             if pp_size > 1:
                 reg["stage"] = _stage(x.index, n, pp_size) if prefix == "layers" else pp_size - 1
             regions.append(reg)
-    spec = EngineSpec.from_dict({"tp_size": tp_size, "pp_size": pp_size, "regions": regions})
+    spec = EngineSpec.from_dict({"tp_size": tp_size, "pp_size": pp_size, "regions": regions,
+                                 **_context(dcp_size, dcp_interleave, pcp_size)})
     return spec if layout in ("HND", "NHD") else spec.with_layout(layout)
+
+
+def _context(dcp_size: int, dcp_interleave: int, pcp_size: int) -> dict[str, int]:
+    """The context-parallel fields of a spec dict, written only where set (so a spec without
+    them reads as before); the spec checks the values."""
+    fields = {"dcp_size": dcp_size, "dcp_interleave": dcp_interleave, "pcp_size": pcp_size}
+    return {k: v for k, v in fields.items() if v != 1}
 
 
 def describe(config: Any) -> dict[str, Any]:

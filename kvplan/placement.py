@@ -54,6 +54,7 @@ class HeadSource:
     src_rank: int
     start: int
     stop: int
+    replica: int = 0  # the source PCP replica read (prefill context parallelism, kvplan/cp.py)
 
     def __str__(self) -> str:
         return f"p{self.src_rank} heads {self.start}:{self.stop}"
@@ -61,7 +62,8 @@ class HeadSource:
 
 def head_sources(
     num_heads: int, src_tp: int, dst_tp: int, dst_rank: int, *, src_dcp: int = 1,
-    dst_dcp: int = 1, src_dcp_rank: int = 0,
+    dst_dcp: int = 1, src_dcp_rank: int = 0, src_pcp: int = 1, dst_pcp: int = 1,
+    dst_pcp_rank: int = 0,
 ) -> tuple[HeadSource, ...]:
     """Where destination rank ``dst_rank`` reads each head it holds, as maximal head intervals.
 
@@ -70,6 +72,13 @@ def head_sources(
     ``src_dcp_rank`` holds (and ``dst_rank`` holds, which its own DCP rank decides). The same
     rule: ``dst_rank`` is the ``i``-th of the ``n`` destinations holding (head, token) and reads
     from the ``i*m//n``-th of the ``m`` sources holding it.
+
+    Under replicated prefill context parallelism every source holder has ``src_pcp`` replicas
+    and every destination holder ``dst_pcp`` (``dst_pcp_rank`` being this one's): the same rule
+    over ``m * src_pcp`` sources and ``n * dst_pcp`` destinations spreads the readers over the
+    replicas (``HeadSource.replica``), and is the rule above when both are 1. The replica index
+    is then turned by the head's holder group, so that destinations reading different heads
+    start on different replicas.
 
     Post-conditions: the intervals are disjoint, ascending, cover exactly
     ``held_heads(num_heads, dst_tp, dst_rank)``, and each source rank holds its interval.
@@ -80,11 +89,15 @@ def head_sources(
         srcs = holders(num_heads, src_tp, h)
         i = (dst_rank - dsts.start) // dst_dcp
         m, n = len(srcs) // src_dcp, len(dsts) // dst_dcp
-        src = srcs.start + src_dcp_rank + (i * m // n) * src_dcp
-        if out and out[-1].src_rank == src and out[-1].stop == h:
-            out[-1] = HeadSource(src, out[-1].start, h + 1)
+        k = (dst_pcp_rank * n + i) * m * src_pcp // (n * dst_pcp)  # i*m//n without replicas
+        turn = dsts.start // len(dsts)  # heads read by other destinations: other replicas
+        src = srcs.start + src_dcp_rank + (k // src_pcp) * src_dcp
+        replica = (k + turn) % src_pcp
+        last = out[-1] if out else None
+        if last and (last.src_rank, last.replica, last.stop) == (src, replica, h):
+            out[-1] = HeadSource(src, last.start, h + 1, replica)
         else:
-            out.append(HeadSource(src, h, h + 1))
+            out.append(HeadSource(src, h, h + 1, replica))
     return tuple(out)
 
 

@@ -31,6 +31,7 @@ from kvplan.planner import (
     TransferMap,
     _frozen,
 )
+from kvplan.regroup import check_state_slots
 from kvplan.runs import merge_runs
 from kvplan.spec import EngineSpec
 
@@ -269,22 +270,16 @@ def build_plan(
         )
     src_lists = _block_lists(tmap.src, src_blocks, "source")
     dst_lists = _block_lists(tmap.dst, dst_blocks, "destination")
-    for g in sorted({r.group for r in tmap.dst.regions if r.is_state}):
-        if len(src_lists[g]) != len(dst_lists[g]):
-            raise RequestError(
-                f"group {g} holds state slots: {len(src_lists[g])} source slot(s) but "
-                f"{len(dst_lists[g])} destination slot(s); the j-th source slot goes to the "
-                "j-th destination slot, so the lists must be equally long"
-            )
+    check_state_slots(tmap, src_lists, dst_lists)
     order_cache: dict = {}
     by_template: dict = {}
     lane_rows = []
     for lane in tmap.lanes:
         g = lane.group
-        key = (id(lane.templates), g, lane.window)  # identical lanes (layers) share their runs
-        runs = by_template.get(key)
+        key = (id(lane.templates), lane.src_group, g, lane.window)  # identical lanes (layers)
+        runs = by_template.get(key)  # share their runs
         if runs is None:
-            s_ids, d_ids = src_lists[g], dst_lists[g]
+            s_ids, d_ids = src_lists[lane.src_group], dst_lists[g]
             state = tmap.dst.regions[lane.dst_region].is_state  # slots move whole, by position
             span = _span(tmap, lane, len(s_ids), len(d_ids), None if state else rng, dst_from)
             runs = _lane_runs(lane, s_ids, d_ids, span, order_cache)

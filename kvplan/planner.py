@@ -10,10 +10,11 @@ up to the block ids: an atom per (component, stream, unit, token) of ``unit_byte
 on both sides given by the two ``RankLayout``s. We build those atoms once, relative to block
 bases, and merge the ones contiguous on both sides into a *template* of runs. Blocks of
 different sizes are handled by token arithmetic: destination token ``t`` of block position ``j``
-is request position ``j*bs_dst + t``, at source block position ``(j*bs_dst + t) // bs_src``. When
-source blocks are larger, a destination block starts at one of ``bs_src // bs_dst`` *phases*
-inside its source block, each with its own template (kernel blocks make phases differ by more
-than a shift). Nothing here depends on ``num_blocks``.
+is request position ``j*bs_dst + t``, at source block position ``(j*bs_dst + t) // bs_src``. A
+destination block starts at one of ``bs_src // gcd(bs_src, bs_dst)`` *phases* inside its first
+source block (``granules.py``: one when source blocks divide destination blocks, sizes need not
+divide at all), each with its own template (kernel blocks make phases differ by more than a
+shift). Nothing here depends on ``num_blocks``.
 
 At request time (``plan.py``) a template is only broadcast over the block ids with numpy; the
 per-token atoms are kept for the at most two destination blocks a request covers partially
@@ -34,9 +35,10 @@ from typing import TYPE_CHECKING
 import attrs
 import numpy as np
 
-from kvplan import hooks
+from kvplan import cp, hooks
 from kvplan.compat import region_pairs
 from kvplan.errors import SpecError
+from kvplan.granules import phase_offset, phases
 from kvplan.layout import RankLayout, rank_layout
 from kvplan.placement import Placement, TokenSharding, head_sources
 from kvplan.runs import merge_runs
@@ -135,14 +137,16 @@ def build_template(
     A block id covers ``span`` request positions on each side (``block_size``, times the DCP
     size: ``*_tokens``); the template covers the positions of one destination block id that
     ``dst_dcp_rank`` holds and ``src_dcp_rank`` holds on the source side (all of them without
-    DCP). ``phase`` is the destination block's index inside its source block (when source
-    blocks are larger): its positions start at ``phase * span_dst`` of the source block.
+    DCP). ``phase`` is the destination block's position modulo ``granules.phases`` (0 when
+    source blocks divide destination blocks): its positions start at
+    ``granules.phase_offset(phase, ...)`` of the first source block it touches.
     """
     s_tok = src_tokens or TokenSharding(src.block_size)
     d_tok = dst_tokens or TokenSharding(dst.block_size)
     src_bs, dst_bs = s_tok.span, d_tok.span
     t_all = np.arange(dst_bs)
-    p_all = phase * dst_bs + t_all  # position counted from the first source block touched
+    start = phase_offset(phase, src_bs, dst_bs)  # where the block starts in its source block
+    p_all = start + t_all  # position counted from the first source block touched
     # need ∩ hold, on the token axis: positions this destination rank holds and this source
     # rank holds (every position when neither side shards tokens).
     mine = (d_tok.holder(t_all) == dst_dcp_rank) & (s_tok.holder(p_all % src_bs) == src_dcp_rank)
@@ -156,7 +160,7 @@ def build_template(
             indexing="ij",
         )
         s, u, t = s.ravel(), u.ravel(), t.ravel()
-        p = phase * dst_bs + t
+        p = start + t
         for col, v in zip(cols, (
             src.offset(ur.component, s, 0, u, s_tok.local(p % src_bs)),
             dst.offset(ur.component, s, 0, u, d_tok.local(t)),
@@ -198,7 +202,7 @@ class Lane:
     """What one destination rank copies of one region from one source rank (flat ranks).
 
     ``units`` are the heads (or state-part units) it reads; ``templates`` holds one block
-    template per phase (several only when source blocks are larger than destination blocks), and
+    template per phase (several unless source blocks divide destination blocks), and
     is shared by every lane of identical geometry (e.g. all layers of a model).
     """
 
@@ -211,14 +215,23 @@ class Lane:
     group: int
     window: int | None
     templates: tuple[BlockTemplate, ...] = attrs.field(eq=False)
+    #: the source region's KV-cache group: its block ids come from that group's source list
+    #: (``group`` is the destination's; they differ where the two sides group regions apart)
+    src_group: int = 0
 
     def describe(self, dst: EngineSpec) -> str:
-        """Placement in the compact notation: ``R``, ``S(heads 0:4)``, ``S(x 0:2048, B 0:2)``."""
-        if self.placement is Placement.REPLICATE:
-            return "R"
+        """Placement in the compact notation: ``R``, ``S(heads 0:4)``, ``S(x 0:2048, B 0:2)``,
+        followed by the destination rank's token slice under DCP or sharded PCP (``DCP 1/2
+        (positions 1:2 of every 2)``: not ``R``, the rank holds only those positions) and its
+        replica under replicated PCP (``R PCP replica 1/2``)."""
         region = dst.regions[self.dst_region]
+        context = cp.cp_label(dst, self.dst_rank, region)
+        if self.placement is Placement.REPLICATE:
+            sharded = dst.dcp_size > 1 and not region.is_state
+            return context if sharded else " ".join(x for x in ("R", context) if x)
         names = [c.name if region.is_state else "heads" for c in region.components]
-        return f"S({', '.join(f'{names[u.component]} {u.start}:{u.stop}' for u in self.units)})"
+        units = ", ".join(f"{names[u.component]} {u.start}:{u.stop}" for u in self.units)
+        return " ".join(x for x in (f"S({units})", context) if x)
 
     def __repr__(self) -> str:
         units = ", ".join(f"c{u.component} {u.start}:{u.stop}" for u in self.units)
@@ -235,45 +248,55 @@ def _lanes_for_dst_rank(
     pairs: Sequence[tuple[int, int]],
     cache: dict,
     only_src: int | None = None,
+    spread: bool = True,
 ) -> list[Lane]:
     lanes = []
-    t_rank = dst_rank % dst.tp_size
+    t_rank = cp.tp_rank(dst, dst_rank)
     held = set(dst.regions_on(dst_rank))
     for i, j in pairs:
         if j not in held:
             continue
         sr, dr = src.regions[i], dst.regions[j]
-        src_stage_base = src.stage_of(i) * src.tp_size
         # Who holds which tokens: decode context parallelism shards token regions only.
         s_dcp, d_dcp = (1, 1) if dr.is_state else (src.dcp_size, dst.dcp_size)
         s_tok = TokenSharding(sr.block_size, s_dcp, src.dcp_interleave if s_dcp > 1 else 1)
         d_tok = TokenSharding(dr.block_size, d_dcp, dst.dcp_interleave if d_dcp > 1 else 1)
+        # A side's DCP group is inside its TP group, or is its PCP ranks (sharded PCP); else
+        # its PCP ranks are replicas: the source's spread the readers (``spread``), every
+        # destination replica reads all it holds.
+        s_sh, d_sh = src.pcp_sharded and s_dcp > 1, dst.pcp_sharded and d_dcp > 1
+        s_rep = 1 if s_sh or not spread else src.pcp_size
+        d_rep, d_q = (1, 0) if d_sh else (dst.pcp_size, cp.pcp_rank(dst, dst_rank))
         by_src: dict[int, list[UnitRange]] = {}
         for c, comp in enumerate(dr.components):
             for e in range(s_dcp):  # the tokens source DCP rank e holds
                 for hs in head_sources(comp.units, src.tp_size, dst.tp_size, t_rank,
-                                       src_dcp=s_dcp, dst_dcp=d_dcp, src_dcp_rank=e):
-                    by_src.setdefault(src_stage_base + hs.src_rank, []).append(
+                                       src_dcp=1 if s_sh else s_dcp, dst_dcp=1 if d_sh else d_dcp,
+                                       src_dcp_rank=0 if s_sh else e, src_pcp=s_rep,
+                                       dst_pcp=d_rep, dst_pcp_rank=d_q):
+                    base = cp.stage_base(src, src.stage_of(i), e if s_sh else hs.replica)
+                    by_src.setdefault(base + hs.src_rank, []).append(
                         UnitRange(c, hs.start, hs.stop)
                     )
         placement = Placement.REPLICATE if dr.is_replicated else Placement.SPLIT
         d_lay = rank_layout(dst, j, dst_rank)
-        phases = max(1, s_tok.span // d_tok.span)
+        n_phases = phases(s_tok.span, d_tok.span)
         for s_rank, units in sorted(by_src.items()):
             if only_src is not None and s_rank != only_src:
                 continue
             s_lay = rank_layout(src, i, s_rank)
-            ranks = ((s_rank % src.tp_size) % s_dcp, t_rank % d_dcp)  # DCP ranks of the lane
+            ranks = (cp.dcp_rank(src, s_rank) if s_dcp > 1 else 0,  # DCP ranks of the lane
+                     cp.dcp_rank(dst, dst_rank) if d_dcp > 1 else 0)
             key = (s_lay, d_lay, tuple(units), s_tok, d_tok, ranks)
             templates = cache.get(key)
             if templates is None:
                 templates = tuple(build_template(s_lay, d_lay, units, ph, s_tok, d_tok, *ranks)
-                                  for ph in range(phases))
+                                  for ph in range(n_phases))
                 cache[key] = templates
             if not any(len(t.atom_length) for t in templates):
                 continue  # DCP: this source rank holds none of the tokens this rank holds
             lanes.append(Lane(s_rank, dst_rank, i, j, tuple(units), placement, dr.group,
-                              dr.window, templates))
+                              dr.window, templates, sr.group))
     return lanes
 
 
@@ -372,6 +395,10 @@ class TransferMap:
             f"peers {list(self.peers)}"
         ]
         dcp = (self.src.dcp_size, self.dst.dcp_size)
+        for side, spec in (("source", self.src), ("destination", self.dst)):
+            if spec.pcp_size > 1:
+                how = "sharded (DCP over PCP)" if spec.pcp_sharded else "replicas"
+                lines[0] += f"; PCP {side} {spec.pcp_size} {how}"
         if dcp != (1, 1):
             lines[0] += (f"; DCP source {dcp[0]} (interleave {self.src.dcp_interleave}), "
                          f"destination {dcp[1]} (interleave {self.dst.dcp_interleave})")
@@ -382,8 +409,10 @@ class TransferMap:
             share = ""
             if dcp != (1, 1) and not r.is_state:  # phases differ: the mean per block id
                 unit = f"block id ({tpls[0].dst_bs} positions)"
-                share = (f", tokens of p-DCP rank {lane.src_rank % self.src.tp_size % dcp[0]}"
-                         f" held by d-DCP rank {lane.dst_rank % self.dst.tp_size % dcp[1]}")
+                share = (f", tokens of p-DCP rank {cp.dcp_rank(self.src, lane.src_rank)}"
+                         f" held by d-DCP rank {cp.dcp_rank(self.dst, lane.dst_rank)}")
+            if self.src.pcp_size > 1:  # which PCP rank of the source serves it
+                share += f", from {cp.cp_label(self.src, lane.src_rank, r).split(', ')[-1]}"
             nbytes = sum(int(t.length.sum()) for t in tpls) / len(tpls)
             runs = sum(len(t.length) for t in tpls) / len(tpls)
             lines.append(
@@ -423,22 +452,29 @@ def _sorted_lanes(lanes: list[Lane]) -> tuple[Lane, ...]:
     return tuple(sorted(lanes, key=lambda x: (x.src_rank, x.dst_rank, x.dst_region)))
 
 
-def pull_map(src: EngineSpec, dst: EngineSpec, dst_rank: int) -> TransferMap:
+def pull_map(
+    src: EngineSpec, dst: EngineSpec, dst_rank: int, *, spread_pcp: bool = True
+) -> TransferMap:
     """Handshake for destination rank ``dst_rank`` reading from the source engine.
 
-    Raises :class:`~kvplan.IncompatibleLayoutError` when the specs cannot exchange KV.
+    Where the source's PCP ranks are replicas, the destination ranks spread their reads over
+    them (``spread_pcp``), or all read replica 0 (``spread_pcp=False``: vLLM's choice, and
+    what :func:`push_map` sends). Raises :class:`~kvplan.IncompatibleLayoutError` when the
+    specs cannot exchange KV.
     """
     pairs = region_pairs(src, dst)
     _check_rank(dst, dst_rank, "destination")
-    lanes = _lanes_for_dst_rank(src, dst, dst_rank, pairs, {})
+    lanes = _lanes_for_dst_rank(src, dst, dst_rank, pairs, {}, spread=spread_pcp)
     return TransferMap(src, dst, Mode.PULL, dst_rank, _sorted_lanes(lanes))
 
 
 def push_map(src: EngineSpec, dst: EngineSpec, src_rank: int) -> TransferMap:
     """Handshake for source rank ``src_rank`` writing to the destination engine.
 
-    Its lanes are exactly the lanes of every destination rank's :func:`pull_map` whose source is
-    ``src_rank``, so the union of all push plans equals the union of all pull plans.
+    Its lanes are exactly the lanes of every destination rank's :func:`pull_map` (with
+    ``spread_pcp=False``) whose source is ``src_rank``, so the union of all push plans equals
+    the union of those pull plans. Where the source's PCP ranks are replicas only PCP rank 0
+    sends (as vLLM 0.33 does): the maps of the other replicas are empty.
     """
     pairs = region_pairs(src, dst)
     _check_rank(src, src_rank, "source")
@@ -446,6 +482,7 @@ def push_map(src: EngineSpec, dst: EngineSpec, src_rank: int) -> TransferMap:
     lanes = [
         lane
         for d in range(dst.num_ranks)
-        for lane in _lanes_for_dst_rank(src, dst, d, pairs, cache, only_src=src_rank)
+        for lane in _lanes_for_dst_rank(src, dst, d, pairs, cache, only_src=src_rank,
+                                        spread=False)
     ]
     return TransferMap(src, dst, Mode.PUSH, src_rank, _sorted_lanes(lanes))

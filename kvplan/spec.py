@@ -74,7 +74,8 @@ def _regions(value: Any) -> tuple[RegionSpec, ...]:
 class EngineSpec:
     """One engine's KV cache: TP and PP sizes and its regions.
 
-    Ranks are flat: ``rank = pp_rank * tp_size + tp_rank``. A pipeline stage holds a contiguous
+    Ranks are flat: ``rank = (pp_rank * pcp_size + pcp_rank) * tp_size + tp_rank`` (``pcp_size``
+    1 unless prefill context parallelism, kvplan/cp.py). A pipeline stage holds a contiguous
     range of the regions (given by their ``stage`` or cut evenly in spec order); every TP rank of
     a stage holds each of those regions, sharded per its components. Invariants checked on
     construction: unique names; group ids ``0..G-1``, none skipped, a group all state regions or
@@ -87,17 +88,19 @@ class EngineSpec:
     dcp_size: int = 1  # decode context parallelism: token regions shard tokens over dcp ranks
     dcp_interleave: int = 1  # tokens a DCP rank takes at a time, round-robin (vLLM's
     # cp_kv_cache_interleave_size)
+    pcp_size: int = 1  # prefill context parallelism: ranks between PP and TP (kvplan/cp.py)
     _stages: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     _pages: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     _buffers: Buffers = attrs.field(init=False, eq=False, repr=False)
     _region_buffers: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        for field in ("tp_size", "pp_size", "dcp_size", "dcp_interleave"):
+        for field in ("tp_size", "pp_size", "dcp_size", "dcp_interleave", "pcp_size"):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SpecError(f"{field} must be a positive integer, got {v!r}")
-        for field, top in (("tp_size", MAX_TP_SIZE), ("pp_size", MAX_PP_SIZE)):
+        for field, top in (("tp_size", MAX_TP_SIZE), ("pp_size", MAX_PP_SIZE),
+                           ("pcp_size", MAX_TP_SIZE)):
             if getattr(self, field) > top:
                 raise SpecError(f"{field} {getattr(self, field)} exceeds the limit {top}")
         if not self.regions:
@@ -126,7 +129,8 @@ class EngineSpec:
         """Build from ``{"tp_size": int, "pp_size": int (optional), "regions": [...]}``."""
         if not isinstance(d, Mapping):
             raise SpecError(f"an engine spec must be a mapping, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"tp_size", "pp_size", "regions", "dcp_size", "dcp_interleave"})
+        unknown = sorted(set(d) - {"tp_size", "pp_size", "regions", "dcp_size", "dcp_interleave",
+                                   "pcp_size"})
         if unknown:
             raise SpecError(f"engine spec: unknown field(s) {unknown}")
         for key in ("tp_size", "regions"):
@@ -143,6 +147,7 @@ class EngineSpec:
             regions=tuple(RegionSpec.from_dict(r) for r in regions),
             dcp_size=d.get("dcp_size", 1),
             dcp_interleave=d.get("dcp_interleave", 1),
+            pcp_size=d.get("pcp_size", 1),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,7 +155,7 @@ class EngineSpec:
         d: dict[str, Any] = {"tp_size": self.tp_size}
         if self.pp_size != 1:
             d["pp_size"] = self.pp_size
-        for field in ("dcp_size", "dcp_interleave"):  # written only when set
+        for field in ("dcp_size", "dcp_interleave", "pcp_size"):  # written only when set
             if getattr(self, field) != 1:
                 d[field] = getattr(self, field)
         d["regions"] = [r.to_dict() for r in self.regions]
@@ -158,8 +163,15 @@ class EngineSpec:
 
     @property
     def num_ranks(self) -> int:
-        """``tp_size * pp_size``: flat ranks ``pp_rank * tp_size + tp_rank``."""
-        return self.tp_size * self.pp_size
+        """``tp_size * pcp_size * pp_size``: flat ranks ``(pp_rank * pcp_size + pcp_rank) *
+        tp_size + tp_rank`` (vLLM's order, PP x PCP x TP; see kvplan/cp.py)."""
+        return self.tp_size * self.pcp_size * self.pp_size
+
+    @property
+    def pcp_sharded(self) -> bool:
+        """True when the PCP ranks hold distinct DCP shards (vLLM 0.33's sharded PCP: TP 1,
+        ``pcp_size == dcp_size``); otherwise every PCP rank holds a full replica."""
+        return self.pcp_size > 1 and self.dcp_size == self.pcp_size and self.tp_size == 1
 
     def positions_per_block(self, index: int) -> int:
         """Request positions one block id of region ``index`` covers: ``block_size``, times
@@ -187,7 +199,7 @@ class EngineSpec:
         """Indices of the regions rank ``rank`` holds (those of its pipeline stage)."""
         if not 0 <= rank < self.num_ranks:
             raise SpecError(f"rank {rank} is not in [0, {self.num_ranks})")
-        stage = rank // self.tp_size
+        stage = rank // (self.tp_size * self.pcp_size)
         return tuple(i for i, s in enumerate(self._stages) if s == stage)
 
     def rank_block_nbytes(self, index: int) -> int:
@@ -263,6 +275,8 @@ class EngineSpec:
 
     def __str__(self) -> str:
         pp = f", pp={self.pp_size}" if self.pp_size != 1 else ""
+        if self.pcp_size != 1:
+            pp += f", pcp={self.pcp_size} {'sharded' if self.pcp_sharded else 'replicated'}"
         if self.dcp_size != 1:
             pp += f", dcp={self.dcp_size} interleave {self.dcp_interleave}"
         lines = [f"EngineSpec tp={self.tp_size}{pp}, {len(self.regions)} regions"]

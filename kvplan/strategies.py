@@ -51,6 +51,7 @@ __all__ = [
     "head_counts",
     "layout_spec_pairs",
     "layouts_and_allocations",
+    "pcp_spec_pairs",
     "region_pairs",
     "requests",
     "spec_pairs",
@@ -115,9 +116,12 @@ def unit_counts(src_tp: int, dst_tp: int) -> st.SearchStrategy[int]:
     return st.sampled_from(us)
 
 
-def block_size_pairs(sizes: Sequence[int] = _BLOCK_SIZES) -> st.SearchStrategy[tuple[int, int]]:
-    """(src_block_size, dst_block_size) with one dividing the other; equal sizes favoured."""
-    pairs = [(a, b) for a in sizes for b in sizes if _divides_either(a, b)]
+def block_size_pairs(
+    sizes: Sequence[int] = _BLOCK_SIZES, divide: bool = False
+) -> st.SearchStrategy[tuple[int, int]]:
+    """(src_block_size, dst_block_size), any two sizes (they plan by their gcd), or with one
+    dividing the other when ``divide``; equal sizes favoured."""
+    pairs = [(a, b) for a in sizes for b in sizes if not divide or _divides_either(a, b)]
     return st.one_of(st.sampled_from(sizes).map(lambda a: (a, a)), st.sampled_from(pairs))
 
 
@@ -243,7 +247,7 @@ def region_pairs(
     """One token region as seen by both engines: (src_region, dst_region).
 
     Shared across the pair: name, kind, group, dtype, num_kv_heads/head_dim or dim, window.
-    Per side: layout, kv, block_size (one divides the other), num_blocks (sized so that the
+    Per side: layout, kv, block_size (any two sizes), num_blocks (sized so that the
     region's bytes summed over all ranks of that side stay under ``max_region_bytes``, but at
     least 1 and at most ``max_blocks``) and, with ``kernel_blocks``, sometimes a
     ``kernel_block_size`` dividing the block size.
@@ -339,7 +343,7 @@ def spec_pairs(
       pooled on both sides or on one. A pooled attention region is kv "joint"; sometimes the
       pool gives an explicit ``page_bytes``.
     - layout / kv / block_size / kernel_block_size (with ``kernel_blocks``) / num_blocks chosen
-      independently per side (block sizes divide one another); an optional sliding window on
+      independently per side (block sizes need not divide); an optional sliding window on
       attention regions (``windows=True``).
     - token regions spread over up to ``max_groups`` groups, state regions over up to 2 other
       groups (a group holds state regions only or none), numbered 0..G-1 in source order with
@@ -614,24 +618,46 @@ def dcp_spec_pairs(draw, **kwargs) -> tuple[dict, dict]:
     """Like :func:`spec_pairs` (same keyword arguments), with decode context parallelism.
 
     Each side gets a ``dcp_size`` its heads allow (often > 1, 1 on one side too) and a
-    ``dcp_interleave`` dividing its token regions' block sizes; the positions one block id
-    covers (``block_size * dcp_size``) still divide one another across the pair.
+    ``dcp_interleave`` dividing its token regions' (kernel) block sizes; the positions one
+    block id covers (``block_size * dcp_size``) need not divide one another across the pair.
     """
     src, dst = draw(spec_pairs(**kwargs))
-    names = {r["name"]: r for r in src["regions"]}
-    pairs = [(names[r["name"]], r) for r in dst["regions"] if r["kind"] != "state"]
-    combos = [(a, b) for a in _dcp_choices(src) for b in _dcp_choices(dst) if all(
-        _divides_either(x["block_size"] * a, y["block_size"] * b) for x, y in pairs)]
+    combos = [(a, b) for a in _dcp_choices(src) for b in _dcp_choices(dst)]
     sharded = [c for c in combos if c != (1, 1)]  # (1, 1) always qualifies; prefer others
     s_dcp, d_dcp = draw(st.sampled_from(sharded if sharded and draw(st.booleans()) else combos))
     for spec, dcp in ((src, s_dcp), (dst, d_dcp)):
         if dcp == 1:
             continue
         spec["dcp_size"] = dcp
-        sizes = [r["block_size"] for r in spec["regions"] if r["kind"] != "state"]
+        sizes = [r.get("kernel_block_size") or r["block_size"] for r in spec["regions"]
+                 if r["kind"] != "state"]  # vLLM shards each kernel block (block_table.py)
         g = int(np.gcd.reduce(sizes)) if sizes else 1
         spec["dcp_interleave"] = draw(st.sampled_from([i for i in range(1, g + 1) if g % i == 0]))
     return src, dst
+@st.composite
+def pcp_spec_pairs(draw, max_pcp: int = 4, **kwargs) -> tuple[dict, dict]:
+    """Like :func:`dcp_spec_pairs` (same keyword arguments), with prefill context parallelism.
+
+    Each side may get a ``pcp_size`` of replicas (2..``max_pcp``), or, where its TP size is 1
+    and it has no DCP, become sharded PCP: ``pcp_size == dcp_size`` (PCP rank q holds DCP
+    shard q, as vLLM 0.33 does), with an interleave dividing its kernel block sizes. A side
+    with DCP inside its TP group keeps ``pcp_size`` 1 (no engine stores both).
+    """
+    src, dst = draw(dcp_spec_pairs(**kwargs))
+    for spec in (src, dst):
+        how = draw(st.sampled_from(("none", "replicas", "sharded")))
+        pcp = draw(st.integers(2, max_pcp))
+        if how == "replicas" and spec.get("dcp_size", 1) == 1:
+            spec["pcp_size"] = pcp
+        elif how == "sharded" and spec["tp_size"] == 1:
+            sizes = [r.get("kernel_block_size") or r["block_size"] for r in spec["regions"]
+                     if r["kind"] != "state"]
+            g = int(np.gcd.reduce(sizes)) if sizes else 1
+            spec.update(pcp_size=pcp, dcp_size=pcp, dcp_interleave=draw(
+                st.sampled_from([i for i in range(1, g + 1) if g % i == 0])))
+    return src, dst
+
+
 #: vLLM's six orders, TensorRT-LLM's pool order, and a few other permutations (``D`` last).
 LAYOUTS: tuple[str, ...] = (
     "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "BLSHND", "SLBNHD", "HSBLND",

@@ -144,7 +144,7 @@ def _spec_rows(spec: EngineSpec) -> list[dict[str, Any]]:
             "regions": name_set([spec.regions[k].name for k in members]),
             "kind": r.kind.value,
             "group": r.group,
-            "placement": "R" if r.is_replicated else "S",
+            "placement": _spec_placement(spec, r),
             "shape": glob,
             "per rank": local,
             "dtype": r.dtype,
@@ -233,6 +233,16 @@ def _streams(region: RegionSpec) -> str:
     return "K+V" if region.streams == 2 else "K"
 
 
+def _spec_placement(spec: EngineSpec, r: RegionSpec) -> str:
+    """``R``/``S``, with DCP (``R DCP/2``) where the ranks shard the tokens, PCP replicas."""
+    out = "R" if r.is_replicated else "S"
+    if spec.dcp_size > 1 and not r.is_state:
+        out += f" {'PCP' if spec.pcp_sharded else 'DCP'}/{spec.dcp_size}"
+    if spec.pcp_size > 1 and not (spec.pcp_sharded and not r.is_state):
+        out += f" x{spec.pcp_size} PCP replicas"
+    return out
+
+
 @attrs.frozen
 class Flow:
     """What crosses one rank-map edge for one kind of region and one placement."""
@@ -248,10 +258,12 @@ class Flow:
     @property
     def label(self) -> str:
         """The placement as the text outputs write it: ``S(heads 0:4)``, ``MLA R``,
-        ``S(x 0:2048, B 0:4)`` (a picture wraps it between parts)."""
+        ``S(x 0:2048, B 0:4)``, with the rank's context-parallel share where there is one
+        (``S(heads 0:4) PCP replica 1/2``, ``MLA DCP 1/2``); a picture wraps it between parts."""
         if self.kind == "latent":
             names = {"mla": "MLA", "indexer": "indexer"}
-            return "+".join(names[k] for k in names if k in self.region_kinds) + " R"
+            kinds = "+".join(names[k] for k in names if k in self.region_kinds)
+            return f"{kinds} {self.placement}"
         return self.placement
 
 

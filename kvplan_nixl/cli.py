@@ -34,6 +34,7 @@ from kvplan.cli.cliargs import HelpFormatter, UsageError, columns, legend
 from kvplan.cli.engines import engine_options, engines
 from kvplan.cli.engines import plans as make_plans
 from kvplan.cli.progress import step
+from kvplan.cp import parallel_label
 from kvplan.views import human_bytes
 
 __all__ = ["register"]
@@ -147,9 +148,7 @@ def cmd_demo(args) -> int:
 
     mode = "push" if args.push else "pull"
 
-    def shape(spec: EngineSpec) -> str:
-        return f"TP{spec.tp_size}" + (f" PP{spec.pp_size}" if spec.pp_size > 1 else "")
-
+    shape = parallel_label
     print(f"kvplan demo: {args.example}, prefill {shape(src)} -> decode {shape(dst)}, "
           f"{mode}, {args.tokens} tokens")
     t0 = time.perf_counter()

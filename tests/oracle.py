@@ -45,7 +45,10 @@ Semantics (the contract the planner follows too):
   The pool's buffer holds ``max(num_blocks) * page_bytes`` bytes.
 - Pipeline stages: regions are cut in spec order into ``pp_size`` contiguous ranges (earlier
   stages take one more) unless every region names its ``stage``; flat rank = ``pp_rank * tp +
-  tp_rank`` and a rank holds only its stage's regions.
+  tp_rank`` and a rank holds only its stage's regions. With ``pcp_size`` (prefill context
+  parallelism, vLLM's order PP x PCP x TP) flat rank = ``(pp_rank * pcp + pcp_rank) * tp +
+  tp_rank``; every PCP rank holds a replica of its stage, except under sharded PCP (TP 1,
+  ``pcp_size == dcp_size``) where PCP rank ``q`` is DCP rank ``q``.
 - Requests: ``blocks[g]`` lists group ``g``'s block ids. Token regions copy token positions
   ``copied_positions(...)`` (all positions both lists cover, or exactly ``tokens=(start,
   end)``, a window keeping the last ``(window // bs_dst + 1) * bs_dst`` of them); state
@@ -271,8 +274,23 @@ def rank_region_nbytes(region: Mapping, tp_size: int, spec: Mapping | None = Non
 
 
 def world_size(spec: Mapping) -> int:
-    """Number of flat ranks: ``pp_size * tp_size``."""
-    return spec.get("pp_size", 1) * spec["tp_size"]
+    """Number of flat ranks: ``pp_size * pcp_size * tp_size`` (vLLM orders them PP x PCP x
+    TP: flat rank ``(pp_rank * pcp + pcp_rank) * tp + tp_rank``)."""
+    return spec.get("pp_size", 1) * spec.get("pcp_size", 1) * spec["tp_size"]
+
+
+def pcp_sharded(spec: Mapping) -> bool:
+    """vLLM 0.33's sharded prefill context parallelism: TP 1 and ``pcp_size == dcp_size`` > 1,
+    PCP rank ``q`` holding DCP shard ``q``. Any other ``pcp_size`` > 1: each PCP rank holds a
+    full replica (``v1/attention/ops/pcp.py`` all-gathers the KV before writing the cache)."""
+    pcp = spec.get("pcp_size", 1)
+    return pcp > 1 and spec["tp_size"] == 1 and spec.get("dcp_size", 1) == pcp
+
+
+def dcp_rank_of(spec: Mapping, rank: int) -> int:
+    """The DCP rank of flat ``rank``: its PCP rank under sharded PCP, else TP rank mod DCP."""
+    tp, pcp, dcp = spec["tp_size"], spec.get("pcp_size", 1), spec.get("dcp_size", 1)
+    return (rank // tp) % pcp if pcp_sharded(spec) else (rank % tp) % dcp
 
 
 def region_stages(spec: Mapping) -> list[int]:
@@ -303,7 +321,7 @@ def rank_regions(spec: Mapping, rank: int) -> list[int]:
     """Region indices held by flat ``rank``."""
     if not 0 <= rank < world_size(spec):
         raise ValueError(f"rank {rank} out of range")
-    stage = rank // spec["tp_size"]
+    stage = rank // (spec["tp_size"] * spec.get("pcp_size", 1))
     return [i for i, s in enumerate(region_stages(spec)) if s == stage]
 
 
@@ -700,13 +718,14 @@ def _cp(spec: Mapping) -> tuple[int, int]:
     return dcp, spec.get("dcp_interleave", 1) if dcp > 1 else 1
 
 
-def _fill(spec: Mapping, index: int, tp_rank: int, seed: int, bufs, blocks) -> None:
+def _fill(spec: Mapping, index: int, rank: int, seed: int, bufs, blocks) -> None:
     """Write region ``index``'s content hashes for logical ``blocks`` through its views.
 
     Under decode context parallelism a token's hash names its position in the block id, so
     DCP ranks holding different positions hold different bytes."""
     region = normalize_region(spec["regions"][index])
     tp = spec["tp_size"]
+    tp_rank = rank % tp
     blocks = np.asarray(blocks, dtype=np.int64)
     views = region_views(spec, index, bufs)
     if is_state(region):
@@ -724,7 +743,7 @@ def _fill(spec: Mapping, index: int, tp_rank: int, seed: int, bufs, blocks) -> N
             gh = np.zeros_like(h)
         b = blocks.reshape(-1, 1, 1, 1, 1, 1)
         dcp, il = _cp(spec)
-        t = _virtual_token(j * kbs + tk, dcp, il, tp_rank % dcp)
+        t = _virtual_token(j * kbs + tk, dcp, il, dcp_rank_of(spec, rank))
         view[blocks] = content_hash(region["name"], seed, s, b, t, gh, f, k)
 
 
@@ -787,7 +806,6 @@ def source_buffers(
     regions = check_spec(spec)
     out: dict = {}
     for rank in range(world_size(spec)):
-        tp_rank = rank % spec["tp_size"]
         held = rank_regions(spec, rank)
         bufs = {}
         for name in _rank_buffer_names(spec, rank):
@@ -799,15 +817,15 @@ def source_buffers(
         for i in held:
             r = regions[i]
             if r["pool"] is None:
-                _fill(spec, i, tp_rank, seed, bufs, np.arange(r["num_blocks"]))
+                _fill(spec, i, rank, seed, bufs, np.arange(r["num_blocks"]))
             elif r["pool"] not in done:
                 done.add(r["pool"])
-                _fill_pool(spec, regions, i, tp_rank, seed, bufs, request_blocks)
+                _fill_pool(spec, regions, i, rank, seed, bufs, request_blocks)
         out.update(_keyed(spec, rank, bufs))
     return out
 
 
-def _fill_pool(spec, regions, index, tp_rank, seed, bufs, request_blocks) -> None:
+def _fill_pool(spec, regions, index, rank, seed, bufs, request_blocks) -> None:
     members = pool_members(spec, index)
     owner = np.full(_num_pages(spec, index), -1, dtype=np.int64)
     for m in members:
@@ -821,7 +839,7 @@ def _fill_pool(spec, regions, index, tp_rank, seed, bufs, request_blocks) -> Non
     for b in np.flatnonzero(owner == -1):
         owner[b] = next(m for m in members if regions[m]["num_blocks"] > b)
     for m in members:
-        _fill(spec, m, tp_rank, seed, bufs, np.flatnonzero(owner == m))
+        _fill(spec, m, rank, seed, bufs, np.flatnonzero(owner == m))
 
 
 def destination_buffers(spec: Mapping, seed: int = 1) -> dict[tuple, np.ndarray]:
@@ -913,7 +931,7 @@ def _check_blocks(ids: list[int], num_blocks: int, name: str) -> None:
         raise ValueError(f"region {name!r}: block id out of range 0..{num_blocks - 1}")
 
 
-def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, s_base, d_base,
+def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_rank, s_base, d_base,
             tokens=None, dst_from="zero"):
     """Yield ``(d_addr, candidates)`` for one region pair: ``d_addr`` a grid of destination
     addresses (in the rank's concatenated buffers, ``d_base[name]`` + offset) whose first axis
@@ -921,15 +939,22 @@ def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, s_bas
     c) of lists of ``(src tp rank, rows, s_addr)``: source addresses (``s_base``) for the
     ``rows`` of ``d_addr``'s first axis read from that rank."""
     src_tp, dst_tp = src_spec["tp_size"], dst_spec["tp_size"]
+    d_tp_rank = d_rank % dst_tp
+    # Source ranks are offsets from the stage's first rank: TP rank r of PCP replica 0, or
+    # under sharded PCP TP rank r of PCP rank e (DCP shard e); every replica holds equal bytes.
+    s_sharded = pcp_sharded(src_spec)
 
     def split_candidates(count, wanted, s_off_fn, dcp=1, dcp_rank=0):
+        shift = dcp_rank * src_tp if s_sharded else 0
+        if s_sharded:
+            dcp, dcp_rank = 1, 0
         ranks, local = _candidates(count, src_tp, wanted, dcp, dcp_rank)
         out = []
         for c in range(ranks.shape[1]):
             lst = []
             for r in np.unique(ranks[:, c]).tolist():
                 rows = np.flatnonzero(ranks[:, c] == r)
-                lst.append((r, rows, s_off_fn(local[rows, c])))
+                lst.append((shift + r, rows, s_off_fn(local[rows, c])))
             out.append(lst)
         return out
 
@@ -969,7 +994,7 @@ def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, s_bas
     if pos[-1] // bs_s >= len(slist) or pos[-1] // bs_d - d_first >= len(dlist):
         raise ValueError(f"region {dreg['name']!r}: positions up to {span.stop} are not in the "
                          "block lists")
-    pos = pos[(pos % bs_d) // il_d % dcp_d == d_tp_rank % dcp_d]  # the ones this rank holds
+    pos = pos[(pos % bs_d) // il_d % dcp_d == dcp_rank_of(dst_spec, d_rank) % dcp_d]  # its own
     e = ELEMENT_SIZE[dreg["dtype"]]
     for src_dcp_rank in range(dcp_s):
         mine = pos[(pos % bs_s) // il_s % dcp_s == src_dcp_rank]
@@ -1005,8 +1030,8 @@ def _pieces(sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, s_bas
             # Replicated: every source rank of the stage (of that DCP rank) holds it all.
             d_off = db + token_offset(dst_spec, j, s, d_b, 0, d_t, byte)
             zero = np.zeros(1, dtype=np.int64)
-            yield d_off, [[(r, zero, s_fn(zero))] for r in range(src_tp)
-                          if r % dcp_s == src_dcp_rank]
+            yield d_off, [[(src_dcp_rank * src_tp + r if s_sharded else r, zero, s_fn(zero))]
+                          for r in range(src_tp) if s_sharded or r % dcp_s == src_dcp_rank]
 
 
 def _concat(spec: Mapping, rank: int, buffers: Mapping) -> tuple[np.ndarray, dict[str, int]]:
@@ -1045,12 +1070,12 @@ def expected_buffers(
     Raises ValueError as :func:`expected_destination`.
     """
     src_regions, dst_regions = check_spec(src_spec), check_spec(dst_spec)
-    src_tp, dst_tp = src_spec["tp_size"], dst_spec["tp_size"]
+    src_tp = src_spec["tp_size"]
     src_index = {r["name"]: i for i, r in enumerate(src_regions)}
     if sorted(src_index) != sorted(r["name"] for r in dst_regions):
         raise ValueError("region names differ between source and destination")
     src_stages = region_stages(src_spec)
-    d_tp_rank = dst_rank % dst_tp
+    s_ranks = src_tp * src_spec.get("pcp_size", 1)  # flat ranks of one stage
     exp, d_base = _concat(dst_spec, dst_rank, dst_before)
     written = np.zeros(exp.shape, dtype=bool)
     src_cat: dict[int, tuple[np.ndarray, dict[str, int]]] = {}
@@ -1069,13 +1094,13 @@ def expected_buffers(
         dlist = _group_list(dst_blocks, dreg["group"])
         _check_blocks(slist, sreg["num_blocks"], sreg["name"])
         _check_blocks(dlist, dreg["num_blocks"], dreg["name"])
-        base = src_stages[i] * src_tp  # flat rank of the source stage's TP rank 0
-        for r in range(base, base + src_tp):
+        base = src_stages[i] * s_ranks  # flat rank of the source stage's first rank
+        for r in range(base, base + s_ranks):
             if r not in src_cat:
                 src_cat[r] = _concat(src_spec, r, src_buffers)
         s_base = src_cat[base][1]
         for d_off, choices in _pieces(
-            sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, d_tp_rank, s_base, d_base,
+            sreg, dreg, src_spec, dst_spec, i, j, slist, dlist, dst_rank, s_base, d_base,
             tokens, dst_from,
         ):
             if d_off.size == 0:

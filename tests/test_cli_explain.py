@@ -165,8 +165,8 @@ def test_check_exits_non_zero_with_the_refusal(capsys, tmp_path):
     assert code == 1 and doc["compatible"] is False
     assert doc["error"] == "IncompatibleLayoutError" and "dtype differs" in doc["message"]
     c = _write(tmp_path, "c.json", presets.spec("llama-3.1-8b", 8, block_size=24))
-    code, _, err = run(capsys, "check", a, c)
-    assert code == 1 and "block sizes do not divide: source 16, destination 24" in err
+    code, _, err = run(capsys, "check", a, c)  # 16 -> 24 plans by granules of gcd 8
+    assert code == 0 and err == ""
 
 
 def test_check_refuses_malformed_specs_and_missing_files(capsys, tmp_path):

@@ -29,8 +29,6 @@ def engine(tp, *regions):
         (engine(4, attn()), engine(6, attn(num_kv_heads=12)), ["TP sizes", "4", "6"]),
         (engine(2, attn(), mla()), engine(2, attn()), ["region names", "draft.0.mla"]),
         (engine(2, attn()), engine(2, attn("layers.1.attn")), ["layers.0.attn", "layers.1.attn"]),
-        (engine(2, attn(block_size=16)), engine(2, attn(block_size=24)),
-         ["layers.0.attn", "block sizes", "16", "24"]),
         (engine(2, attn(dtype="bfloat16")), engine(2, attn(dtype="float8_e4m3fn")),
          ["layers.0.attn", "dtype", "bfloat16", "float8_e4m3fn"]),
         (engine(2, attn(head_dim=128)), engine(2, attn(head_dim=64)),
@@ -41,8 +39,6 @@ def engine(tp, *regions):
         (engine(2, attn(window=128)), engine(2, attn(window=256)),
          ["layers.0.attn", "window", "128", "256"]),
         (engine(2, attn("x")), engine(2, mla("x")), ["'x'", "kind", "attention", "mla"]),
-        (engine(2, attn(), attn("b", group=1)), engine(2, attn(group=1), attn("b")),
-         ["layers.0.attn", "group", "0", "1"]),
     ],
 )
 def test_refusals_name_the_region_and_numbers(src, dst, words):
@@ -52,6 +48,12 @@ def test_refusals_name_the_region_and_numbers(src, dst, words):
         assert isinstance(e.value, ValueError)
         for w in words:
             assert w in str(e.value), (w, str(e.value))
+
+
+def test_block_sizes_and_groups_need_not_match():
+    """Sizes plan by their gcd (tests/test_granules.py), groups per side (tests/test_regroup.py)."""
+    pull_map(engine(2, attn(block_size=16)), engine(2, attn(block_size=24)), 0)
+    pull_map(engine(2, attn(), attn("b", group=1)), engine(2, attn(group=1), attn("b")), 1)
 
 
 def test_every_layout_pair_is_accepted():

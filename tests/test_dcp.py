@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvplan.strategies as ks
-from kvplan import EngineSpec, IncompatibleLayoutError, SpecError, pull_map, push_map
+from kvplan import EngineSpec, SpecError, pull_map, push_map
 from kvplan.placement import TokenSharding
 from tests.test_ranges import check_against_oracle
 
@@ -111,7 +111,8 @@ def test_token_sharding_matches_vllm_slot_mapping():
     (spec(4, attn(4), dcp=2), SpecError,
      r"region 'l0.attn': dcp_size 2 needs every DCP group to hold the same heads"),
     (spec(4, mla(bs=16), dcp=2, il=3), SpecError,
-     r"region 'l0.mla': dcp_interleave 3 does not divide block_size 16"),
+     r"region 'l0.mla': dcp_interleave 3 does not divide block_size 16 \(16 % 3 = 1\): "
+     r"vLLM's slot mapping would give DCP rank 0 17 of a kernel block's 32 positions, 1 past"),
     ({"tp_size": 2, "dcp_size": 0, "regions": [mla()]}, SpecError,
      r"dcp_size must be a positive integer"),
 ])
@@ -120,12 +121,12 @@ def test_dcp_refusals(d, error, match):
         EngineSpec.from_dict(d)
 
 
-def test_positions_per_block_id_must_divide():
-    src = EngineSpec.from_dict(spec(6, mla(bs=16), dcp=3))
-    dst = EngineSpec.from_dict(spec(2, mla(bs=16), dcp=2))
-    with pytest.raises(IncompatibleLayoutError, match=r"16 x dcp 3 = 48, destination 16 x "
-                                                      r"dcp 2 = 32"):
-        pull_map(src, dst, 0)
+def test_positions_per_block_id_need_not_divide():
+    """48 positions per source block id (16 x dcp 3) against 32 (16 x dcp 2): granules of 16."""
+    s, d = spec(6, mla(bs=16), dcp=3), spec(2, mla(bs=16), dcp=2)
+    sb, db = [[3, 1, 5, 0]], [[2, 7, 0, 4, 9, 6]]  # 4 x 48 = 6 x 32 positions
+    assert check_against_oracle(s, d, sb, db) == 192 * 576 * 2  # each position once, one rank
+    assert check_against_oracle(s, d, sb, db, tokens=(5, 170)) > 0
 
 
 def test_spec_round_trip_and_str():
@@ -159,5 +160,59 @@ def test_map_summary_names_the_token_share():
     text = pull_map(src, dst, 1).summary()
     assert "DCP source 4 (interleave 1), destination 2 (interleave 1)" in text
     # D1 holds 16 of a block id's 32 positions; P3 holds 8 of those: 8 x 576 x 2 bytes
-    assert ("p3 -> d1  l0.mla: R, K, 9216 B and 8 runs per block id (32 positions), tokens of "
-            "p-DCP rank 3 held by d-DCP rank 1") in text
+    assert ("p3 -> d1  l0.mla: DCP 1/2 (positions 1:2 of every 2), K, 9216 B and 8 runs per "
+            "block id (32 positions), tokens of p-DCP rank 3 held by d-DCP rank 1") in text
+
+
+def _vllm_slot_mapping(positions, block_table, kernel_bs, dcp, il, dcp_rank):
+    """vLLM's ``_compute_slot_mapping_kernel`` (``vllm/v1/worker/block_table.py``; the block
+    table holds kernel block ids, ``map_to_kernel_blocks``), written out in numpy: the slot of
+    each position on DCP rank ``dcp_rank``, -1 where the position is not that rank's."""
+    virtual = kernel_bs * dcp
+    block_numbers = block_table[positions // virtual]
+    offsets = positions - (positions // virtual) * virtual
+    is_local = (offsets // il) % dcp == dcp_rank
+    local = (offsets // (dcp * il)) * il + offsets % il
+    return np.where(is_local, block_numbers * kernel_bs + local, -1)
+
+
+@pytest.mark.parametrize(("bs", "kbs", "dcp", "il"), [
+    (16, 16, 2, 1), (16, 16, 4, 4), (32, 16, 2, 8), (64, 16, 4, 16), (48, 16, 2, 2)])
+def test_token_sharding_is_vllms_slot_mapping_with_kernel_blocks(bs, kbs, dcp, il):
+    """Where the interleave divides the kernel block, kvplan's TokenSharding over logical blocks
+    puts every position on the rank and at the slot vLLM's slot mapping does."""
+    spec_ = EngineSpec.from_dict(spec(dcp, {**mla(bs=bs), "kernel_block_size": kbs},
+                                      dcp=dcp, il=il))
+    n = bs // kbs
+    logical = np.array([5, 2, 7])
+    kernel_table = (logical[:, None] * n + np.arange(n)).ravel()  # map_to_kernel_blocks
+    pos = np.arange(len(logical) * bs * dcp)
+    t = TokenSharding(bs, dcp, il)
+    o = pos % (bs * dcp)
+    for rank in range(dcp):
+        vllm = _vllm_slot_mapping(pos, kernel_table, kbs, dcp, il, rank)
+        mine = t.holder(o) == rank
+        assert np.array_equal(vllm >= 0, mine)
+        kv_slot = logical[pos // (bs * dcp)] * bs + t.local(o)  # logical block x its tokens
+        assert np.array_equal(vllm[mine], kv_slot[mine])
+    assert spec_.dcp_interleave == il
+
+
+@pytest.mark.parametrize(("kbs", "dcp", "il", "rank0"), [(16, 2, 64, 32), (16, 2, 6, 18),
+                                                         (16, 4, 32, 32), (8, 2, 3, 9)])
+def test_interleave_not_dividing_the_kernel_block_degenerates_in_vllm_and_is_refused(
+        kbs, dcp, il, rank0):
+    """vLLM's formula with I not dividing the kernel block: DCP rank 0 gets more than a block's
+    tokens (all of them when I >= kernel block x DCP) and writes past its kernel block into the
+    next one; kvplan refuses such a spec, naming the count."""
+    pos = np.arange(kbs * dcp)
+    slots = _vllm_slot_mapping(pos, np.array([0, 1]), kbs, dcp, il, 0)
+    held = slots[slots >= 0]
+    assert len(held) == rank0 > kbs and held.max() >= kbs  # spills into kernel block 1
+    if il >= kbs * dcp:
+        assert len(held) == kbs * dcp  # every position on rank 0
+    with pytest.raises(SpecError, match=rf"dcp_interleave {il} does not divide "
+                       rf"(kernel_)?block_size {kbs} .*DCP rank 0 {rank0} of a kernel block's "
+                       rf"{kbs * dcp} positions, {rank0 - kbs} past"):
+        EngineSpec.from_dict(spec(dcp, {**mla(bs=2 * kbs), "kernel_block_size": kbs},
+                                  dcp=dcp, il=il))

@@ -60,6 +60,8 @@ def test_hybrid_plan_with_stages_is_pure(capsys):
 
 
 def test_incompatible_example_exits_with_a_message(capsys):
-    rc = main(["plan", "--prefill-block-size", "16", "--decode-block-size", "24"])
+    rc = main(["plan", "--prefill-block-size", "4099", "--decode-block-size", "4096"])
     assert rc == 2
-    assert "IncompatibleLayoutError" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "IncompatibleLayoutError" in err and "lcm = 16789504" in err
+    assert main(["plan", "--prefill-block-size", "16", "--decode-block-size", "24"]) == 0

@@ -53,6 +53,19 @@ def check_against_oracle(src_d, dst_d, src_blocks, dst_blocks, tokens=None, dst_
     return total
 
 
+def pulls_and_pushes(src, dst, sb, db, spread_pcp=True, **plan):
+    """One request's plans: every destination rank's pull and every source rank's push."""
+    pulls = [pull_map(src, dst, r, spread_pcp=spread_pcp).plan(sb, db, **plan)
+             for r in range(dst.num_ranks)]
+    pushes = [push_map(src, dst, r).plan(sb, db, **plan) for r in range(src.num_ranks)]
+    return pulls, pushes
+
+
+def copy_rows(plans):
+    """The rows of several plans as one sorted list (to compare unions of plans)."""
+    return sorted(tuple(x) for p in plans for x in p.copies().tolist())
+
+
 @st.composite
 def ranged_cases(draw, **spec_kwargs):
     src_d, dst_d = draw(ks.spec_pairs(**spec_kwargs))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from kvplan import strategies as ks
@@ -66,7 +66,7 @@ def check_pair_invariants(src, dst, max_bytes=None):
                     assert _ok(p["units"], tp)
                 assert p["unit_bytes"] % oracle.ELEMENT_SIZE[s["dtype"]] == 0
             continue
-        assert _ok(s["block_size"], d["block_size"])
+        assert s["block_size"] >= 1 and d["block_size"] >= 1  # any two sizes (granules)
         for r in (s, d):
             assert r["block_size"] % r["kernel_block_size"] == 0
         if s["kind"] == "attention":
@@ -292,3 +292,14 @@ def test_state_and_token_region_pairs(kind):
             assert oracle.rank_region_nbytes(r, tp) * tp <= max(1 << 18, one_block)
 
     inner()
+
+
+@settings(max_examples=30, deadline=None)
+@given(ks.block_size_pairs(divide=True))
+def test_block_size_pairs_divide_only_when_asked(pair):
+    assert _ok(*pair)
+
+
+def test_block_size_pairs_draw_non_dividing_pairs_by_default():
+    a, b = find(ks.block_size_pairs(), lambda p: not _ok(*p))
+    assert a % b and b % a

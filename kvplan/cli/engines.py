@@ -16,6 +16,7 @@ import numpy as np
 import kvplan
 from kvplan import EngineSpec, TransferPlan, presets
 from kvplan.cli.cliargs import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_TOKENS, MAX_TP, UsageError, int_in
+from kvplan.cli.explain import context_options, context_sizes
 from kvplan.cli.explain import layout_arg as explain_layout
 from kvplan.examples import EXAMPLES, request_blocks
 
@@ -38,8 +39,12 @@ def _preset_spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | N
 
 def _spec(args: argparse.Namespace, tp: int, pp: int, block_size: int | None,
           side: str | None = None) -> EngineSpec:
-    """The engine of ``--example`` on one side, re-laid out by ``--{side}-layout`` if given."""
+    """The engine of ``--example`` on one side, with ``--{side}-dcp-size``... if given,
+    re-laid out by ``--{side}-layout`` if given."""
     spec = _base_spec(args, tp, pp, block_size)
+    context = context_sizes(args, side) if side else {}
+    if context:
+        spec = EngineSpec.from_dict({**spec.to_dict(), **context})
     own = getattr(args, f"{side}_layout", None) if side else None
     return spec if own is None else spec.with_layout(own, args.kv or "split")
 
@@ -102,6 +107,8 @@ def engine_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--decode-tp", type=tp, default=2, help="tensor-parallel ranks of decode")
     s.add_argument("--prefill-pp", type=pp, default=1, help="pipeline stages of prefill")
     s.add_argument("--decode-pp", type=pp, default=1, help="pipeline stages of decode")
+    context_options(s, "prefill")
+    context_options(s, "decode")
     s.add_argument("--push", action="store_true", help="prefill writes instead of decode reads")
     s.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=2048,
                    help="request length in tokens")

@@ -48,6 +48,7 @@ from kvplan.cli.cliargs import (
     legend,
 )
 from kvplan.compat import region_pairs
+from kvplan.cp import parallel_fields, parallel_label
 from kvplan.planner import Lane, Mode
 from kvplan.views import human_bytes, peer_rows, rank_share
 
@@ -118,10 +119,16 @@ def _draft(arg: str | None) -> Any:
 def _engine(arg: str, tp: int | None, args: argparse.Namespace, side: str,
             min_blocks: int = 0) -> EngineSpec:
     kind, data = _model(arg)
+    cp = context_sizes(args, side)
     if kind == "spec":
         spec = EngineSpec.from_dict(data)
         if tp is not None and tp != spec.tp_size:
             raise _Usage(f"--{side}-tp {tp} but {arg!r} is a spec of tp_size {spec.tp_size}")
+        for field, value in cp.items():
+            if value != getattr(spec, field):
+                flag = f"--{side}-" if side != "model" else "--"
+                raise _Usage(f"{flag}{field.replace('_', '-')} {value} but {arg!r} is a spec "
+                             f"of {field} {getattr(spec, field)}")
         return spec
     if tp is None:
         raise _Usage(f"--{side}-tp is needed for the model {arg!r}")
@@ -135,7 +142,33 @@ def _engine(arg: str, tp: int | None, args: argparse.Namespace, side: str,
         layout=_opt(args, f"{side}_layout", args.layout),
         kv=args.kv,
         draft=_draft(args.draft),
+        **cp,
     )
+
+
+def context_sizes(args: argparse.Namespace, side: str) -> dict[str, int]:
+    """``dcp_size``, ``dcp_interleave`` and ``pcp_size`` a user gave for one side (those left
+    unset are absent), from ``--{side}-dcp-size``... (``--dcp-size``... for ``kvplan spec``)."""
+    return {f: getattr(args, f"{side}_{f}") for f in ("dcp_size", "dcp_interleave", "pcp_size")
+            if getattr(args, f"{side}_{f}", None) is not None}
+
+
+def context_options(p: argparse.ArgumentParser, side: str | None) -> None:
+    """Add the context-parallel options of one side (``None``: ``kvplan spec``'s only model)."""
+    flag, dest = (f"--{side}-", f"{side}_") if side else ("--", "model_")
+    who = f" of {side}" if side else ""
+    size = int_in(1, MAX_TP)
+    p.add_argument(f"{flag}dcp-size", dest=f"{dest}dcp_size", type=size, default=None,
+                   help=f"decode-context-parallel ranks{who} (a divisor of the TP size; "
+                        "default 1)")
+    p.add_argument(f"{flag}dcp-interleave", dest=f"{dest}dcp_interleave",
+                   type=int_in(1, MAX_BLOCK_SIZE), default=None,
+                   help=f"tokens a DCP rank{who} takes at a time (vLLM's "
+                        "cp_kv_cache_interleave_size; must divide the kernel block size; "
+                        "default 1)")
+    p.add_argument(f"{flag}pcp-size", dest=f"{dest}pcp_size", type=size, default=None,
+                   help=f"prefill-context-parallel ranks{who}: full replicas, or with TP 1 and "
+                        "the same --dcp-size DCP shards (vLLM 0.33; default 1)")
 
 
 def _blocks_needed(tokens: int, block_size: int) -> int:
@@ -353,11 +386,13 @@ def layouts(spec: EngineSpec) -> str:
 
 
 def _engine_doc(spec: EngineSpec) -> dict[str, Any]:
-    """An engine's shape in explain's JSON: TP, PP, DCP, layouts and region count."""
-    return {"tp_size": spec.tp_size, "pp_size": spec.pp_size, "dcp_size": spec.dcp_size,
-            "layout": layouts(spec), "kv": ", ".join(dict.fromkeys(
-                r.kv.value for r in spec.regions if r.kind is kvplan.Kind.ATTENTION)),
-            "regions": len(spec.regions)}
+    """An engine's shape in explain's JSON: TP, PP, PCP and DCP sizes, layouts and region
+    count."""
+    kv = dict.fromkeys(r.kv.value for r in spec.regions if r.kind is kvplan.Kind.ATTENTION)
+    sizes = {f: getattr(spec, f) for f in ("tp_size", "pp_size", "pcp_size", "dcp_size",
+                                           "dcp_interleave")}  # every one, 1 where unset
+    return {**sizes, "layout": layouts(spec),
+            "kv": ", ".join(kv), "regions": len(spec.regions)}
 
 
 def _maybe(progress, text: str):
@@ -423,9 +458,9 @@ def _title(args, src: EngineSpec, dst: EngineSpec) -> str:
 
 
 def _shape(spec: EngineSpec) -> str:
-    """``TP8 PP2 DCP2 BLHNC``: how an engine is sharded and laid out (the title's words)."""
-    return (f"TP{spec.tp_size}" + (f" PP{spec.pp_size}" if spec.pp_size > 1 else "")
-            + (f" DCP{spec.dcp_size}" if spec.dcp_size > 1 else "") + f" {layouts(spec)}")
+    """``TP8 PP2 DCP2 BLHNC``: how an engine is sharded (``kvplan.cp.parallel_label``) and laid
+    out (the title's words)."""
+    return f"{parallel_label(spec)} {layouts(spec)}"
 
 
 OFFSETS = ("where the first run starts, in bytes from the block's start, in the source block (+a) "
@@ -607,17 +642,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         return _refused(args, exc)
     doc = {
         "compatible": True,
-        "source": {"tp_size": src.tp_size, "pp_size": src.pp_size, "regions": len(src.regions),
+        "source": {**parallel_fields(src), "regions": len(src.regions),
                    "groups": src.num_groups},
-        "destination": {"tp_size": dst.tp_size, "pp_size": dst.pp_size,
-                        "regions": len(dst.regions), "groups": dst.num_groups},
+        "destination": {**parallel_fields(dst), "regions": len(dst.regions),
+                        "groups": dst.num_groups},
         "region_pairs": len(pairs),
     }
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(f"compatible: source TP{src.tp_size} ({len(src.regions)} regions) -> destination "
-              f"TP{dst.tp_size} ({len(dst.regions)} regions), {len(pairs)} region pairs")
+        print(f"compatible: source {parallel_label(src)} ({len(src.regions)} regions) -> "
+              f"destination {parallel_label(dst)} ({len(dst.regions)} regions), {len(pairs)} "
+              "region pairs")
     return 0
 
 
@@ -686,6 +722,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tensor-parallel ranks of decode (needed unless MODEL is a spec)")
     p.add_argument("--prefill-pp", type=pp, default=1, help="pipeline stages of prefill")
     p.add_argument("--decode-pp", type=pp, default=1, help="pipeline stages of decode")
+    context_options(p, "prefill")
+    context_options(p, "decode")
     p.add_argument("--prefill-block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
                    help="tokens per block on prefill (default: --block-size)")
     p.add_argument("--decode-block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
@@ -722,6 +760,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL", help="preset or HF config.json (or its directory)")
     p.add_argument("--tp", type=tp, required=True, help="tensor-parallel ranks")
     p.add_argument("--pp", dest="model_pp", type=pp, default=1, help="pipeline stages")
+    context_options(p, None)
     p.add_argument("--indent", action="store_true", help="pretty-print")
     _model_options(p)
 
