@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvplan.strategies as ks
-from kvplan import EngineSpec, SpecError, pull_map, push_map
+from kvplan import EngineSpec, SpecError, held_heads, pull_map, push_map
 from kvplan.cp import cp_label, dcp_rank, pcp_rank, stage_base, tp_rank
 from tests.test_ranges import check_against_oracle, copy_rows, pulls_and_pushes
 
@@ -172,3 +172,29 @@ def test_pcp_push_equals_pull_from_replica_zero_and_spread_is_even(case):
     assert sum(p.nbytes for p in spread) == sum(p.nbytes for p in pulls)
     again = pull_map(EngineSpec.from_dict(src_d), EngineSpec.from_dict(dst_d), 0)
     assert again.plan(sb, db, **plan) == spread[0]  # deterministic from fresh specs
+
+
+@settings(SETTINGS, max_examples=30)
+@given(ks.pcp_spec_pairs(max_groups=2, max_tp=4))
+def test_readers_spread_evenly_over_source_replicas(pair):
+    """Each (head or unit) is read by the destination ranks holding it from the source ranks
+    holding it, over every PCP replica, loads differing by at most one."""
+    src, dst = (EngineSpec.from_dict(d) for d in pair)
+    if src.dcp_size > 1:  # DCP decides the source rank of each token: no choice to spread
+        return
+    maps = [pull_map(src, dst, r) for r in range(dst.num_ranks)]
+    for j, region in enumerate(dst.regions):
+        i = src.region_index(region.name)
+        if not region.is_state and dst.dcp_size > 1:
+            continue  # a destination DCP rank reads only its tokens: loads differ by share
+        for c, comp in enumerate(region.components):
+            for h in range(comp.units):
+                load = Counter(lane.src_rank for m in maps for lane in m.lanes
+                               if lane.dst_region == j for u in lane.units
+                               if u.component == c and u.start <= h < u.stop)
+                holders = [stage_base(src, src.stage_of(i), q) + t
+                           for q in range(src.pcp_size) for t in range(src.tp_size)
+                           if h in held_heads(comp.units, src.tp_size, t)]
+                assert set(load) <= set(holders)
+                counts = [load[r] for r in holders]
+                assert max(counts) - min(counts) <= 1, (region.name, h, counts)
