@@ -6,7 +6,9 @@ turns the caller's buffers (a mapping by region, pool, allocation or buffer name
 sequence in spec order) into one ``(address, nbytes, device, memory)`` per buffer the rank
 holds, refusing, before any transport is touched, a buffer of the wrong size, for a region of
 another pipeline stage, a missing one, two different buffers for one pool or allocation, or
-buffers that overlap in memory.
+buffers that overlap in memory. ``memory`` declares which buffer is in which NIXL memory
+type (DRAM or VRAM): a tensor or array whose device disagrees is refused, naming the buffer;
+an ``(address, nbytes)`` pair takes the declared type (DRAM when none is declared).
 
 Bottom layer: pure, no NIXL call; it may import only the core and ``errors``.
 """
@@ -44,9 +46,11 @@ def _alloc_label(spec: EngineSpec, b: int) -> str:
     return f"region {r.name!r}"
 
 
-def _buffer(buf: Any, spec: EngineSpec, a: int, key: str) -> tuple[int, int, int, str]:
+def _buffer(buf: Any, spec: EngineSpec, a: int, key: str,
+            declared: str | None = None) -> tuple[int, int, int, str]:
     """(address, nbytes, device, mem_type) of buffer ``a`` (an index of ``spec.buffers``),
-    given as ``key``; refuses a wrong size at once."""
+    given as ``key`` and declared to be in ``declared`` (None: not declared); refuses a wrong
+    size or a device that is not the declared memory at once."""
     what = _alloc_label(spec, a)
     if key != spec.buffers[a]:
         what += f", given as {key!r}"
@@ -68,12 +72,17 @@ def _buffer(buf: Any, spec: EngineSpec, a: int, key: str) -> tuple[int, int, int
         and len(buf) == 2
         and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in buf)
     ):
-        addr, nbytes, dev, mem = int(buf[0]), int(buf[1]), 0, "DRAM"
+        addr, nbytes, dev, mem = int(buf[0]), int(buf[1]), 0, declared or "DRAM"
     else:
         raise TypeError(
             f"{what}: a buffer is a contiguous torch tensor, a numpy array or an "
             f"(address, nbytes) pair, got {type(buf).__name__}"
         )
+    if declared is not None and mem != declared:
+        raise BufferSizeError(
+            f"{what}: declared {declared} in memory=, but the buffer is {mem} memory "
+            f"({_device_text(buf)}); give a {'CUDA' if declared == 'VRAM' else 'CPU'} buffer "
+            "or declare it as what it is")
     want = spec.rank_buffer_nbytes(a)
     if nbytes != want:
         i = spec.buffer_regions(a)[0]
@@ -92,6 +101,53 @@ def _buffer(buf: Any, spec: EngineSpec, a: int, key: str) -> tuple[int, int, int
     return addr, nbytes, dev, mem
 
 
+def _device_text(buf: Any) -> str:
+    """Where a buffer lives, for an error message."""
+    device = getattr(buf, "device", None)
+    return f"a tensor on {device}" if device is not None else f"a {type(buf).__name__}"
+
+
+def declared_memory(spec: EngineSpec, memory: Mapping[str, str] | None) -> dict[int, str]:
+    """``{buffer index: NIXL memory type}`` from ``memory``, keyed by buffer name (an entry
+    of ``spec.buffers``: a region, pool, allocation or K/V buffer) or by a region's name
+    (the buffer it lives in); refuses an unknown name or type, naming it."""
+    from kvplan_nixl.metadata import MEM_TYPES
+
+    if memory is None:
+        return {}
+    if not isinstance(memory, Mapping):
+        raise TypeError(f"memory must be a mapping of buffer name to 'DRAM' or 'VRAM', got "
+                        f"{type(memory).__name__}")
+    names = {name: b for b, name in enumerate(spec.buffers)}
+    regions = {r.name: i for i, r in enumerate(spec.regions)}
+    out: dict[int, str] = {}
+    for key, mem in memory.items():
+        if mem not in MEM_TYPES:
+            raise BufferSizeError(f"memory[{key!r}] is {mem!r}, not one of {list(MEM_TYPES)}")
+        if key in names:
+            bs = [names[key]]
+        elif key in regions:  # both buffers of a region keeping K and V apart
+            bs = sorted({spec.buffer_of(regions[key], s) for s in (0, 1)})
+        else:
+            raise BufferSizeError(
+                f"memory: {key!r} is neither a buffer nor a region of the spec (buffers: "
+                f"{_listed(list(spec.buffers))})")
+        for b in bs:
+            if out.setdefault(b, mem) != mem:
+                raise BufferSizeError(f"memory: buffer {spec.buffers[b]!r} is declared both "
+                                      f"{out[b]} and {mem} (through {key!r})")
+    return out
+
+
+def memory_text(spec: EngineSpec, mem_types: Sequence[str]) -> str:
+    """``DRAM: 'a', 'b'; VRAM: 'c'``: the buffers held per memory type, for an error message
+    (``mem_types``: one per buffer of the spec, "" for those not held)."""
+    kinds = sorted({m for m in mem_types if m})
+    return "; ".join(
+        f"{m}: " + _listed([repr(spec.buffers[b]) for b, x in enumerate(mem_types) if x == m])
+        for m in kinds)
+
+
 #: An error lists at most this many buffers, then says how many more (a message stays short).
 LISTED = 4
 
@@ -108,11 +164,15 @@ def _stage_text(spec: EngineSpec, stage: int) -> str:
 
 
 def resolve_buffers(
-    spec: EngineSpec, rank: int, buffers: Sequence[Any] | Mapping[str, Any]
+    spec: EngineSpec, rank: int, buffers: Sequence[Any] | Mapping[str, Any],
+    memory: Mapping[str, str] | None = None,
 ) -> dict[int, tuple[Any, tuple[int, int, int, str]]]:
     """``{buffer index: (buffer, (address, nbytes, device, mem))}`` for the buffers ``rank``
     holds (indices of ``spec.buffers``: regions, pools, allocations, K and V buffers), in that
-    order; every refusal is a :class:`BufferSizeError` naming what."""
+    order, each checked against its memory type in ``memory`` (see :func:`declared_memory`;
+    declarations of buffers of other stages are allowed, so that a deployment passes one
+    mapping to every rank); every refusal is a :class:`BufferSizeError` naming what."""
+    declared = declared_memory(spec, memory)
     held = spec.regions_on(rank)
     allocs = sorted({spec.buffer_of(i, s) for i in held for s in (0, 1)})
     labels = [_alloc_label(spec, a) for a in allocs]
@@ -172,7 +232,7 @@ def resolve_buffers(
             )
     got: dict[int, tuple[str, Any, tuple[int, int, int, str]]] = {}
     for key, a, buf in entries:
-        reg = _buffer(buf, spec, a, key)
+        reg = _buffer(buf, spec, a, key, declared.get(a))
         if a in got and got[a][2] != reg:
             k0, _, r0 = got[a]
             raise BufferSizeError(

@@ -110,6 +110,60 @@ class Lowered:
     pieces: np.ndarray | None = None  # descriptors of each run, in order (None: unknown)
 
 
+def kind_shifts(ladder: Ladder, kinds: Sequence[int]) -> np.ndarray:
+    """Per ladder entry, what to subtract from its indices to address the list of its memory
+    kind alone (``kinds[r]``: entry ``r``'s kind, a small int). A rank with buffers of two
+    memory kinds prepares one list per kind, each holding its entries' rows in ladder order, so
+    an entry's indices there are its ladder indices less the pieces of the entries of other
+    kinds before it. All zero when every entry is of one kind."""
+    kind = np.asarray(kinds, dtype=np.int64)
+    size = ladder.count.sum(axis=1)
+    shift = np.zeros(len(kind), dtype=np.int64)
+    before = np.cumsum(size) - size
+    for k in np.unique(kind):  # at most one pass per memory kind
+        mine = np.where(kind == k, size, 0)
+        sel = kind == k
+        shift[sel] = (before - (np.cumsum(mine) - mine))[sel]
+    return shift
+
+
+def split_kinds(lw: Lowered, length: np.ndarray, local_kind: np.ndarray,
+                remote_kind: np.ndarray, local_shift: np.ndarray,
+                remote_shift: np.ndarray) -> list[tuple[int, int, Lowered]]:
+    """Group one peer's lowered runs by (local kind, remote kind) into one :class:`Lowered`
+    each, its indices moved into the lists of those kinds (see :func:`kind_shifts`).
+
+    ``length``, ``local_kind``, ``remote_kind``, ``local_shift`` and ``remote_shift`` hold one
+    value per run of ``lw`` (whose ``pieces`` says how many descriptors each run took). Returns
+    ``[(local_kind, remote_kind, lowered)]`` in ascending kind order, each run in exactly one
+    group, in its order; a single group with no shift is ``lw`` itself. Numpy only.
+    """
+    lk = np.asarray(local_kind, dtype=np.int64)
+    rk = np.asarray(remote_kind, dtype=np.int64)
+    if lw.runs == 0:
+        return []
+    code = lk * (int(rk.max()) + 1) + rk
+    codes = np.unique(code)
+    ls, rs = np.asarray(local_shift), np.asarray(remote_shift)
+    if len(codes) == 1 and not ls.any() and not rs.any():
+        return [(int(lk[0]), int(rk[0]), lw)]
+    if lw.pieces is None:
+        raise ValueError("split_kinds needs the descriptors of each run (Lowered.pieces)")
+    pieces = lw.pieces
+    li = lw.local - np.repeat(ls, pieces)
+    ri = lw.remote - np.repeat(rs, pieces)
+    per_desc = np.repeat(code, pieces)
+    length = np.asarray(length, dtype=np.int64)
+    out = []
+    for c in codes:  # one group per kind pair present: at most four
+        runs, descs = code == c, per_desc == c
+        first = int(np.flatnonzero(runs)[0])
+        out.append((int(lk[first]), int(rk[first]),
+                    Lowered(li[descs], ri[descs], int(runs.sum()), int(length[runs].sum()),
+                            pieces[runs])))
+    return out
+
+
 def run_text(
     src: tuple[str, int, int, int], dst: tuple[str, int, int, int], length: int
 ) -> str:

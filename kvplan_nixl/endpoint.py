@@ -31,7 +31,6 @@ from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
 from kvplan_nixl.buffers import resolve_buffers
 from kvplan_nixl.errors import (
-    BufferSizeError,
     ClosedError,
     NixlError,
     NotConnectedError,
@@ -62,11 +61,21 @@ class Endpoint:
     order with one per buffer held (or, when no region keeps K and V apart, one per region
     held, the regions of a pool or allocation repeating its buffer). A buffer is a
     contiguous torch tensor (CPU -> DRAM, CUDA -> VRAM), a C-contiguous numpy array, or an
-    ``(address, nbytes)`` pair of DRAM, of ``spec.rank_buffer_nbytes(b)`` bytes. Buffers for
+    ``(address, nbytes)`` pair (DRAM unless ``memory`` says VRAM, then on CUDA device 0), of
+    ``spec.rank_buffer_nbytes(b)`` bytes. Buffers for
     regions of another stage, a missing one, two different buffers for one pool or
     allocation, a wrong size or overlapping buffers raise :class:`BufferSizeError` before
-    NIXL is touched. Each buffer is registered once. The buffers must outlive the endpoint.
+    NIXL is touched. Each buffer is registered once, with its own NIXL memory type (a rank may
+    hold DRAM and VRAM buffers: ``mem_types``). The buffers must outlive the endpoint.
     ``telemetry=True`` records NIXL's descriptor counts.
+
+    ``memory`` (optional) declares which buffer is where: ``{name: "DRAM" | "VRAM"}``, by
+    buffer name or region name (the buffer it lives in; both buffers of a region keeping K and
+    V apart), for buffers of any rank of the engine. A buffer whose device disagrees with its
+    declaration raises :class:`BufferSizeError` naming it. ``spread_pcp=False`` makes pull
+    maps read every source PCP replica's share from replica 0 (vLLM's choice, for a connector
+    that only receives PCP rank 0's metadata); by default reads spread over the replicas,
+    which then must all be connected.
 
     ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`
     with HMAC-SHA256 and makes :meth:`connect` refuse metadata not signed with it before any
@@ -95,20 +104,28 @@ class Endpoint:
         secret: bytes | str | None = None,
         progress_thread: bool = False,
         num_threads: int = 0,
+        memory: Mapping[str, str] | None = None,
+        spread_pcp: bool = True,
     ) -> None:
         spec = _check_args(engine, spec, rank, num_threads)
+        if not isinstance(spread_pcp, bool):
+            raise TypeError(f"spread_pcp must be a bool, got {type(spread_pcp).__name__}")
         self._secret = md.check_secret(secret)
-        allocs = resolve_buffers(spec, rank, buffers)
+        allocs = resolve_buffers(spec, rank, buffers, memory)
+        kinds = [""] * len(spec.buffers)
+        for b, (_, reg) in allocs.items():
+            kinds[b] = reg[3]
+        #: per buffer of the spec, its NIXL memory type ("" for buffers of other stages)
+        self.mem_types: tuple[str, ...] = tuple(kinds)
         mems = sorted({reg[3] for _, reg in allocs.values()})
-        if len(mems) != 1:
-            raise BufferSizeError(f"all regions of a rank must be in one memory, got {mems}")
         self.engine = engine
         self.spec = spec
         self.rank = rank
         self.telemetry = bool(telemetry)
         self.progress_thread = bool(progress_thread)
         self.num_threads = num_threads
-        self.mem_type = mems[0]
+        #: the rank's one memory type, or None when it holds buffers of two (see mem_types)
+        self.mem_type: str | None = mems[0] if len(mems) == 1 else None
         self._bases, self._nbytes, self._devices, self._v_bases = _layout(spec, rank, allocs)
         self._buffers = [b for b, _ in allocs.values()]  # keep them alive while registered
         regs = [reg for _, reg in allocs.values()]
@@ -118,7 +135,8 @@ class Endpoint:
         self._peers = PeerTable(self._handles)
         self._routes_table = RouteTable(
             engine, spec, rank, self._handles, bases=self._bases, nbytes=self._nbytes,
-            devices=self._devices, v_bases=self._v_bases, mem=self.mem_type)
+            devices=self._devices, v_bases=self._v_bases, memory=self.mem_types,
+            spread_pcp=spread_pcp)
         self._routes = self._routes_table.routes
         self._handshake = Handshake(self.agent_name, self._secret, self._peers,
                                     self._routes_table, self.metadata, self.progress)
@@ -132,8 +150,7 @@ class Endpoint:
         with nixl_call("agent creation", f"backends {list(backends)}"):
             agent = make_agent(self.agent_name, tuple(backends), self.telemetry,
                                self.progress_thread, num_threads)
-        self._reg = _register(agent, backends, regs, self.mem_type, f"{engine} rank {rank}")
-        self._handles.live["registrations"] += 1
+        self._regs = _register(agent, backends, regs, f"{engine} rank {rank}", self._handles)
         self._agent = agent
 
     # -- identity and peers ------------------------------------------------------------------
@@ -144,13 +161,15 @@ class Endpoint:
         agent = self._require()
         with nixl_call("get_agent_metadata"):
             agent_md = agent.get_agent_metadata()
+        first = next(m for m in self.mem_types if m)
         return md.encode(
             md.PeerInfo(
                 engine=self.engine,
                 rank=self.rank,
                 agent=self.agent_name,
                 spec=self.spec,
-                mem_type=self.mem_type,
+                mem_type=first,
+                memory=self.mem_types if self.mem_type is None else (),
                 bases=self._bases,
                 nbytes=self._nbytes,
                 devices=self._devices,
@@ -304,12 +323,14 @@ class Endpoint:
         self._poster.cancel_all("endpoint closed")
         self._peers.close(agent, "endpoint closed", errors)
         self._routes_table.close(errors)
-        try:
-            with nixl_call("deregister_memory"):
-                agent.deregister_memory(self._reg)
-            self._handles.live["registrations"] -= 1
-        except Exception as exc:
-            errors.append(exc)
+        for reg in self._regs:
+            try:
+                with nixl_call("deregister_memory"):
+                    agent.deregister_memory(reg)
+                self._handles.live["registrations"] -= 1
+            except Exception as exc:
+                errors.append(exc)
+        self._regs = []
         self._agent = None  # the last reference: NIXL destroys the agent and its UCX worker
         del agent
         self._buffers = []
@@ -362,13 +383,30 @@ def _layout(spec: EngineSpec, rank: int, allocs: Mapping[int, Any]) -> tuple[tup
     return tuple(bases), tuple(nbytes), tuple(devices), tuple(v_bases)
 
 
-def _register(agent: Any, backends: Sequence[str], regs: list, mem: str, who: str) -> Any:
-    """Check the agent has every backend asked for, then register the rank's buffers."""
+def _register(agent: Any, backends: Sequence[str], regs: list, who: str,
+              handles: Handles) -> list[Any]:
+    """Check the agent has every backend asked for, then register the rank's buffers: one
+    registration per memory type (NIXL registers a list of one type), counted in ``handles``.
+    A failure deregisters those already made."""
     missing = [b for b in backends if b not in agent.backends]
     if missing:
         raise NixlError("create_backend", "NIXL_ERR_NOT_FOUND", f"no backend {missing}")
-    with nixl_call("register_memory", f"{len(regs)} allocations of {who}"):
-        return agent.register_memory([(a, n, d, "") for a, n, d, _ in regs], mem)
+    out: list[Any] = []
+    try:
+        for mem in sorted({r[3] for r in regs}):
+            mine = [(a, n, d, "") for a, n, d, m in regs if m == mem]
+            with nixl_call("register_memory", f"{len(mine)} {mem} allocations of {who}"):
+                out.append(agent.register_memory(mine, mem))
+            handles.live["registrations"] += 1
+    except BaseException:
+        for reg in out:
+            try:
+                agent.deregister_memory(reg)
+                handles.live["registrations"] -= 1
+            except Exception:  # best effort: the agent is destroyed next
+                pass
+        raise
+    return out
 
 
 def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any) -> EngineSpec:

@@ -103,7 +103,7 @@ class Handshake:
             if load and info.agent in peers.loaded:
                 peers.unload(agent, info.agent, quiet=True)
             if new_route is not None:
-                routes.handles.release_dlist(new_route.local_dlist, [])
+                routes.release(new_route, [])
             raise
         if old is not None and old.agent != info.agent:  # the rank restarted: new agent
             try:

@@ -6,7 +6,10 @@ Wire format (all integers big-endian)::
     format u16                    FORMAT_VERSION; checked right after the magic, so a peer of
                                   another version is refused by name even if the rest changed
     header u32, agent u32         lengths of the two parts below
-    header                        UTF-8 JSON: engine, rank, agent name, spec, mem type, and
+    header                        UTF-8 JSON: engine, rank, agent name, spec, mem type (the
+                                  rank's first buffer's NIXL memory type), "memory":
+                                  [[buffer, type], ...] for each buffer held in another memory
+                                  type (indices of ``spec.buffers``; absent when none), and
                                   "regions": [[index, base, nbytes, device], ...], one row per
                                   region the rank holds (its pipeline stage's), indices those
                                   of the whole spec; the regions of one pool repeat the pool's
@@ -45,7 +48,9 @@ MAGIC = b"KVPLNIXL"
 #: Bump when the header's meaning changes; peers of other versions are refused.
 #: 1: one row per region of the spec (TP only). 2: rows carry the region index and list only
 #: the regions of the rank's pipeline stage; pooled regions share their allocation's row.
-FORMAT_VERSION = 2
+#: 3: "memory" names the buffers held in another memory type than "mem_type" (a rank may hold
+#: DRAM and VRAM buffers); a version-2 reader would have taken every buffer for "mem_type".
+FORMAT_VERSION = 3
 _FIXED = struct.Struct(">8sHII")
 _DIGEST = 32
 #: Refuse headers larger than this before parsing JSON (a spec of kvplan.spec.MAX_REGIONS
@@ -136,6 +141,13 @@ class PeerInfo:
     #: per region, the base of its V buffer when it keeps K and V apart (else 0); empty when
     #: no region does. ``bases`` then holds the K buffer's.
     v_bases: tuple[int, ...] = ()
+    #: per buffer of the spec (``spec.buffers``), its NIXL memory type ("" for a buffer the
+    #: rank does not hold); empty when every buffer held is in ``mem_type``.
+    memory: tuple[str, ...] = ()
+
+    def buffer_mem(self, buffer: int) -> str:
+        """The NIXL memory type of buffer ``buffer`` (an index of ``spec.buffers``)."""
+        return self.memory[buffer] if self.memory else self.mem_type
 
     @property
     def held(self) -> tuple[int, ...]:
@@ -160,6 +172,9 @@ def encode(info: PeerInfo, secret: bytes | str | None = None) -> bytes:
                 if n
             ],
             **({"v_bases": list(info.v_bases)} if any(info.v_bases) else {}),
+            **({"memory": other} if (other := [
+                [b, m] for b, m in enumerate(info.memory) if m and m != info.mem_type
+            ]) else {}),
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -226,6 +241,7 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
         engine, rank, agent, mem = h["engine"], h["rank"], h["agent"], h["mem_type"]
         raw_rows = h["regions"]
         raw_v = h.get("v_bases", [])
+        raw_mem = h.get("memory", [])
         spec_dict = h["spec"]
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise MetadataError(f"kvplan_nixl metadata header unreadable: {exc!r}") from None
@@ -287,6 +303,7 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
     if missing:
         raise MetadataError(f"{who}: regions {missing} keep K and V in separate buffers, but "
                             "the metadata carries no V buffer base for them")
+    memory = _memory(raw_mem, spec, held, str(mem), who)
     return PeerInfo(
         engine=engine,
         rank=rank,
@@ -298,7 +315,38 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
         devices=tuple(devs),
         agent_metadata=agent_md,
         v_bases=v_bases,
+        memory=memory,
     )
+
+
+def _memory(raw: object, spec: EngineSpec, held: tuple[int, ...], mem: str,
+            who: str) -> tuple[str, ...]:
+    """The header's "memory" rows, ``[buffer, type]`` for each buffer held in another type
+    than ``mem``, as one type per buffer of the spec (empty when there are none)."""
+    if not isinstance(raw, list) or not all(
+        isinstance(t, list) and len(t) == 2 and isinstance(t[0], int)
+        and not isinstance(t[0], bool) and isinstance(t[1], str) for t in raw
+    ):
+        raise MetadataError(f"{who}: memory rows must be [buffer index, memory type] pairs")
+    if not raw:
+        return ()
+    mine = {spec.buffer_of(i, s) for i in held for s in (0, 1)}
+    out = [mem if b in mine else "" for b in range(len(spec.buffers))]
+    seen: set[int] = set()
+    for b, m in raw:
+        if b not in mine:
+            raise MetadataError(
+                f"{who}: memory row names buffer {b}, which that rank does not hold (it holds "
+                f"{sorted(mine)} of {len(spec.buffers)} buffers)")
+        if m not in MEM_TYPES or m == mem or b in seen:
+            what = "twice" if b in seen else f"as {m!r}"
+            raise MetadataError(
+                f"{who}: buffer {spec.buffers[b]!r} is listed {what}; a memory row names "
+                f"one of {[t for t in MEM_TYPES if t != mem]} (other than mem_type {mem!r}), "
+                "once per buffer")
+        seen.add(b)
+        out[b] = m
+    return tuple(out)
 
 
 def _rows(raw: object, who: str) -> list[tuple[int, int, int, int]]:

@@ -83,8 +83,11 @@ class RequestTransfer:
         for peer in sorted(set(self._peer_of)):
             ks = [k for k, p in enumerate(self._peer_of) if p == peer]
             a, e = int(b[ks[0]]), int(b[ks[-1] + 1])
-            if ks != list(range(ks[0], ks[-1] + 1)) or peer not in route.peer_dlists:
-                self._pre = None  # not one segment, or not connected: lower per part
+            # not one segment, not connected, or two memory kinds (a part's runs then split
+            # per kind pair, which posting does): lower per part
+            if ks != list(range(ks[0], ks[-1] + 1)) or peer not in route.peer_dlists \
+                    or route.mixed(peer):
+                self._pre = None
                 return
             if e == a:
                 continue
@@ -175,7 +178,7 @@ class RequestTransfer:
                 idx = np.concatenate([np.arange(x[1], x[2]) for x in spans])
                 li, ri = lw.local[idx], lw.remote[idx]
             runs, nbytes = sum(x[3] for x in spans), sum(x[4] for x in spans)
-            lowered.append(Lowered(li, ri, runs, nbytes))
+            lowered.append([(*route.kind_pair(peer), Lowered(li, ri, runs, nbytes))])
             parts.append(_Part(peer, runs, nbytes))
             groups[peer] = frozenset(x[5] for x in spans)
         return poster.start(agent, route, part, self.remote, parts, lowered, groups, notify,

@@ -2,7 +2,8 @@
 
 Owns the transfers in flight of one Endpoint and the posting of a plan: check it against its
 route, split its rows by peer rank, lower each peer's rows to descriptor indices (numpy only,
-:meth:`~kvplan_nixl.routes.Route.lower`), post one NIXL transfer per peer, and keep the
+:meth:`~kvplan_nixl.routes.Route.lower_by_kind`), post one NIXL transfer per peer and
+(local, remote) memory kind pair, and keep the
 Transfer until it leaves PENDING. It is the :class:`~kvplan_nixl.transfer.Owner` of its
 Transfers (agent, handle ledger, telemetry). It never connects, loads or drops a peer (it
 cancels a dropped peer's transfers when told) and may not import the endpoint or parts.
@@ -115,26 +116,31 @@ class Poster:
                 f"{mode.value} mode by {self.label}; connected: {sorted(route.peer_dlists)}"
             )
         spans = list(zip(ranks, starts, ends, strict=True))
-        lowered = [route.lower(r, rows[a:b]) for r, a, b in spans]
+        lowered = [route.lower_by_kind(r, rows[a:b]) for r, a, b in spans]
         groups = {r: frozenset(np.unique(route.dst_groups[rows["dst_region"][a:b]]).tolist())
                   for r, a, b in spans}
-        parts = [_Part(r, lw.runs, lw.nbytes) for r, lw in zip(ranks, lowered, strict=True)]
-        return self.start(agent, route, plan, remote, parts, lowered, groups, notify, timeout)
+        parts = [_Part(r, lw.runs, lw.nbytes) for r, (lw, _) in zip(ranks, lowered, strict=True)]
+        return self.start(agent, route, plan, remote, parts, [k for _, k in lowered], groups,
+                          notify, timeout)
 
     def start(self, agent: Any, route: Route, plan: TransferPlan, remote: str,
-              parts: list[_Part], lowered: list[Lowered], groups: dict[int, frozenset[int]],
-              notify: bytes | None, timeout: float | None) -> Transfer:
-        """Make the Transfer of ``parts`` (lowered already) and post it."""
+              parts: list[_Part], lowered: list[list[tuple[int, int, Lowered]]],
+              groups: dict[int, frozenset[int]], notify: bytes | None,
+              timeout: float | None) -> Transfer:
+        """Make the Transfer of ``parts`` (lowered already, per part its runs grouped by
+        (local kind, remote kind): one NIXL transfer each) and post it."""
         # a plan touching a rank or side with no list would have failed the bounds check
         assert all(route.peer_dlists[p.peer] is not None for p in parts)
-        assert not parts or route.local_dlist is not None
+        assert not parts or route.local_lists is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         t = Transfer(self, plan, remote, parts, groups, deadline)
         if not parts:
             t._settle()
             return t
-        t._start(agent, "READ" if route.map.mode is Mode.PULL else "WRITE", route.local_dlist,
-                 [route.peer_dlists[p.peer] for p in parts], lowered,
+        local = route.local_lists
+        posts = [[(local.dlists[lk], route.peer_dlists[p.peer].dlists[rk], lw)  # type: ignore
+                  for lk, rk, lw in kinds] for p, kinds in zip(parts, lowered, strict=True)]
+        t._start(agent, "READ" if route.map.mode is Mode.PULL else "WRITE", posts,
                  b"" if notify is None else bytes(notify))
         if not t.done:
             self.transfers.add(t)

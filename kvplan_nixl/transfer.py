@@ -110,15 +110,16 @@ class Owner(Protocol):
 
 
 class _Part:
-    """One peer rank's NIXL transfer (internal, mutable)."""
+    """One peer rank's NIXL transfers (internal, mutable): one per (local, remote) memory
+    kind pair its runs touch (one, unless a side holds buffers of two kinds)."""
 
-    __slots__ = ("desc_count", "handle", "kind", "nbytes", "peer", "reason", "runs", "state")
+    __slots__ = ("desc_count", "handles", "kind", "nbytes", "peer", "reason", "runs", "state")
 
     def __init__(self, peer: int, runs: int, nbytes: int) -> None:
         self.peer = peer
         self.runs = runs
         self.nbytes = nbytes
-        self.handle = None
+        self.handles: list[Any] = []  # the NIXL handles still in flight
         self.state = State.PENDING
         self.reason = ""
         self.kind = ""  # "error" | "timeout" | "cancelled"
@@ -228,16 +229,17 @@ class Transfer:
                     self._finish(p, State.FAILED, "endpoint closed", "cancelled")
                     continue
                 try:
-                    s = agent.check_xfer_state(p.handle)
+                    states = [agent.check_xfer_state(h) for h in p.handles]
                 except Exception as exc:
                     if not is_nixl_error(exc):
                         raise
                     self._finish(p, State.FAILED, f"{nixl_code(exc)} while in flight", "error")
                     continue
-                if s == "DONE":
+                bad = [s for s in states if s not in ("DONE", "PROC")]
+                if bad:
+                    self._finish(p, State.FAILED, f"NIXL state {bad[0]}", "error")
+                elif "PROC" not in states:
                     self._finish(p, State.DONE)
-                elif s != "PROC":
-                    self._finish(p, State.FAILED, f"NIXL state {s}", "error")
             self._settle()
             if self._pending and self._deadline is not None and time.monotonic() > self._deadline:
                 self._expire()
@@ -268,31 +270,33 @@ class Transfer:
             raise err
         return self.states()
 
-    def _start(self, agent, op: str, local_dlist, remote_dlists, lowered, msg: bytes) -> None:
-        """Make and post one NIXL transfer per part (Endpoint.read/write, once)."""
-        for part, dlist, lw in zip(self._parts.values(), remote_dlists, lowered, strict=True):
-            try:
-                h = agent.make_prepped_xfer(op, local_dlist, lw.local, dlist, lw.remote, msg)
-            except Exception as exc:
-                if not is_nixl_error(exc):
-                    self.cancel(f"not posted: {exc!r}")
-                    raise
-                self._finish(part, State.FAILED, f"{nixl_code(exc)} in make_prepped_xfer", "error")
+    def _start(self, agent, op: str, posts, msg: bytes) -> None:
+        """Make and post the NIXL transfers of each part (Endpoint.read/write, once): per part,
+        ``posts`` lists ``(local list, remote list, Lowered)``, one per memory kind pair. A part
+        is DONE when all of its transfers are, FAILED when any fails (the others released)."""
+        for part, mine in zip(self._parts.values(), posts, strict=True):
+            states = []
+            for local_dlist, dlist, lw in mine:
+                where = "make_prepped_xfer"
+                try:
+                    h = agent.make_prepped_xfer(op, local_dlist, lw.local, dlist, lw.remote, msg)
+                    self._ep.count_xfer()
+                    part.handles.append(h)
+                    where = "transfer"
+                    states.append(agent.transfer(h))
+                except Exception as exc:
+                    if not is_nixl_error(exc):
+                        self.cancel(f"not posted: {exc!r}")
+                        raise
+                    self._finish(part, State.FAILED, f"{nixl_code(exc)} in {where}", "error")
+                    break
+            if part.state is not State.PENDING:
                 continue
-            self._ep.count_xfer()
-            part.handle = h
-            try:
-                s = agent.transfer(h)
-            except Exception as exc:
-                if not is_nixl_error(exc):
-                    self.cancel(f"not posted: {exc!r}")
-                    raise
-                self._finish(part, State.FAILED, f"{nixl_code(exc)} in transfer", "error")
-                continue
-            if s == "DONE":
+            bad = [s for s in states if s not in ("DONE", "PROC")]
+            if bad:
+                self._finish(part, State.FAILED, f"NIXL state {bad[0]} at post", "error")
+            elif "PROC" not in states:
                 self._finish(part, State.DONE)
-            elif s != "PROC":
-                self._finish(part, State.FAILED, f"NIXL state {s} at post", "error")
         self._settle()
 
     def cancel(self, reason: str = "cancelled", peers: Iterable[int] | None = None) -> None:
@@ -320,10 +324,11 @@ class Transfer:
     def _finish(self, p: _Part, state: State, reason: str = "", kind: str = "") -> None:
         """Leave PENDING exactly once; release the handle now, whatever happened."""
         p.state, p.reason, p.kind = state, reason, kind
-        if p.handle is not None:
-            h, p.handle = p.handle, None
-            if self._ep.telemetry and state is State.DONE:
-                p.desc_count = self._ep.desc_count(h)
+        handles, p.handles = p.handles, []
+        if self._ep.telemetry and state is State.DONE and handles:
+            counts = [self._ep.desc_count(h) for h in handles]
+            p.desc_count = None if None in counts else sum(counts)  # type: ignore[arg-type]
+        for h in handles:
             self._ep.release_xfer(h)
         if all(q.state is not State.PENDING for q in self._parts.values()):
             self._ep.forget(self)

@@ -73,7 +73,7 @@ def test_foreign_corrupt_and_other_version_metadata_refused():
         for blob, msg in [
             (raw_nixl, "not kvplan_nixl endpoint metadata"),
             (b"", "not kvplan_nixl endpoint metadata"),
-            (bytes(version1), r"format version 1, this endpoint reads version 2 \(the peer "
+            (bytes(version1), r"format version 1, this endpoint reads version 3 \(the peer "
                               r"runs an older kvplan_nixl\)"),
             (bytes(flipped), "corrupt: checksum mismatch"),
             (good[:-5], "corrupt"),

@@ -20,7 +20,9 @@ import torch
 
 from kvplan import Mode, TransferPlan
 from kvplan.staging import Costs, prefer_staged
+from kvplan_nixl.buffers import memory_text
 from kvplan_nixl.endpoint import Endpoint
+from kvplan_nixl.errors import BufferSizeError
 from kvplan_nixl.staged import legs
 from kvplan_nixl.staged import protocol as proto
 from kvplan_nixl.staged.calibration import calibrate
@@ -68,6 +70,10 @@ class Stager:
                 f"pool_bytes ({pool_bytes})")
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        if endpoint.mem_type is None:  # its legs gather every buffer into one pool's memory
+            raise BufferSizeError(
+                f"staged transfers need the buffers of {endpoint!r} in one memory kind; it "
+                f"holds {memory_text(endpoint.spec, endpoint.mem_types)}: use direct transfers")
         self.ep = endpoint
         agent = endpoint._require()
         self.window = window
