@@ -103,8 +103,9 @@ def _buffer(buf: Any, spec: EngineSpec, a: int, key: str,
 
 def _device_text(buf: Any) -> str:
     """Where a buffer lives, for an error message."""
-    device = getattr(buf, "device", None)
-    return f"a tensor on {device}" if device is not None else f"a {type(buf).__name__}"
+    if isinstance(buf, np.ndarray):
+        return "a numpy array, host memory"
+    return f"a tensor on {buf.device}"
 
 
 def declared_memory(spec: EngineSpec, memory: Mapping[str, str] | None) -> dict[int, str]:
