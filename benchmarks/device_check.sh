@@ -28,7 +28,9 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 NIXL_LOG_
   python3 -c "import kvplan_nixl._nixl as n; print('nixl from', n.nixl_agent.__module__)"
 } 2>&1 | tee "$OUT/env.txt"
 # tensor buffers on the CPU and on CUDA, direct and staged, pull and push, checked byte for byte
+# and DRAM + VRAM buffers on one rank (one NIXL transfer per memory kind pair)
 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_nixl_tensors.py \
+  tests/test_nixl_memkinds.py \
   2>&1 | tee "$OUT/tests.txt"
 # the scattered hetero-TP request with CUDA buffers: direct, staged, and a device copy
 timeout 420 python3 benchmarks/bench_staged.py --device cuda --reps 3 2>&1 \
