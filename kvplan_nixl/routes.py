@@ -84,7 +84,7 @@ class Route:
         peer's Lowered and ``[(local kind, remote kind, Lowered)]`` (see ``split_kinds``)."""
         lw = self.lower(peer, seg)
         if not self.mixed(peer):
-            return lw, ([(*self.kind_pair(peer), lw)] if lw.runs else [])
+            return lw, [(*self.kind_pair(peer), lw)]
         local, theirs = self.local_lists, self.peer_dlists[peer]
         assert local is not None and theirs is not None
         le, re_ = self._entries(seg)
