@@ -257,3 +257,18 @@ def test_staged_refuses_two_memory_kinds():
         with pytest.raises(BufferSizeError, match=r"one memory kind.*DRAM: .*VRAM: "):
             Stager(pr.d[0])
 
+
+
+def test_a_kind_the_peer_did_not_register_is_refused_at_connect():
+    """A forged memory row (well formed, checksummed) saying a DRAM buffer is VRAM: NIXL finds
+    no VRAM registered there when preparing that kind's remote list, and connect refuses the
+    peer with nothing left behind (no list, no loaded agent)."""
+    with Endpoint("prefill", S1, 0, _bufs()) as p, Endpoint("decode", S1, 0, _bufs()) as d:
+        forged = _rewrite(p.metadata(), lambda h: h.update(memory=[[1, "VRAM"]]))
+        assert md.decode(forged).buffer_mem(1) == "VRAM"
+        with pytest.raises(MetadataError, match="NIXL refused its advertised regions"):
+            d.connect(forged, mode="pull")
+        assert d.handles() == {"xfer": 0, "dlist": 0, "remote_agents": 0, "registrations": 1,
+                               "transfers": 0}
+        d.connect(p.metadata(), mode="pull")  # the genuine metadata still connects
+        assert d.handles()["dlist"] == 2
