@@ -108,12 +108,11 @@ def _device_text(buf: Any) -> str:
     return f"a tensor on {buf.device}"
 
 
-def declared_memory(spec: EngineSpec, memory: Mapping[str, str] | None) -> dict[int, str]:
+def declared_memory(spec: EngineSpec, memory: Mapping[str, str] | None,
+                    types: Sequence[str]) -> dict[int, str]:
     """``{buffer index: NIXL memory type}`` from ``memory``, keyed by buffer name (an entry
     of ``spec.buffers``: a region, pool, allocation or K/V buffer) or by a region's name
-    (the buffer it lives in); refuses an unknown name or type, naming it."""
-    from kvplan_nixl.metadata import MEM_TYPES
-
+    (the buffer it lives in); refuses an unknown name or a type not in ``types``, naming it."""
     if memory is None:
         return {}
     if not isinstance(memory, Mapping):
@@ -123,8 +122,8 @@ def declared_memory(spec: EngineSpec, memory: Mapping[str, str] | None) -> dict[
     regions = {r.name: i for i, r in enumerate(spec.regions)}
     out: dict[int, str] = {}
     for key, mem in memory.items():
-        if mem not in MEM_TYPES:
-            raise BufferSizeError(f"memory[{key!r}] is {mem!r}, not one of {list(MEM_TYPES)}")
+        if mem not in types:
+            raise BufferSizeError(f"memory[{key!r}] is {mem!r}, not one of {list(types)}")
         if key in names:
             bs = [names[key]]
         elif key in regions:  # both buffers of a region keeping K and V apart
@@ -166,14 +165,15 @@ def _stage_text(spec: EngineSpec, stage: int) -> str:
 
 def resolve_buffers(
     spec: EngineSpec, rank: int, buffers: Sequence[Any] | Mapping[str, Any],
-    memory: Mapping[str, str] | None = None,
+    declared: Mapping[int, str] | None = None,
 ) -> dict[int, tuple[Any, tuple[int, int, int, str]]]:
     """``{buffer index: (buffer, (address, nbytes, device, mem))}`` for the buffers ``rank``
     holds (indices of ``spec.buffers``: regions, pools, allocations, K and V buffers), in that
-    order, each checked against its memory type in ``memory`` (see :func:`declared_memory`;
-    declarations of buffers of other stages are allowed, so that a deployment passes one
-    mapping to every rank); every refusal is a :class:`BufferSizeError` naming what."""
-    declared = declared_memory(spec, memory)
+    order, each checked against its memory type in ``declared`` (by buffer index, from
+    :func:`declared_memory`; buffers of other stages may be declared, so that a deployment
+    passes one mapping to every rank); every refusal is a :class:`BufferSizeError` naming
+    what."""
+    declared = declared or {}
     held = spec.regions_on(rank)
     allocs = sorted({spec.buffer_of(i, s) for i in held for s in (0, 1)})
     labels = [_alloc_label(spec, a) for a in allocs]

@@ -29,7 +29,7 @@ from typing import Any
 from kvplan import EngineSpec, Mode, TransferMap, TransferPlan
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
-from kvplan_nixl.buffers import resolve_buffers
+from kvplan_nixl.buffers import declared_memory, resolve_buffers
 from kvplan_nixl.errors import (
     ClosedError,
     NixlError,
@@ -61,21 +61,15 @@ class Endpoint:
     order with one per buffer held (or, when no region keeps K and V apart, one per region
     held, the regions of a pool or allocation repeating its buffer). A buffer is a
     contiguous torch tensor (CPU -> DRAM, CUDA -> VRAM), a C-contiguous numpy array, or an
-    ``(address, nbytes)`` pair (DRAM unless ``memory`` says VRAM, then on CUDA device 0), of
-    ``spec.rank_buffer_nbytes(b)`` bytes. Buffers for
-    regions of another stage, a missing one, two different buffers for one pool or
-    allocation, a wrong size or overlapping buffers raise :class:`BufferSizeError` before
-    NIXL is touched. Each buffer is registered once, with its own NIXL memory type (a rank may
-    hold DRAM and VRAM buffers: ``mem_types``). The buffers must outlive the endpoint.
-    ``telemetry=True`` records NIXL's descriptor counts.
-
-    ``memory`` (optional) declares which buffer is where: ``{name: "DRAM" | "VRAM"}``, by
-    buffer name or region name (the buffer it lives in; both buffers of a region keeping K and
-    V apart), for buffers of any rank of the engine. A buffer whose device disagrees with its
-    declaration raises :class:`BufferSizeError` naming it. ``spread_pcp=False`` makes pull
-    maps read every source PCP replica's share from replica 0 (vLLM's choice, for a connector
-    that only receives PCP rank 0's metadata); by default reads spread over the replicas,
-    which then must all be connected.
+    ``(address, nbytes)`` pair (DRAM unless ``memory`` says VRAM: CUDA device 0), of
+    ``spec.rank_buffer_nbytes(b)`` bytes. Buffers for regions of another stage, a missing one,
+    two different buffers for one pool or allocation, a wrong size or overlapping buffers raise
+    :class:`BufferSizeError` before NIXL is touched. Each buffer is registered once, in its own
+    NIXL memory type (``mem_types`` per buffer; ``mem_type``, the one type or None for two).
+    ``memory`` declares which buffer is where, ``{buffer or region name: "DRAM" | "VRAM"}``:
+    a buffer elsewhere raises :class:`BufferSizeError` naming it. The buffers must outlive the
+    endpoint. ``telemetry=True`` records NIXL's descriptor counts. ``spread_pcp=False``: pull
+    maps read PCP replica 0 only (vLLM's choice; by default they spread over the replicas).
 
     ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`
     with HMAC-SHA256 and makes :meth:`connect` refuse metadata not signed with it before any
@@ -107,25 +101,17 @@ class Endpoint:
         memory: Mapping[str, str] | None = None,
         spread_pcp: bool = True,
     ) -> None:
-        spec = _check_args(engine, spec, rank, num_threads)
-        if not isinstance(spread_pcp, bool):
-            raise TypeError(f"spread_pcp must be a bool, got {type(spread_pcp).__name__}")
+        spec = _check_args(engine, spec, rank, num_threads, spread_pcp)
         self._secret = md.check_secret(secret)
-        allocs = resolve_buffers(spec, rank, buffers, memory)
-        kinds = [""] * len(spec.buffers)
-        for b, (_, reg) in allocs.items():
-            kinds[b] = reg[3]
-        #: per buffer of the spec, its NIXL memory type ("" for buffers of other stages)
-        self.mem_types: tuple[str, ...] = tuple(kinds)
-        mems = sorted({reg[3] for _, reg in allocs.values()})
+        allocs = resolve_buffers(spec, rank, buffers,
+                                 declared_memory(spec, memory, md.MEM_TYPES))
         self.engine = engine
         self.spec = spec
         self.rank = rank
         self.telemetry = bool(telemetry)
         self.progress_thread = bool(progress_thread)
         self.num_threads = num_threads
-        #: the rank's one memory type, or None when it holds buffers of two (see mem_types)
-        self.mem_type: str | None = mems[0] if len(mems) == 1 else None
+        self.mem_types, self.mem_type = _memory_types(spec, allocs)
         self._bases, self._nbytes, self._devices, self._v_bases = _layout(spec, rank, allocs)
         self._buffers = [b for b, _ in allocs.values()]  # keep them alive while registered
         regs = [reg for _, reg in allocs.values()]
@@ -161,14 +147,13 @@ class Endpoint:
         agent = self._require()
         with nixl_call("get_agent_metadata"):
             agent_md = agent.get_agent_metadata()
-        first = next(m for m in self.mem_types if m)
         return md.encode(
             md.PeerInfo(
                 engine=self.engine,
                 rank=self.rank,
                 agent=self.agent_name,
                 spec=self.spec,
-                mem_type=first,
+                mem_type=self.mem_type or next(m for m in self.mem_types if m),
                 memory=self.mem_types if self.mem_type is None else (),
                 bases=self._bases,
                 nbytes=self._nbytes,
@@ -323,13 +308,7 @@ class Endpoint:
         self._poster.cancel_all("endpoint closed")
         self._peers.close(agent, "endpoint closed", errors)
         self._routes_table.close(errors)
-        for reg in self._regs:
-            try:
-                with nixl_call("deregister_memory"):
-                    agent.deregister_memory(reg)
-                self._handles.live["registrations"] -= 1
-            except Exception as exc:
-                errors.append(exc)
+        _deregister(agent, self._regs, self._handles, errors)
         self._regs = []
         self._agent = None  # the last reference: NIXL destroys the agent and its UCX worker
         del agent
@@ -383,6 +362,15 @@ def _layout(spec: EngineSpec, rank: int, allocs: Mapping[int, Any]) -> tuple[tup
     return tuple(bases), tuple(nbytes), tuple(devices), tuple(v_bases)
 
 
+def _memory_types(spec: EngineSpec,
+                  allocs: Mapping[int, Any]) -> tuple[tuple[str, ...], str | None]:
+    """Per buffer of the spec, the NIXL memory type of the rank's resolved buffer ("" for
+    buffers of other stages); and the rank's one memory type, None when it holds two."""
+    kinds = tuple(allocs[b][1][3] if b in allocs else "" for b in range(len(spec.buffers)))
+    mems = sorted({m for m in kinds if m})
+    return kinds, (mems[0] if len(mems) == 1 else None)
+
+
 def _register(agent: Any, backends: Sequence[str], regs: list, who: str,
               handles: Handles) -> list[Any]:
     """Check the agent has every backend asked for, then register the rank's buffers: one
@@ -399,18 +387,28 @@ def _register(agent: Any, backends: Sequence[str], regs: list, who: str,
                 out.append(agent.register_memory(mine, mem))
             handles.live["registrations"] += 1
     except BaseException:
-        for reg in out:
-            try:
-                agent.deregister_memory(reg)
-                handles.live["registrations"] -= 1
-            except Exception:  # best effort: the agent is destroyed next
-                pass
+        _deregister(agent, out, handles, [])  # best effort: the agent is destroyed next
         raise
     return out
 
 
-def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any) -> EngineSpec:
+def _deregister(agent: Any, regs: list[Any], handles: Handles,
+                errors: list[BaseException]) -> None:
+    """Deregister each registration of ``regs``, a failure appended to ``errors``."""
+    for reg in regs:
+        try:
+            with nixl_call("deregister_memory"):
+                agent.deregister_memory(reg)
+            handles.live["registrations"] -= 1
+        except Exception as exc:
+            errors.append(exc)
+
+
+def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any,
+                spread_pcp: Any = True) -> EngineSpec:
     """Refuse bad constructor arguments (before anything is allocated); the spec as a value."""
+    if not isinstance(spread_pcp, bool):
+        raise TypeError(f"spread_pcp must be a bool, got {type(spread_pcp).__name__}")
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
         raise ValueError(f"num_threads must be a non-negative int (0: NIXL's default), "
                          f"got {num_threads!r}")
