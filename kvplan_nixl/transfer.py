@@ -108,18 +108,23 @@ class Owner(Protocol):
     def forget(self, t: Transfer) -> None:
         """``t`` left PENDING for good: no longer in flight."""
 
+    def notify(self, remote: str, ranks: tuple[int, ...], message: bytes) -> None:
+        """Send ``message`` to ranks ``ranks`` of engine ``remote``."""
+
 
 class _Part:
     """One peer rank's NIXL transfers (internal, mutable): one per (local, remote) memory
     kind pair its runs touch (one, unless a side holds buffers of two kinds)."""
 
-    __slots__ = ("desc_count", "handles", "kind", "nbytes", "peer", "reason", "runs", "state")
+    __slots__ = ("desc_count", "handles", "kind", "nbytes", "note", "peer", "reason", "runs",
+                 "state")
 
     def __init__(self, peer: int, runs: int, nbytes: int) -> None:
         self.peer = peer
         self.runs = runs
         self.nbytes = nbytes
         self.handles: list[Any] = []  # the NIXL handles still in flight
+        self.note = b""  # sent once DONE, when the part's transfers carry no notification
         self.state = State.PENDING
         self.reason = ""
         self.kind = ""  # "error" | "timeout" | "cancelled"
@@ -276,10 +281,15 @@ class Transfer:
         is DONE when all of its transfers are, FAILED when any fails (the others released)."""
         for part, mine in zip(self._parts.values(), posts, strict=True):
             states = []
+            # several transfers would each deliver the notification: send it once, when all
+            # are DONE (as a layer-wise request sends its completion message)
+            note = msg if len(mine) == 1 else b""
+            part.note = b"" if len(mine) == 1 else msg
             for local_dlist, dlist, lw in mine:
                 where = "make_prepped_xfer"
                 try:
-                    h = agent.make_prepped_xfer(op, local_dlist, lw.local, dlist, lw.remote, msg)
+                    h = agent.make_prepped_xfer(op, local_dlist, lw.local, dlist, lw.remote,
+                                                note)
                     self._ep.count_xfer()
                     part.handles.append(h)
                     where = "transfer"
@@ -330,5 +340,11 @@ class Transfer:
             p.desc_count = None if None in counts else sum(counts)  # type: ignore[arg-type]
         for h in handles:
             self._ep.release_xfer(h)
+        if state is State.DONE and p.note:
+            try:  # best effort, like a transfer's own notification: the bytes have landed
+                self._ep.notify(self.remote, (p.peer,), p.note)
+            except Exception as exc:
+                if not is_nixl_error(exc):
+                    raise
         if all(q.state is not State.PENDING for q in self._parts.values()):
             self._ep.forget(self)

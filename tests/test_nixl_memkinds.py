@@ -18,7 +18,7 @@ import torch
 from kvplan_nixl import BufferSizeError, Endpoint, MetadataError, NotConnectedError
 from kvplan_nixl import metadata as md
 from kvplan_nixl.descriptors import Ladder, kind_shifts, lower, split_kinds
-from tests.nixl_util import attn, blocks, mla, pair, spec
+from tests.nixl_util import attn, blocks, mla, notifications, pair, spec
 from tests.test_nixl_cp import CASES
 from tests.test_nixl_metadata import SPEC, _info
 from tests.test_nixl_tensors import DST, SRC, TensorPair
@@ -235,8 +235,9 @@ def test_dram_and_vram_on_one_rank_move_exact_bytes(mode, how):
         for ep in initiators:
             plan = ep.map(remote, mode).plan(sb, db)
             plans.append(plan)
-            if how == "whole":
-                posted.append((ep.read if mode == "pull" else ep.write)(plan, remote))
+            if how == "whole":  # a peer's transfers (one per kind pair) notify it once
+                posted.append((ep.read if mode == "pull" else ep.write)(plan, remote,
+                                                                        notify=b"mk"))
             else:
                 rt = ep.request(plan, remote)
                 for r in plan.map.dst.regions:
@@ -247,6 +248,10 @@ def test_dram_and_vram_on_one_rank_move_exact_bytes(mode, how):
             t.wait(60, progress=targets)
         pr.sync()
         assert pr.check(sb, db, plans=plans) > 0
+        if how == "whole":
+            want = sum(len(t.peers) for t in posted)
+            got = notifications(targets, want + 1, timeout=2.0)  # waits for one too many
+            assert len(got) == want and {n.message for _, n in got} == {b"mk"}
 
 
 @CUDA
