@@ -30,6 +30,7 @@ from kvplan import EngineSpec, Mode, TransferMap, TransferPlan
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
 from kvplan_nixl.buffers import resolve_buffers
+from kvplan_nixl.envelope import Envelope
 from kvplan_nixl.errors import (
     BufferSizeError,
     ClosedError,
@@ -38,7 +39,7 @@ from kvplan_nixl.errors import (
     nixl_call,
 )
 from kvplan_nixl.handles import Handles
-from kvplan_nixl.handshake import CTRL, Handshake
+from kvplan_nixl.handshake import CTRL, HELLO, Handshake
 from kvplan_nixl.notifications import Notification, NotificationRouter
 from kvplan_nixl.parts import RequestTransfer
 from kvplan_nixl.peers import Peer, PeerTable
@@ -120,12 +121,18 @@ class Endpoint:
             engine, spec, rank, self._handles, bases=self._bases, nbytes=self._nbytes,
             devices=self._devices, v_bases=self._v_bases, mem=self.mem_type)
         self._routes = self._routes_table.routes
+        loaded = self._peers.loaded
+        self._envelope = Envelope(self.agent_name, self._secret, loaded.__contains__, HELLO)
+        self._peers.on_unload(self._envelope.retire)
         self._handshake = Handshake(self.agent_name, self._secret, self._peers,
-                                    self._routes_table, self.metadata, self.progress)
+                                    self._routes_table, self.metadata, self.progress,
+                                    self._envelope.seal)
         self._router = NotificationRouter(
-            CTRL, lambda name, m: self._handshake.on_control(self._agent, name, m))
+            CTRL, lambda name, m: self._handshake.on_control(self._agent, name, m),
+            self._envelope.open)
         self._poster = Poster(label, rank, self._routes_table, self._peers, self._handles,
-                              lambda: self._agent, self.progress, self.telemetry)
+                              lambda: self._agent, self.progress, self.telemetry,
+                              self._envelope.seal)
         self._peers.on_drop(self._poster.drop_peer)  # transfers with a dropped peer fail,
         self._peers.on_drop(self._routes_table.drop_peer)  # then its lists are released
         self._agent = None
@@ -194,8 +201,18 @@ class Endpoint:
 
     @property
     def ignored_notices(self) -> int:
-        """Control notifications ignored (unknown sender, bad MAC, unreadable): see progress()."""
-        return self._handshake.ignored
+        """Notifications ignored: dropped by the envelope (unknown sender, unsigned, forged,
+        replayed) and control notices that made no sense (see :meth:`stats`)."""
+        return self._handshake.ignored + sum(self._envelope.dropped.values())
+
+    def stats(self) -> dict[str, int]:
+        """Notifications dropped since construction, by why: ``unknown`` (from an agent that
+        is neither a connected peer nor a verified initiator), ``unsigned``, ``forged`` (its
+        tag does not verify under the secret), ``replayed`` (a counter seen before, or of an
+        older connection), ``control`` (a control notice that made no sense: a hello carrying
+        another agent's metadata, a close from an agent not loaded). See docs/executor.md,
+        "Trust boundary"."""
+        return {**self._envelope.dropped, "control": self._handshake.ignored}
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -273,6 +290,11 @@ class Endpoint:
         """Internal: queue ``message`` for :meth:`notifications` as if NIXL had delivered it
         from ``agent_name`` (a layered protocol delivering a user's ``notify``)."""
         self._router.deliver(agent_name, message)
+
+    def _seal(self, agent_name: str, message: bytes) -> bytes:
+        """Internal: ``message`` as it must leave for agent ``agent_name`` (sealed under the
+        secret: a layered protocol's messages, sent or attached to its transfers)."""
+        return self._envelope.seal(agent_name, message)
 
     # -- resources ---------------------------------------------------------------------------
 

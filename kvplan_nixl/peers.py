@@ -4,8 +4,10 @@ Owns per-peer state and its teardown: which (engine, rank) is connected through 
 which remote agents NIXL has loaded (peers, and initiators that said hello), loading and
 unloading them, and :meth:`PeerTable.drop`, the one way a peer goes (disconnect, restart, its
 close notice, our close). What else holds per-peer state registers a *drop listener* and
-releases it there (the routes' lists, the transfers in flight). It decides nothing about
-trust (``handshake`` does) and may not import the endpoint, routes or posting.
+releases it there (the routes' lists, the transfers in flight); what is held per remote *agent*
+(a staged pool's list, the envelope's replay window) registers an *unload listener*, called
+whenever an agent is unloaded (a peer dropped, an initiator that said hello gone). It decides
+nothing about trust (``handshake`` does) and may not import the endpoint, routes or posting.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ __all__ = ["Peer", "PeerTable"]
 
 #: ``listener(peer, why, errors)``: release what is held for ``peer`` (append failures)
 DropListener = Callable[["Peer", str, list[BaseException]], None]
+#: ``listener(agent_name)``: release what is held for that remote agent (before NIXL forgets it)
+UnloadListener = Callable[[str], None]
 
 
 @attrs.frozen
@@ -44,10 +48,21 @@ class PeerTable:
         self.peers: dict[tuple[str, int], Peer] = {}
         self.loaded: dict[str, tuple[str, int]] = {}  # remote agents loaded: peers, listeners
         self._listeners: list[DropListener] = []
+        self._unload_listeners: list[UnloadListener] = []
 
     def on_drop(self, listener: DropListener) -> None:
         """Call ``listener`` whenever a peer is dropped, before its agent is unloaded."""
         self._listeners.append(listener)
+
+    def on_unload(self, listener: UnloadListener) -> None:
+        """Call ``listener(name)`` whenever remote agent ``name`` is unloaded, before NIXL
+        removes it."""
+        self._unload_listeners.append(listener)
+
+    def off_unload(self, listener: UnloadListener) -> None:
+        """Stop calling ``listener`` (its owner closed)."""
+        if listener in self._unload_listeners:
+            self._unload_listeners.remove(listener)
 
     def sorted(self) -> tuple[Peer, ...]:
         """The connected peers, ordered by (engine, rank)."""
@@ -75,6 +90,8 @@ class PeerTable:
                counted: bool = True) -> None:
         """Remove a loaded remote agent (``quiet``: a NIXL refusal is ignored)."""
         self.loaded.pop(name, None)
+        for listener in list(self._unload_listeners):
+            listener(name)
         try:
             with nixl_call("remove_remote_agent", name):
                 agent.remove_remote_agent(name)

@@ -211,7 +211,8 @@ class Initiator:
         op, note = ("WRITE", "DATA") if j.mode is Mode.PUSH else ("READ", "TAKEN")
         try:
             h = self.pool.chunk_xfer(agent, op, j.agent, slot, rslot,
-                                     int(j.chunks["nbytes"][k]), proto.encode(note, j.rid, k))
+                                     int(j.chunks["nbytes"][k]),
+                                     self.channel.seal(j.agent, proto.encode(note, j.rid, k)))
         except Exception as exc:
             if not is_nixl_error(exc):
                 raise
