@@ -197,7 +197,7 @@ class Endpoint:
         peer = self._peers.peers.get((remote, rank))
         if peer is None:
             raise NotConnectedError(f"engine {remote!r} rank {rank} is not connected")
-        self._peers.drop(agent, peer)
+        self._peers.drop(agent, peer, park=True)  # alive: NIXL keeps it for a reconnect
 
     @property
     def ignored_notices(self) -> int:
