@@ -205,7 +205,7 @@ def test_fake_user_notifications_are_never_delivered(secret):
     with pair(SRC, DST, secret=secret) as pr:
         pr.connect("pull")
         p, d = pr.p[0], pr.d[0]
-        assert _until(lambda: d.agent_name in p._peers.loaded, [p])  # decode's hello came
+        assert _until(lambda: d.agent_name in p._peers.loaded, [p, d])  # decode's hello came
         stranger = Attacker("decode#0#bad0", p)
         stranger.send(b"req-42", _forged(b"req-42"), b"\x00kvplan_nixl\x00close")
         attackers = [stranger]
