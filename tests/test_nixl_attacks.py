@@ -305,25 +305,29 @@ def test_unknown_senders_cost_nothing_and_forged_aborts_kill_nothing():
     with staged() as pr:
         p, d = pr.p[0], pr.d[0]
         stranger = Attacker("decode#0#beef", p)
-        liar = Attacker(d.agent_name, p)
+        liar, liar_d = Attacker(d.agent_name, p), Attacker(p.agent_name, d)
         big = b"kvs1 OPEN 5 pull 65536 0 10 1 1 1 " + b"1 " * 30000 + b"0\n" + b"\0" * 4096
         t0 = time.perf_counter()
         stranger.send(big, big, big)
         assert _until(lambda: p.stats()["unknown"] == 3, [stranger, p])
         assert time.perf_counter() - t0 < 2.0
 
-        def attack():
+        def attack():  # ABORT to the server, FAIL to the initiator, in the other's name
             for rid in range(3):
-                for m in (f"kvs1 ABORT {rid} x".encode(), f"kvs1 FAIL {rid} x".encode()):
-                    liar.send(m, _forged(m))
-            _pump(liar, rounds=5)
+                m = f"kvs1 ABORT {rid} x".encode()
+                liar.send(m, _forged(m))
+                m = f"kvs1 FAIL {rid} server deadline passed".encode()
+                liar_d.send(m, _forged(m))
+            _pump(liar, liar_d, rounds=5)
 
         t = _staged_run(pr, "pull", attack=attack)
         assert t.ok
         pr.check(SB, DB)
         _settled(pr)
-        stranger.close()
-        liar.close()
+        assert _until(lambda: d.stats()["forged"] == 3 and p.stats()["forged"] == 3,
+                      [liar, liar_d, *pr.stagers.values()])
+        for a in (stranger, liar, liar_d):
+            a.close()
 
 
 # -- point 5: state keyed by a peer goes with the peer ------------------------------------------
