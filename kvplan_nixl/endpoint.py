@@ -115,26 +115,7 @@ class Endpoint:
         regs = [reg for _, reg in allocs.values()]
         self.agent_name = md.agent_name(engine, rank, f"{os.getpid():x}{secrets.token_hex(4)}")
         label = f"{engine!r} rank {rank}"
-        self._handles = Handles()
-        self._peers = PeerTable(self._handles)
-        self._routes_table = RouteTable(
-            engine, spec, rank, self._handles, bases=self._bases, nbytes=self._nbytes,
-            devices=self._devices, v_bases=self._v_bases, mem=self.mem_type)
-        self._routes = self._routes_table.routes
-        loaded = self._peers.loaded
-        self._envelope = Envelope(self.agent_name, self._secret, loaded.__contains__, HELLO)
-        self._peers.on_unload(self._envelope.retire)
-        self._handshake = Handshake(self.agent_name, self._secret, self._peers,
-                                    self._routes_table, self.metadata, self.progress,
-                                    self._envelope.seal)
-        self._router = NotificationRouter(
-            CTRL, lambda name, m: self._handshake.on_control(self._agent, name, m),
-            self._envelope.open)
-        self._poster = Poster(label, rank, self._routes_table, self._peers, self._handles,
-                              lambda: self._agent, self.progress, self.telemetry,
-                              self._envelope.seal)
-        self._peers.on_drop(self._poster.drop_peer)  # transfers with a dropped peer fail,
-        self._peers.on_drop(self._routes_table.drop_peer)  # then its lists are released
+        _wire(self, label)
         self._agent = None
         with nixl_call("agent creation", f"backends {list(backends)}"):
             agent = make_agent(self.agent_name, tuple(backends), self.telemetry,
@@ -369,6 +350,27 @@ class Endpoint:
 
     def _check_plan(self, plan: TransferPlan, route: Route, remote: str, mode: Mode) -> None:
         self._routes_table.check_plan(plan, route, remote, mode)
+
+
+def _wire(ep: Endpoint, label: str) -> None:
+    """Build ``ep``'s collaborators and wire them together (see the module doc): every message
+    leaves through the envelope's ``seal`` and arrives through its ``open``."""
+    ep._handles = handles = Handles()
+    ep._peers = peers = PeerTable(handles)
+    ep._routes_table = routes = RouteTable(
+        ep.engine, ep.spec, ep.rank, handles, bases=ep._bases, nbytes=ep._nbytes,
+        devices=ep._devices, v_bases=ep._v_bases, mem=ep.mem_type)
+    ep._routes = routes.routes
+    ep._envelope = env = Envelope(ep.agent_name, ep._secret, peers.loaded.__contains__, HELLO)
+    peers.on_unload(env.retire)
+    ep._handshake = Handshake(ep.agent_name, ep._secret, peers, routes, ep.metadata,
+                              ep.progress, env.seal)
+    ep._router = NotificationRouter(
+        CTRL, lambda name, m: ep._handshake.on_control(ep._agent, name, m), env.open)
+    ep._poster = Poster(label, ep.rank, routes, peers, handles, lambda: ep._agent, ep.progress,
+                        ep.telemetry, env.seal)
+    peers.on_drop(ep._poster.drop_peer)  # transfers with a dropped peer fail,
+    peers.on_drop(routes.drop_peer)  # then its lists are released
 
 
 def _layout(spec: EngineSpec, rank: int, allocs: Mapping[int, Any]) -> tuple[tuple[int, ...], ...]:
