@@ -30,6 +30,7 @@ from kvplan import EngineSpec, Mode, TransferMap, TransferPlan
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
 from kvplan_nixl.buffers import resolve_buffers
+from kvplan_nixl.envelope import Envelope
 from kvplan_nixl.errors import (
     BufferSizeError,
     ClosedError,
@@ -38,7 +39,7 @@ from kvplan_nixl.errors import (
     nixl_call,
 )
 from kvplan_nixl.handles import Handles
-from kvplan_nixl.handshake import CTRL, Handshake
+from kvplan_nixl.handshake import CTRL, HELLO, Handshake
 from kvplan_nixl.notifications import Notification, NotificationRouter
 from kvplan_nixl.parts import RequestTransfer
 from kvplan_nixl.peers import Peer, PeerTable
@@ -114,20 +115,7 @@ class Endpoint:
         regs = [reg for _, reg in allocs.values()]
         self.agent_name = md.agent_name(engine, rank, f"{os.getpid():x}{secrets.token_hex(4)}")
         label = f"{engine!r} rank {rank}"
-        self._handles = Handles()
-        self._peers = PeerTable(self._handles)
-        self._routes_table = RouteTable(
-            engine, spec, rank, self._handles, bases=self._bases, nbytes=self._nbytes,
-            devices=self._devices, v_bases=self._v_bases, mem=self.mem_type)
-        self._routes = self._routes_table.routes
-        self._handshake = Handshake(self.agent_name, self._secret, self._peers,
-                                    self._routes_table, self.metadata, self.progress)
-        self._router = NotificationRouter(
-            CTRL, lambda name, m: self._handshake.on_control(self._agent, name, m))
-        self._poster = Poster(label, rank, self._routes_table, self._peers, self._handles,
-                              lambda: self._agent, self.progress, self.telemetry)
-        self._peers.on_drop(self._poster.drop_peer)  # transfers with a dropped peer fail,
-        self._peers.on_drop(self._routes_table.drop_peer)  # then its lists are released
+        _wire(self, label)
         self._agent = None
         with nixl_call("agent creation", f"backends {list(backends)}"):
             agent = make_agent(self.agent_name, tuple(backends), self.telemetry,
@@ -190,12 +178,22 @@ class Endpoint:
         peer = self._peers.peers.get((remote, rank))
         if peer is None:
             raise NotConnectedError(f"engine {remote!r} rank {rank} is not connected")
-        self._peers.drop(agent, peer)
+        self._peers.drop(agent, peer, park=True)  # alive: NIXL keeps it for a reconnect
 
     @property
     def ignored_notices(self) -> int:
-        """Control notifications ignored (unknown sender, bad MAC, unreadable): see progress()."""
-        return self._handshake.ignored
+        """Notifications ignored: dropped by the envelope (unknown sender, unsigned, forged,
+        replayed) and control notices that made no sense (see :meth:`stats`)."""
+        return self._handshake.ignored + sum(self._envelope.dropped.values())
+
+    def stats(self) -> dict[str, int]:
+        """Notifications dropped since construction, by why: ``unknown`` (from an agent that
+        is neither a connected peer nor a verified initiator), ``unsigned``, ``forged`` (its
+        tag does not verify under the secret), ``replayed`` (a counter seen before, or of an
+        older connection), ``control`` (a control notice that made no sense: a hello carrying
+        another agent's metadata, a close from an agent not loaded). See docs/executor.md,
+        "Trust boundary"."""
+        return {**self._envelope.dropped, "control": self._handshake.ignored}
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -274,6 +272,11 @@ class Endpoint:
         from ``agent_name`` (a layered protocol delivering a user's ``notify``)."""
         self._router.deliver(agent_name, message)
 
+    def _seal(self, agent_name: str, message: bytes) -> bytes:
+        """Internal: ``message`` as it must leave for agent ``agent_name`` (sealed under the
+        secret: a layered protocol's messages, sent or attached to its transfers)."""
+        return self._envelope.seal(agent_name, message)
+
     # -- resources ---------------------------------------------------------------------------
 
     def handles(self) -> dict[str, int]:
@@ -347,6 +350,27 @@ class Endpoint:
 
     def _check_plan(self, plan: TransferPlan, route: Route, remote: str, mode: Mode) -> None:
         self._routes_table.check_plan(plan, route, remote, mode)
+
+
+def _wire(ep: Endpoint, label: str) -> None:
+    """Build ``ep``'s collaborators and wire them together (see the module doc): every message
+    leaves through the envelope's ``seal`` and arrives through its ``open``."""
+    ep._handles = handles = Handles()
+    ep._peers = peers = PeerTable(handles)
+    ep._routes_table = routes = RouteTable(
+        ep.engine, ep.spec, ep.rank, handles, bases=ep._bases, nbytes=ep._nbytes,
+        devices=ep._devices, v_bases=ep._v_bases, mem=ep.mem_type)
+    ep._routes = routes.routes
+    ep._envelope = env = Envelope(ep.agent_name, ep._secret, peers.loaded.__contains__, HELLO)
+    peers.on_unload(env.retire)
+    ep._handshake = Handshake(ep.agent_name, ep._secret, peers, routes, ep.metadata,
+                              ep.progress, env.seal)
+    ep._router = NotificationRouter(
+        CTRL, lambda name, m: ep._handshake.on_control(ep._agent, name, m), env.open)
+    ep._poster = Poster(label, ep.rank, routes, peers, handles, lambda: ep._agent, ep.progress,
+                        ep.telemetry, env.seal)
+    peers.on_drop(ep._poster.drop_peer)  # transfers with a dropped peer fail,
+    peers.on_drop(routes.drop_peer)  # then its lists are released
 
 
 def _layout(spec: EngineSpec, rank: int, allocs: Mapping[int, Any]) -> tuple[tuple[int, ...], ...]:

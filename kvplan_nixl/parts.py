@@ -155,6 +155,9 @@ class RequestTransfer:
         poster, whole = self._poster, self.plan
         agent = poster.require()
         route = poster.routes.get(self.remote, self.mode)
+        # the peer may have restarted with another spec since open: its route was replaced and
+        # the descriptors lowered at open describe the old layout
+        poster.routes.check_plan(whole, route, self.remote, self.mode)
         lanes_of, info = whole.map.region_lanes, self._lane
         by_peer: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
         for k in sorted(k for j in regions for k in lanes_of.get(j, ()) if k in info):

@@ -38,12 +38,13 @@ class Poster:
 
     def __init__(self, label: str, rank: int, routes: RouteTable, peers: PeerTable,
                  handles: Handles, agent: Callable[[], Any], progress: Callable[[], int],
-                 telemetry: bool) -> None:
+                 telemetry: bool, seal: Callable[[str, bytes], bytes]) -> None:
         self.label, self.rank, self.routes, self.handles = label, rank, routes, handles
         self.peers = peers
         self._agent = agent
         self._progress = progress
         self.telemetry = telemetry
+        self._seal = seal  # every notification leaves sealed for its receiver
         self.transfers: set[Transfer] = set()
 
     # -- the Owner of its Transfers ------------------------------------------------------------
@@ -133,21 +134,24 @@ class Poster:
         if not parts:
             t._settle()
             return t
+        note = b"" if notify is None else bytes(notify)
+        notes = [self._seal(self.peers.peers[(remote, p.peer)].agent, note) for p in parts]
         t._start(agent, "READ" if route.map.mode is Mode.PULL else "WRITE", route.local_dlist,
-                 [route.peer_dlists[p.peer] for p in parts], lowered,
-                 b"" if notify is None else bytes(notify))
+                 [route.peer_dlists[p.peer] for p in parts], lowered, notes)
         if not t.done:
             self.transfers.add(t)
         return t
 
     def notify(self, remote: str, ranks: tuple[int, ...], message: bytes) -> None:
-        """Send ``message`` to each connected rank ``ranks`` of ``remote`` (a request's one
-        completion message)."""
+        """Send ``message`` to each rank ``ranks`` of ``remote`` still connected (a request's
+        one completion message; a rank that went has nothing to be told)."""
         agent = self.require()
         for rank in ranks:
-            peer = self.peers.peers[(remote, rank)]
+            peer = self.peers.peers.get((remote, rank))
+            if peer is None:
+                continue
             with nixl_call("send_notif", f"{remote} rank {rank}"):
-                agent.send_notif(peer.agent, message)
+                agent.send_notif(peer.agent, self._seal(peer.agent, message))
 
     def drop_peer(self, peer: Peer, why: str, _errors: list[BaseException]) -> None:
         """Fail the transfers in flight with ``peer`` (a drop listener of the peer table)."""

@@ -268,9 +268,12 @@ class Transfer:
             raise err
         return self.states()
 
-    def _start(self, agent, op: str, local_dlist, remote_dlists, lowered, msg: bytes) -> None:
-        """Make and post one NIXL transfer per part (Endpoint.read/write, once)."""
-        for part, dlist, lw in zip(self._parts.values(), remote_dlists, lowered, strict=True):
+    def _start(self, agent, op: str, local_dlist, remote_dlists, lowered,
+               msgs: list[bytes]) -> None:
+        """Make and post one NIXL transfer per part (Endpoint.read/write, once); ``msgs``: the
+        notification of each part, sealed for its peer."""
+        for part, dlist, lw, msg in zip(self._parts.values(), remote_dlists, lowered, msgs,
+                                        strict=True):
             try:
                 h = agent.make_prepped_xfer(op, local_dlist, lw.local, dlist, lw.remote, msg)
             except Exception as exc:

@@ -21,6 +21,7 @@ import torch
 from kvplan import Mode, TransferPlan
 from kvplan.staging import Costs, prefer_staged
 from kvplan_nixl.endpoint import Endpoint
+from kvplan_nixl.errors import NixlError
 from kvplan_nixl.staged import legs
 from kvplan_nixl.staged import protocol as proto
 from kvplan_nixl.staged.calibration import calibrate
@@ -85,6 +86,9 @@ class Stager:
         self._initiator = Initiator(endpoint, self._pool, self.legs, self.channel, self._ids,
                                     self.poll)
         self._server = Server(endpoint, self._pool, self.legs, self.channel, window)
+        #: staged messages dropped, by why (see :meth:`stats`)
+        self._dropped = {"malformed": 0, "stray": 0}
+        endpoint._peers.on_unload(self._peer_gone)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -233,8 +237,17 @@ class Stager:
                 "dlist": live["dlist"], "requests": len(self._initiator.mine),
                 "serving": len(self._server.served), "registrations": live["registrations"]}
 
+    def stats(self) -> dict[str, int]:
+        """Staged messages dropped since construction, by why: ``malformed`` (fields that do
+        not parse or are out of bounds: answered with a FAIL or ABORT of the request it names),
+        ``stray`` (naming no request of its sender, a chunk not in flight, a repeated OPEN or
+        credit, a POOL nobody asked for). What the endpoint's envelope dropped before (unknown
+        senders, forged, replayed) is in ``Endpoint.stats()``."""
+        return dict(self._dropped)
+
     def close(self) -> None:
         """Fail every request (telling peers), release lists, deregister the pool."""
+        self.ep._peers.off_unload(self._peer_gone)
         self._initiator.close()
         self._server.close()
         self.channel.close()
@@ -250,25 +263,41 @@ class Stager:
     # -- messages ----------------------------------------------------------------------------
 
     def _handle(self, agent_name: str, msg: bytes) -> None:
-        """Route one staged message to the side it concerns; answer a malformed one."""
+        """Route one staged message to the side it concerns; count a stray one, answer a
+        malformed one (never raise: a genuine ``wait`` polls here)."""
         m = proto.decode(msg)
         try:
             if m.op == "OPEN":
-                self._server.on_open(agent_name, m)
+                handled = self._server.on_open(agent_name, m)
             elif m.op in ("DATA", "TAKEN", "ABORT"):
-                self._server.on_message(agent_name, m)
+                handled = self._server.on_message(agent_name, m)
             elif m.op == "HELLO":  # calibration: tell the asker where this pool is
-                self.channel.send(agent_name, self._pool.info().encode("POOL", m.rid))
+                handled = self.channel.send(agent_name, self._pool.info().encode("POOL", m.rid))
             elif m.op == "POOL":
-                self._pool.learn(self.ep._agent_or_none(), agent_name, proto.PoolInfo.decode(m))
-                self._asking.discard(m.rid)
+                handled = m.rid in self._asking  # only the answer to our own HELLO
+                if handled:
+                    self._pool.learn(self.ep._agent_or_none(), agent_name,
+                                     proto.PoolInfo.decode(m))
+                    self._asking.discard(m.rid)
             else:
-                self._initiator.on_message(agent_name, m)
-        except (IndexError, ValueError) as exc:  # a malformed message: refuse, never crash
+                handled = self._initiator.on_message(agent_name, m)
+            if not handled:
+                self._dropped["stray"] += 1
+        except (IndexError, ValueError, OverflowError, NixlError) as exc:
+            # a malformed message (or a pool NIXL refuses): refuse, never crash
+            self._dropped["malformed"] += 1
             if m.fields:  # answer on the channel of the request it names
                 back = "FAIL" if m.op in ("OPEN", "DATA", "TAKEN", "ABORT") else "ABORT"
                 self.channel.send(agent_name,
                                   proto.encode(back, m.rid, f"malformed {m.op}: {exc}"))
+
+    def _peer_gone(self, agent_name: str) -> None:
+        """Agent ``agent_name`` was unloaded (disconnect, close notice, restart): its requests
+        fail (as initiator, naming their blocks) or are dropped (as server), and its pool's
+        list is released, so that a reconnected or restarted peer is learnt afresh."""
+        self._initiator.peer_gone(agent_name)
+        self._server.peer_gone(agent_name)
+        self._pool.forget(agent_name)
 
     def _hello(self, agent_name: str) -> str | None:
         """Ask ``agent_name`` where its pool is (HELLO); the nonce, in ``_asking`` until the

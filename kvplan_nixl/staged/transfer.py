@@ -38,6 +38,7 @@ class Job:
         self.busy: set[int] = set()  # chunks whose local leg is running (slot kept till done)
         self.server = False
         self.xfers: dict[int, Any] = {}  # chunk -> NIXL handle in flight
+        self.credited: set[int] = set()  # initiator: chunks a GRANT/READY came for (once each)
         self.finished = 0  # chunks through their local leg on this side
         self.next = 0  # next chunk to grant (push server) or gather (pull server)
         self.remote_done = False  # push initiator: DONE received
