@@ -18,6 +18,8 @@ LLAMA = ["explain", "--prefill", "llama-3.1-70b", "--prefill-tp", "8", "--decode
 HYBRID = ["explain", "--prefill", "qwen3-next-80b-a3b", "--prefill-tp", "2", "--decode",
           "qwen3-next-80b-a3b", "--decode-tp", "4", "--rank", "1", "--tokens", "1024",
           "--no-compare-layouts"]
+PLAIN = ["explain", "--prefill", "llama-3.1-70b", "--prefill-tp", "8", "--decode",
+         "llama-3.1-70b", "--decode-tp", "4", "--rank", "0", "--no-compare-layouts"]
 HEADERS = ("from", "regions", "placement", "streams", "offsets", "bytes", "runs")
 
 
@@ -37,11 +39,13 @@ def _words(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("columns", [80, 200])
-@pytest.mark.parametrize("argv", [LLAMA, HYBRID], ids=["llama-70b-packed", "qwen3-next"])
+@pytest.mark.parametrize("argv", [LLAMA, PLAIN, HYBRID],
+                         ids=["llama-70b-packed", "llama-70b", "qwen3-next"])
 def test_no_header_or_cell_is_cut_inside_a_word(capsys, monkeypatch, argv, columns):
     doc = json.loads(run(capsys, monkeypatch, [*argv, "--json", "--no-compare-layouts"])[0])
     out, _ = run(capsys, monkeypatch, argv, columns)
     assert max(len(line.rstrip()) for line in out.splitlines()) <= columns
+    assert "…" not in out.replace("…,", "")  # nothing cut short (name_set's own … aside)
     flat = " ".join(out.split())  # a word cut across lines would be two words here
     body = flat[flat.index(" d") : flat.index("legend:")]
     for r in doc["ranks"]:
