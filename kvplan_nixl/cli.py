@@ -41,6 +41,7 @@ from kvplan_nixl.cliargs import (
     columns,
     int_in,
     legend,
+    wrap,
 )
 from kvplan_nixl.explain import layout_arg as explain_layout
 from kvplan_nixl.progress import step
@@ -115,12 +116,20 @@ def _engines(args) -> tuple[EngineSpec, EngineSpec]:
     )
 
 
+def _fitted(text: str) -> str:
+    """``text`` with each line wrapped to the terminal between words, continuation lines
+    indented under their line (a summary's long state placements)."""
+    width = columns()
+    return "\n".join(wrap(line, width, "", " " * (len(line) - len(line.lstrip()) + 4))
+                     if len(line) > width else line for line in text.splitlines())
+
+
 def cmd_plan(args) -> int:
     src, dst = _engines(args)
     with step("planning"):
         plans = _plans(args, src, dst)
     for plan in plans:
-        print(plan.summary())
+        print(_fitted(plan.summary()))
     print(f"\n{legend(columns())}")
     return 0
 
@@ -255,7 +264,7 @@ def cmd_demo(args) -> int:
         print(f"{len(prefill) + len(decode)} endpoints in {t1 - t0:.2f} s, "
               f"{connects} connects in {(t2 - t1) * 1e3:.1f} ms\n")
         for plan in plans:
-            print(plan.summary())
+            print(_fitted(plan.summary()))
         print()
         # warm-up: the first transfer of each pair also sets up its UCX connection
         with step("warm-up transfer (sets up the UCX connections)"):

@@ -111,3 +111,14 @@ def test_a_long_layout_comparison_reports_progress_on_a_pipe(capsys, monkeypatch
     monkeypatch.delenv("KVPLAN_PROGRESS")
     _, err = run(capsys, monkeypatch, [*LLAMA, "--compare-layouts"], 80)
     assert err == ""
+
+
+def test_plan_summaries_wrap_to_the_terminal_between_words(capsys, monkeypatch):
+    argv = ["plan", "--example", "kimi-linear", "--prefill-tp", "2", "--decode-tp", "1",
+            "--tokens", "128", "--num-blocks", "8"]
+    wide, _ = run(capsys, monkeypatch, argv, 200)
+    narrow, _ = run(capsys, monkeypatch, argv, 80)
+    assert max(map(len, narrow.splitlines())) <= 80 < max(map(len, wide.splitlines()))
+    summary = wide[:wide.index("legend:")]
+    # the same words, whole: only the line breaks differ
+    assert " ".join(narrow[:narrow.index("legend:")].split()) == " ".join(summary.split())
