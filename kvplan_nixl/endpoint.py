@@ -29,8 +29,10 @@ from typing import Any
 from kvplan import EngineSpec, Mode, TransferMap, TransferPlan
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
+from kvplan_nixl.arguments import check_int, check_mode, check_request, check_str
 from kvplan_nixl.buffers import resolve_buffers
 from kvplan_nixl.errors import (
+    ArgumentError,
     BufferSizeError,
     ClosedError,
     NixlError,
@@ -174,11 +176,15 @@ class Endpoint:
         stages holding this rank's regions. Other ranks may be connected too: they get no
         descriptor list, since no plan of the map names them.
         """
-        return self._handshake.connect(self._require(), metadata, mode)
+        mode = check_mode(mode)
+        if not isinstance(metadata, (bytes, bytearray, memoryview)):
+            raise ArgumentError(f"metadata must be bytes (a peer's Endpoint.metadata()), got "
+                                f"{type(metadata).__name__}")
+        return self._handshake.connect(self._require(), bytes(metadata), mode)
 
     def map(self, remote: str, mode: str | Mode = "pull") -> TransferMap:
         """The TransferMap connect built for ``remote`` (make plans with its ``plan``)."""
-        return self._route(remote, Mode(mode)).map
+        return self._route(check_str("remote", remote), check_mode(mode)).map
 
     def peers(self) -> tuple[Peer, ...]:
         """The connected peer ranks, ordered by (engine, rank)."""
@@ -186,6 +192,8 @@ class Endpoint:
 
     def disconnect(self, remote: str, rank: int) -> None:
         """Forget one peer rank: its transfers in flight fail, its descriptor lists are released."""
+        check_str("remote", remote)
+        check_int("rank", rank)
         agent = self._require()
         peer = self._peers.peers.get((remote, rank))
         if peer is None:
@@ -217,6 +225,7 @@ class Endpoint:
         checked against both sides' registered bounds; a plan that does not fit raises and
         posts nothing.
         """
+        notify, timeout = check_request(remote, notify, timeout)
         return self._poster.post(plan, remote, Mode.PULL, notify, timeout)
 
     def write(
@@ -228,6 +237,7 @@ class Endpoint:
         timeout: float | None = None,
     ) -> Transfer:
         """Push: post the writes of ``plan`` (made by this rank's push map for ``remote``)."""
+        notify, timeout = check_request(remote, notify, timeout)
         return self._poster.post(plan, remote, Mode.PUSH, notify, timeout)
 
     def request(
@@ -245,8 +255,9 @@ class Endpoint:
         completion message, sent to every peer rank of ``plan`` once every part is DONE;
         ``timeout`` (seconds) is a deadline for all parts. See :mod:`kvplan_nixl.parts`.
         """
+        notify, timeout = check_request(remote, notify, timeout)
         if not isinstance(plan, TransferPlan):
-            raise TypeError(f"expected a kvplan.TransferPlan, got {type(plan).__name__}")
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         self._route(remote, plan.map.mode)  # connected in that mode, or NotConnectedError
         deadline = None if timeout is None else time.monotonic() + timeout
         return RequestTransfer(self._poster, plan, remote, notify, deadline)
@@ -374,17 +385,17 @@ def _register(agent: Any, backends: Sequence[str], regs: list, mem: str, who: st
 def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any) -> EngineSpec:
     """Refuse bad constructor arguments (before anything is allocated); the spec as a value."""
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
-        raise ValueError(f"num_threads must be a non-negative int (0: NIXL's default), "
-                         f"got {num_threads!r}")
+        raise ArgumentError(f"num_threads must be a non-negative int (0: NIXL's default), "
+                            f"got {num_threads!r}")
     if not isinstance(engine, str) or not engine:
-        raise ValueError(f"engine must be a non-empty name, got {engine!r}")
+        raise ArgumentError(f"engine must be a non-empty name, got {engine!r}")
     if isinstance(spec, Mapping):
         spec = EngineSpec.from_dict(spec)
     if not isinstance(spec, EngineSpec):
-        raise TypeError(f"spec must be an EngineSpec or its dict, got {type(spec).__name__}")
+        raise ArgumentError(f"spec must be an EngineSpec or its dict, got {type(spec).__name__}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.num_ranks:
         pp = f" (tp {spec.tp_size} x pp {spec.pp_size})" if spec.pp_size > 1 else ""
-        raise ValueError(
+        raise ArgumentError(
             f"rank {rank!r} is not in [0, {spec.num_ranks}) of engine {engine!r}{pp}"
         )
     return spec

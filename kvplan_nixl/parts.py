@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvplan import Mode, TransferPlan
+from kvplan_nixl.arguments import check_notify, check_timeout
 from kvplan_nixl.descriptors import Lowered
 from kvplan_nixl.errors import NotConnectedError, PlanMismatchError
 from kvplan_nixl.posting import Poster
@@ -109,6 +110,7 @@ class RequestTransfer:
         :class:`PlanMismatchError` for a part of another plan, a region already posted, or a
         post after :meth:`end`; nothing is posted then.
         """
+        notify = check_notify(notify)
         if self._ended:
             raise PlanMismatchError("request already ended: no part can be posted after end()")
         whole = self.plan
@@ -224,6 +226,7 @@ class RequestTransfer:
         Raises the first failed part's :class:`TransferFailed` / :class:`TransferTimeout`;
         ``progress`` as for :meth:`Transfer.wait`. Needs :meth:`end` first.
         """
+        timeout = check_timeout("timeout", timeout)
         if not self._ended:
             raise PlanMismatchError("wait(): call end() once every part is posted")
         limit = None if timeout is None else time.monotonic() + timeout

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from kvplan_nixl.arguments import check_timeout
 from kvplan_nixl.errors import TransferFailed, TransferTimeout, is_nixl_error, nixl_code
 
 if TYPE_CHECKING:
@@ -253,6 +254,7 @@ class Transfer:
         :class:`TransferFailed`. ``progress`` lists other endpoints of this process to progress
         while waiting (a peer in the same process has no progress thread of its own).
         """
+        timeout = check_timeout("timeout", timeout)
         if timeout is not None:
             limit = time.monotonic() + timeout
             if self._deadline is None or limit < self._deadline:

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvplan import Mode
 from kvplan.staging import StagedPlan
+from kvplan_nixl.arguments import check_timeout
 from kvplan_nixl.errors import TransferFailed, TransferTimeout
 from kvplan_nixl.transfer import State, drive
 
@@ -126,6 +127,7 @@ class StagedTransfer:
         """Block until every part is DONE; raise :class:`TransferFailed` /
         :class:`TransferTimeout` otherwise. ``progress`` lists other Stagers (polled) or
         Endpoints (progressed) of this process to drive while waiting."""
+        timeout = check_timeout("timeout", timeout)
         if timeout is not None:
             limit = time.monotonic() + timeout
             for j in self._jobs.values():
@@ -222,6 +224,7 @@ class MixedTransfer:
              ) -> dict[int, State]:
         """Block until both parts are done; raise as :meth:`StagedTransfer.wait` does, naming
         the failed peers of both parts."""
+        timeout = check_timeout("timeout", timeout)
         limit = None if timeout is None else time.monotonic() + timeout
         if not drive(self.poll, lambda: self.done, tuple(progress), limit):
             self.cancel("deadline passed before completion")
