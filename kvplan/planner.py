@@ -272,6 +272,13 @@ def _lanes_for_dst_rank(
     return lanes
 
 
+def _check_specs(src: object, dst: object) -> None:
+    for side, spec in (("src", src), ("dst", dst)):
+        if not isinstance(spec, EngineSpec):
+            raise SpecError(f"{side} must be an EngineSpec (EngineSpec.from_dict), got "
+                            f"{type(spec).__name__}")
+
+
 def _check_rank(spec: EngineSpec, rank: int, side: str) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.num_ranks:
         raise SpecError(f"{side} rank {rank!r} is not in [0, {spec.num_ranks})")
@@ -431,6 +438,7 @@ def pull_map(src: EngineSpec, dst: EngineSpec, dst_rank: int) -> TransferMap:
 
     Raises :class:`~kvplan.IncompatibleLayoutError` when the specs cannot exchange KV.
     """
+    _check_specs(src, dst)
     pairs = region_pairs(src, dst)
     _check_rank(dst, dst_rank, "destination")
     lanes = _lanes_for_dst_rank(src, dst, dst_rank, pairs, {})
@@ -443,6 +451,7 @@ def push_map(src: EngineSpec, dst: EngineSpec, src_rank: int) -> TransferMap:
     Its lanes are exactly the lanes of every destination rank's :func:`pull_map` whose source is
     ``src_rank``, so the union of all push plans equals the union of all pull plans.
     """
+    _check_specs(src, dst)
     pairs = region_pairs(src, dst)
     _check_rank(src, src_rank, "source")
     cache: dict = {}

@@ -50,6 +50,14 @@ MAX_SPEC_DEPTH = 16
 MAX_SPEC_ITEMS = MAX_REGIONS * 256
 
 
+def _size_fields(r: Any) -> str:
+    """``' (num_kv_heads 8, head_dim 128)'``: the fields a region's page size comes from, for
+    a message refusing a size derived from them."""
+    got = [f"{f} {getattr(r, f)}" for f in ("num_kv_heads", "head_dim", "dim")
+           if getattr(r, f, None) is not None]
+    return f" ({', '.join(got)})" if got else ""
+
+
 def check_spec_json(d: Any, what: str) -> None:
     """Refuse a spec (or region) ``d`` nested deeper than :data:`MAX_SPEC_DEPTH` or with a key
     that is not a string, or holding more than :data:`MAX_SPEC_ITEMS` values, naming where
@@ -591,9 +599,9 @@ class EngineSpec:
                 r = self.regions[i]
                 raise SpecError(
                     f"region {r.name!r}: {nbytes} bytes on a rank in buffer "
-                    f"{self._buffers.names[b]!r} ({r.num_blocks} blocks of {self._pages[i]} "
+                    f"{self._buffers.names[b]!r} (num_blocks {r.num_blocks} of {self._pages[i]} "
                     f"bytes) exceed the limit {MAX_ALLOCATION_BYTES} (2**61): byte offsets must "
-                    "fit in int64"
+                    f"fit in int64{_size_fields(r)}"
                 )
 
     def _check_components(self, r: RegionSpec) -> None:
@@ -603,7 +611,7 @@ class EngineSpec:
             raise SpecError(
                 f"region {r.name!r}: a block holds {atoms} (stream, unit, token) pieces, over the "
                 f"limit {MAX_BLOCK_ATOMS}: block_size {r.block_size} or the unit counts are too "
-                "large"
+                f"large{_size_fields(r)}"
             )
         for c in r.components:
             k = c.units

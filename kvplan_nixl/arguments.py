@@ -18,8 +18,8 @@ from typing import Any
 from kvplan import Mode
 from kvplan_nixl.errors import ArgumentError
 
-__all__ = ["check_choice", "check_int", "check_mode", "check_notify", "check_request",
-           "check_str", "check_timeout"]
+__all__ = ["check_choice", "check_int", "check_mode", "check_names", "check_notify",
+           "check_request", "check_str", "check_timeout"]
 
 
 def _shown(value: Any) -> str:
@@ -71,6 +71,15 @@ def check_str(name: str, value: Any) -> str:
         raise ArgumentError(f"{name} must be a non-empty str, got {type(value).__name__} "
                             f"{_shown(value)}")
     return value
+
+
+def check_names(name: str, value: Any) -> tuple[str, ...]:
+    """A list or tuple of non-empty strs (NIXL backend names), as a tuple; a lone str is
+    refused (it would be read as its letters)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ArgumentError(f"{name} must be a list of names, e.g. ['UCX'], got "
+                            f"{_shown(value)}")
+    return tuple(value)
 
 
 def check_choice(name: str, value: Any, options: Sequence[str]) -> str:

@@ -29,7 +29,13 @@ from typing import Any
 from kvplan import EngineSpec, Mode, TransferMap, TransferPlan
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
-from kvplan_nixl.arguments import check_int, check_mode, check_request, check_str
+from kvplan_nixl.arguments import (
+    check_int,
+    check_mode,
+    check_names,
+    check_request,
+    check_str,
+)
 from kvplan_nixl.buffers import resolve_buffers
 from kvplan_nixl.errors import (
     ArgumentError,
@@ -99,6 +105,7 @@ class Endpoint:
         num_threads: int = 0,
     ) -> None:
         spec = _check_args(engine, spec, rank, num_threads)
+        backends = check_names("backends", backends)
         self._secret = md.check_secret(secret)
         allocs = resolve_buffers(spec, rank, buffers)
         mems = sorted({reg[3] for _, reg in allocs.values()})

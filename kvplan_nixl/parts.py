@@ -25,7 +25,7 @@ import numpy as np
 from kvplan import Mode, TransferPlan
 from kvplan_nixl.arguments import check_notify, check_timeout
 from kvplan_nixl.descriptors import Lowered
-from kvplan_nixl.errors import NotConnectedError, PlanMismatchError
+from kvplan_nixl.errors import ArgumentError, NotConnectedError, PlanMismatchError
 from kvplan_nixl.posting import Poster
 from kvplan_nixl.transfer import State, Transfer, _Part
 
@@ -129,6 +129,9 @@ class RequestTransfer:
             regions = part.regions
         else:  # names: descriptors are sliced from the whole plan's, no part plan is built
             ids = whole.map.region_ids
+            if not isinstance(part, (str, list, tuple)):
+                raise ArgumentError(f"part must be a plan.part(...) of this request, a region "
+                                    f"name or a list of names, got {type(part).__name__}")
             names = (part,) if isinstance(part, str) else tuple(part)
             unknown = [n for n in names if n not in ids]
             if unknown:

@@ -69,8 +69,8 @@ class Stager:
     def __init__(self, endpoint: Endpoint, *, pool_bytes: int = 64 << 20,
                  slot_bytes: int = 16 << 20, window: int = 2,
                  cpu_threads: int | None = 1, overlap: bool = True) -> None:
-        check_int("pool_bytes", pool_bytes, low=PIECE)
-        check_int("slot_bytes", slot_bytes, low=PIECE)
+        check_int("pool_bytes", pool_bytes, low=1)
+        check_int("slot_bytes", slot_bytes, low=1)
         if slot_bytes % PIECE or pool_bytes < slot_bytes or pool_bytes % slot_bytes:
             raise ArgumentError(
                 f"slot_bytes ({slot_bytes}) must be a positive multiple of {PIECE} dividing "
