@@ -104,8 +104,7 @@ class Endpoint:
         progress_thread: bool = False,
         num_threads: int = 0,
     ) -> None:
-        spec = _check_args(engine, spec, rank, num_threads)
-        backends = check_names("backends", backends)
+        spec = _check_args(engine, spec, rank, num_threads, backends)
         self._secret = md.check_secret(secret)
         allocs = resolve_buffers(spec, rank, buffers)
         mems = sorted({reg[3] for _, reg in allocs.values()})
@@ -183,11 +182,7 @@ class Endpoint:
         stages holding this rank's regions. Other ranks may be connected too: they get no
         descriptor list, since no plan of the map names them.
         """
-        mode = check_mode(mode)
-        if not isinstance(metadata, (bytes, bytearray, memoryview)):
-            raise ArgumentError(f"metadata must be bytes (a peer's Endpoint.metadata()), got "
-                                f"{type(metadata).__name__}")
-        return self._handshake.connect(self._require(), bytes(metadata), mode)
+        return self._handshake.connect(self._require(), metadata, check_mode(mode))
 
     def map(self, remote: str, mode: str | Mode = "pull") -> TransferMap:
         """The TransferMap connect built for ``remote`` (make plans with its ``plan``)."""
@@ -199,10 +194,8 @@ class Endpoint:
 
     def disconnect(self, remote: str, rank: int) -> None:
         """Forget one peer rank: its transfers in flight fail, its descriptor lists are released."""
-        check_str("remote", remote)
-        check_int("rank", rank)
         agent = self._require()
-        peer = self._peers.peers.get((remote, rank))
+        peer = self._peers.peers.get((check_str("remote", remote), check_int("rank", rank)))
         if peer is None:
             raise NotConnectedError(f"engine {remote!r} rank {rank} is not connected")
         self._peers.drop(agent, peer)
@@ -232,7 +225,6 @@ class Endpoint:
         checked against both sides' registered bounds; a plan that does not fit raises and
         posts nothing.
         """
-        notify, timeout = check_request(remote, notify, timeout)
         return self._poster.post(plan, remote, Mode.PULL, notify, timeout)
 
     def write(
@@ -244,7 +236,6 @@ class Endpoint:
         timeout: float | None = None,
     ) -> Transfer:
         """Push: post the writes of ``plan`` (made by this rank's push map for ``remote``)."""
-        notify, timeout = check_request(remote, notify, timeout)
         return self._poster.post(plan, remote, Mode.PUSH, notify, timeout)
 
     def request(
@@ -389,8 +380,10 @@ def _register(agent: Any, backends: Sequence[str], regs: list, mem: str, who: st
         return agent.register_memory([(a, n, d, "") for a, n, d, _ in regs], mem)
 
 
-def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any) -> EngineSpec:
+def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any,
+                backends: Any) -> EngineSpec:
     """Refuse bad constructor arguments (before anything is allocated); the spec as a value."""
+    check_names("backends", backends)
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
         raise ArgumentError(f"num_threads must be a non-negative int (0: NIXL's default), "
                             f"got {num_threads!r}")
