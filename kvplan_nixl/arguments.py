@@ -19,7 +19,7 @@ from kvplan import Mode
 from kvplan_nixl.errors import ArgumentError
 
 __all__ = ["check_choice", "check_int", "check_mode", "check_names", "check_notify",
-           "check_request", "check_str", "check_timeout"]
+           "check_progress", "check_request", "check_str", "check_timeout"]
 
 
 def _shown(value: Any) -> str:
@@ -95,6 +95,20 @@ def check_mode(value: Any) -> Mode:
     if isinstance(value, Mode):
         return value
     return Mode(check_choice("mode", value, tuple(m.value for m in Mode)))
+
+
+def check_progress(value: Any, method: str = "progress") -> tuple[Any, ...]:
+    """``progress=`` of a wait: an iterable of objects with a ``method`` (Endpoints, Stagers)
+    of this process to drive meanwhile, as a tuple."""
+    try:
+        others = tuple(value)
+    except TypeError:
+        raise ArgumentError(f"progress must be a list of Endpoints or Stagers, got "
+                            f"{type(value).__name__} {_shown(value)}") from None
+    odd = [o for o in others if not callable(getattr(o, method, None))]
+    if odd:
+        raise ArgumentError(f"progress: {_shown(odd[0])} has no {method}() to call")
+    return others
 
 
 def check_request(remote: Any, notify: Any, timeout: Any) -> tuple[bytes | None, float | None]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvplan import Mode, TransferPlan
-from kvplan_nixl.arguments import check_notify, check_timeout
+from kvplan_nixl.arguments import check_notify, check_progress, check_timeout
 from kvplan_nixl.descriptors import Lowered
 from kvplan_nixl.errors import ArgumentError, NotConnectedError, PlanMismatchError
 from kvplan_nixl.posting import Poster
@@ -233,7 +233,7 @@ class RequestTransfer:
         if not self._ended:
             raise PlanMismatchError("wait(): call end() once every part is posted")
         limit = None if timeout is None else time.monotonic() + timeout
-        others = tuple(progress)
+        others = check_progress(progress)
         for t in self.transfers:
             left = None if limit is None else max(0.0, limit - time.monotonic())
             t.wait(left, progress=others)

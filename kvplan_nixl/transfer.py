@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvplan_nixl.arguments import check_timeout
+from kvplan_nixl.arguments import check_progress, check_timeout
 from kvplan_nixl.errors import TransferFailed, TransferTimeout, is_nixl_error, nixl_code
 
 if TYPE_CHECKING:
@@ -264,7 +264,7 @@ class Transfer:
             if self._pending:
                 self._ep.progress()
 
-        drive(step, lambda: not self._pending, tuple(progress))
+        drive(step, lambda: not self._pending, check_progress(progress))
         err = self.error()
         if err is not None:
             raise err

@@ -298,6 +298,12 @@ def test_waits_refuse_a_nan_timeout_and_keep_the_transfer(eps):
             refused(lambda t=t, bad=bad: t.wait(bad), "timeout", cls=ArgumentError)
         t.wait(progress=[sp])  # the refusal changed nothing: the transfer completes
         assert t.ok
+    for bad in (5, None, [object()]):
+        for t in (d.read(plan, "prefill", timeout=30), sd.read(plan, "prefill", timeout=30)):
+            refused(lambda t=t, bad=bad: t.wait(5, progress=bad), "progress", cls=ArgumentError)
+            t.wait(progress=[sp])
+        refused(lambda bad=bad: sd.calibrate("prefill", progress=bad), "progress",
+                cls=ArgumentError)
     r = d.request(plan, "prefill", timeout=30)
     for bad in (None, 1, [None], ["nope"]):
         refused(lambda bad=bad: r.post(bad), "region")
@@ -326,6 +332,8 @@ def test_stager_methods(eps):
     for bad in (None, "auto ", 1, ["auto"]):
         refused(lambda bad=bad: sd.post(plan, "prefill", how=bad), "how", cls=ArgumentError)
     for bad in (None, "plan"):
+        refused(lambda bad=bad: sd.staged_peers(bad, "prefill"), "plan", cls=ArgumentError)
+        refused(lambda bad=bad: sd.prefer(bad, "prefill"), "plan", cls=ArgumentError)
         refused(lambda bad=bad: sd.post(bad, "prefill"), "plan", cls=ArgumentError)
         refused(lambda bad=bad: sd.read(bad, "prefill"), "plan", cls=ArgumentError)
     assert sd.handles()["requests"] == 0 and sd.handles()["slots_in_use"] == 0

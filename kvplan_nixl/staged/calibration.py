@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvplan.staging import Costs
-from kvplan_nixl.arguments import check_timeout
+from kvplan_nixl.arguments import check_progress, check_timeout
 from kvplan_nixl.endpoint import Endpoint
 from kvplan_nixl.errors import BusyError, NixlError, NotConnectedError, PeerTimeout, nixl_call
 from kvplan_nixl.staged import legs
@@ -50,7 +50,7 @@ def calibrate(ep: Endpoint, pool: RegisteredPool, hello: Callable[[str], str | N
         raise BusyError(f"calibrate: every staging slot is in use ({slots.in_use} of "
                         f"{slots.nslots}); calibrate while no staged request is in flight")
     who = f"engine {remote!r} rank {peer.rank}"
-    others = tuple(progress)
+    others = check_progress(progress, "poll")
     # one deadline for every wait below: a peer that answers HELLO and then stops progressing
     # must not hold a READ (or the round trip) forever
     deadline = time.monotonic() + timeout

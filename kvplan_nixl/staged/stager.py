@@ -183,6 +183,8 @@ class Stager:
 
     def _choices(self, plan: TransferPlan, remote: str) -> list[tuple[int, int, bool]]:
         """Per peer rank of ``plan``: (rank, bytes, whether staging wins for it)."""
+        if not isinstance(plan, TransferPlan):
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         costs = self.costs.get(remote, DEFAULT_COSTS)
         rows = plan.copies()
         col = "src_rank" if plan.map.mode is Mode.PULL else "dst_rank"

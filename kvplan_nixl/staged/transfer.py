@@ -17,7 +17,7 @@ import numpy as np
 
 from kvplan import Mode
 from kvplan.staging import StagedPlan
-from kvplan_nixl.arguments import check_timeout
+from kvplan_nixl.arguments import check_progress, check_timeout
 from kvplan_nixl.errors import TransferFailed, TransferTimeout
 from kvplan_nixl.transfer import State, drive
 
@@ -133,7 +133,7 @@ class StagedTransfer:
             for j in self._jobs.values():
                 if j.deadline is None or limit < j.deadline:
                     j.deadline = limit
-        drive(self._st.poll, lambda: self.done, tuple(progress))
+        drive(self._st.poll, lambda: self.done, check_progress(progress))
         err = self.error()
         if err is not None:
             raise err
@@ -226,7 +226,7 @@ class MixedTransfer:
         the failed peers of both parts."""
         timeout = check_timeout("timeout", timeout)
         limit = None if timeout is None else time.monotonic() + timeout
-        if not drive(self.poll, lambda: self.done, tuple(progress), limit):
+        if not drive(self.poll, lambda: self.done, check_progress(progress), limit):
             self.cancel("deadline passed before completion")
         err = self.error()
         if err is not None:
