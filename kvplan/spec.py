@@ -40,6 +40,7 @@ from kvplan.regions import (
     Layout,
     RegionSpec,
     StatePart,
+    check_spec_json,
     layout_order,
 )
 
@@ -129,6 +130,7 @@ class EngineSpec:
         """Build from ``{"tp_size": int, "pp_size": int (optional), "regions": [...]}``."""
         if not isinstance(d, Mapping):
             raise SpecError(f"an engine spec must be a mapping, got {type(d).__name__}")
+        check_spec_json(d, "engine spec")
         unknown = sorted(set(d) - {"tp_size", "pp_size", "regions", "dcp_size", "dcp_interleave",
                                    "pcp_size"})
         if unknown:

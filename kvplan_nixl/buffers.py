@@ -113,6 +113,9 @@ def resolve_buffers(
     """``{buffer index: (buffer, (address, nbytes, device, mem))}`` for the buffers ``rank``
     holds (indices of ``spec.buffers``: regions, pools, allocations, K and V buffers), in that
     order; every refusal is a :class:`BufferSizeError` naming what."""
+    if isinstance(buffers, (str, bytes)) or not isinstance(buffers, (Mapping, Sequence)):
+        raise BufferSizeError(f"buffers must be a mapping by name or a sequence of buffers, got "
+                              f"{type(buffers).__name__}")
     held = spec.regions_on(rank)
     allocs = sorted({spec.buffer_of(i, s) for i in held for s in (0, 1)})
     labels = [_alloc_label(spec, a) for a in allocs]

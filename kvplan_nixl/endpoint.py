@@ -29,9 +29,17 @@ from typing import Any
 from kvplan import EngineSpec, Mode, TransferMap, TransferPlan
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
+from kvplan_nixl.arguments import (
+    check_int,
+    check_mode,
+    check_names,
+    check_request,
+    check_str,
+)
 from kvplan_nixl.buffers import resolve_buffers
 from kvplan_nixl.envelope import Envelope
 from kvplan_nixl.errors import (
+    ArgumentError,
     BufferSizeError,
     ClosedError,
     NixlError,
@@ -69,10 +77,9 @@ class Endpoint:
     NIXL is touched. Each buffer is registered once. The buffers must outlive the endpoint.
     ``telemetry=True`` records NIXL's descriptor counts.
 
-    ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`
-    with HMAC-SHA256 and makes :meth:`connect` refuse metadata not signed with it before any
-    byte reaches NIXL; close notices are signed too. Without a secret, peers are trusted (see
-    docs/executor.md, "Trust boundary"). ``progress_thread=True`` lets NIXL progress transfers
+    ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`,
+    makes :meth:`connect` refuse metadata not signed with it before NIXL sees a byte, and seals
+    every notification (docs/executor.md, "Trust boundary"). ``progress_thread=True`` lets NIXL progress transfers
     and notifications on its own thread, which spins one CPU core at 100% for as long as the
     endpoint lives; by default (False) the endpoint is progressed by its own calls
     (``Transfer.wait``/``poll``, :meth:`progress`, :meth:`notifications`).
@@ -97,7 +104,7 @@ class Endpoint:
         progress_thread: bool = False,
         num_threads: int = 0,
     ) -> None:
-        spec = _check_args(engine, spec, rank, num_threads)
+        spec = _check_args(engine, spec, rank, num_threads, backends)
         self._secret = md.check_secret(secret)
         allocs = resolve_buffers(spec, rank, buffers)
         mems = sorted({reg[3] for _, reg in allocs.values()})
@@ -162,11 +169,11 @@ class Endpoint:
         stages holding this rank's regions. Other ranks may be connected too: they get no
         descriptor list, since no plan of the map names them.
         """
-        return self._handshake.connect(self._require(), metadata, mode)
+        return self._handshake.connect(self._require(), metadata, check_mode(mode))
 
     def map(self, remote: str, mode: str | Mode = "pull") -> TransferMap:
         """The TransferMap connect built for ``remote`` (make plans with its ``plan``)."""
-        return self._route(remote, Mode(mode)).map
+        return self._route(check_str("remote", remote), check_mode(mode)).map
 
     def peers(self) -> tuple[Peer, ...]:
         """The connected peer ranks, ordered by (engine, rank)."""
@@ -175,7 +182,7 @@ class Endpoint:
     def disconnect(self, remote: str, rank: int) -> None:
         """Forget one peer rank: its transfers in flight fail, its descriptor lists are released."""
         agent = self._require()
-        peer = self._peers.peers.get((remote, rank))
+        peer = self._peers.peers.get((check_str("remote", remote), check_int("rank", rank)))
         if peer is None:
             raise NotConnectedError(f"engine {remote!r} rank {rank} is not connected")
         self._peers.drop(agent, peer, park=True)  # alive: NIXL keeps it for a reconnect
@@ -243,8 +250,9 @@ class Endpoint:
         completion message, sent to every peer rank of ``plan`` once every part is DONE;
         ``timeout`` (seconds) is a deadline for all parts. See :mod:`kvplan_nixl.parts`.
         """
+        notify, timeout = check_request(remote, notify, timeout)
         if not isinstance(plan, TransferPlan):
-            raise TypeError(f"expected a kvplan.TransferPlan, got {type(plan).__name__}")
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         self._route(remote, plan.map.mode)  # connected in that mode, or NotConnectedError
         deadline = None if timeout is None else time.monotonic() + timeout
         return RequestTransfer(self._poster, plan, remote, notify, deadline)
@@ -395,20 +403,22 @@ def _register(agent: Any, backends: Sequence[str], regs: list, mem: str, who: st
         return agent.register_memory([(a, n, d, "") for a, n, d, _ in regs], mem)
 
 
-def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any) -> EngineSpec:
+def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any,
+                backends: Any) -> EngineSpec:
     """Refuse bad constructor arguments (before anything is allocated); the spec as a value."""
+    check_names("backends", backends)
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
-        raise ValueError(f"num_threads must be a non-negative int (0: NIXL's default), "
-                         f"got {num_threads!r}")
+        raise ArgumentError(f"num_threads must be a non-negative int (0: NIXL's default), "
+                            f"got {num_threads!r}")
     if not isinstance(engine, str) or not engine:
-        raise ValueError(f"engine must be a non-empty name, got {engine!r}")
+        raise ArgumentError(f"engine must be a non-empty name, got {engine!r}")
     if isinstance(spec, Mapping):
         spec = EngineSpec.from_dict(spec)
     if not isinstance(spec, EngineSpec):
-        raise TypeError(f"spec must be an EngineSpec or its dict, got {type(spec).__name__}")
+        raise ArgumentError(f"spec must be an EngineSpec or its dict, got {type(spec).__name__}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.num_ranks:
         pp = f" (tp {spec.tp_size} x pp {spec.pp_size})" if spec.pp_size > 1 else ""
-        raise ValueError(
+        raise ArgumentError(
             f"rank {rank!r} is not in [0, {spec.num_ranks}) of engine {engine!r}{pp}"
         )
     return spec

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvplan import Mode, TransferPlan
+from kvplan_nixl.arguments import check_request
 from kvplan_nixl.descriptors import Lowered
 from kvplan_nixl.errors import (
     ClosedError,
@@ -89,7 +90,9 @@ class Poster:
 
     def post(self, plan: TransferPlan, remote: str, mode: Mode, notify: bytes | None,
              timeout: float | None) -> Transfer:
-        """Post every run of ``plan`` (see ``Endpoint.read``)."""
+        """Post every run of ``plan`` (see ``Endpoint.read``); the arguments are checked
+        first (``kvplan_nixl.arguments``)."""
+        notify, timeout = check_request(remote, notify, timeout)
         agent = self.require()
         self.progress()  # a peer's close notice drops its route before we post to it
         route = self.routes.get(remote, mode)

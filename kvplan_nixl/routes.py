@@ -20,7 +20,7 @@ from kvplan import EngineSpec, Mode, TransferMap, TransferPlan, pull_map, push_m
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import NIXL_LOCAL
 from kvplan_nixl.descriptors import Ladder, Lowered, lower, run_text
-from kvplan_nixl.errors import NotConnectedError, PlanMismatchError
+from kvplan_nixl.errors import ArgumentError, NotConnectedError, PlanMismatchError
 from kvplan_nixl.handles import Handles
 from kvplan_nixl.peers import Peer
 
@@ -84,7 +84,7 @@ class RouteTable:
     def check_plan(self, plan: TransferPlan, route: Route, remote: str, mode: Mode) -> None:
         """Raise unless ``plan`` was made by ``route``'s map (or an equal one)."""
         if not isinstance(plan, TransferPlan):
-            raise TypeError(f"expected a kvplan.TransferPlan, got {type(plan).__name__}")
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         m = plan.map
         if m is route.map:
             return

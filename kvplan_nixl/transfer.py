@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from kvplan_nixl.arguments import check_progress, check_timeout
 from kvplan_nixl.errors import TransferFailed, TransferTimeout, is_nixl_error, nixl_code
 
 if TYPE_CHECKING:
@@ -253,6 +254,7 @@ class Transfer:
         :class:`TransferFailed`. ``progress`` lists other endpoints of this process to progress
         while waiting (a peer in the same process has no progress thread of its own).
         """
+        timeout = check_timeout("timeout", timeout)
         if timeout is not None:
             limit = time.monotonic() + timeout
             if self._deadline is None or limit < self._deadline:
@@ -262,7 +264,7 @@ class Transfer:
             if self._pending:
                 self._ep.progress()
 
-        drive(step, lambda: not self._pending, tuple(progress))
+        drive(step, lambda: not self._pending, check_progress(progress))
         err = self.error()
         if err is not None:
             raise err

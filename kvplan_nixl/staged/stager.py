@@ -20,8 +20,15 @@ import torch
 
 from kvplan import Mode, TransferPlan
 from kvplan.staging import Costs, prefer_staged
+from kvplan_nixl.arguments import (
+    check_choice,
+    check_int,
+    check_request,
+    check_str,
+    check_timeout,
+)
 from kvplan_nixl.endpoint import Endpoint
-from kvplan_nixl.errors import NixlError
+from kvplan_nixl.errors import ArgumentError, NixlError
 from kvplan_nixl.staged import legs
 from kvplan_nixl.staged import protocol as proto
 from kvplan_nixl.staged.calibration import calibrate
@@ -62,13 +69,20 @@ class Stager:
     def __init__(self, endpoint: Endpoint, *, pool_bytes: int = 64 << 20,
                  slot_bytes: int = 16 << 20, window: int = 2,
                  cpu_threads: int | None = 1, overlap: bool = True) -> None:
-        if slot_bytes <= 0 or slot_bytes % PIECE or pool_bytes < slot_bytes or (
-                pool_bytes % slot_bytes):
-            raise ValueError(
+        check_int("pool_bytes", pool_bytes, low=1)
+        check_int("slot_bytes", slot_bytes, low=1)
+        if slot_bytes % PIECE or pool_bytes < slot_bytes or pool_bytes % slot_bytes:
+            raise ArgumentError(
                 f"slot_bytes ({slot_bytes}) must be a positive multiple of {PIECE} dividing "
                 f"pool_bytes ({pool_bytes})")
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        check_int("window", window, low=1)
+        if cpu_threads is not None:
+            check_int("cpu_threads", cpu_threads, low=1)
+        if not isinstance(overlap, bool):
+            raise ArgumentError(f"overlap must be a bool, got {overlap!r}")
+        if not isinstance(endpoint, Endpoint):
+            raise ArgumentError(f"endpoint must be a kvplan_nixl.Endpoint, got "
+                                f"{type(endpoint).__name__}")
         self.ep = endpoint
         agent = endpoint._require()
         self.window = window
@@ -100,6 +114,7 @@ class Stager:
         as ``Notification(engine, rank, message)`` naming this rank) once that rank saw this
         side take its last chunk, as a direct ``Endpoint.read`` delivers it; never on failure.
         """
+        notify, timeout = check_request(remote, notify, timeout)
         return self._initiator.start(plan, remote, Mode.PULL, timeout, notify)
 
     def write(self, plan: TransferPlan, remote: str, *, notify: bytes | None = None,
@@ -110,6 +125,7 @@ class Stager:
         scattered into its KV cache, as a direct ``Endpoint.write`` delivers it; never on
         failure.
         """
+        notify, timeout = check_request(remote, notify, timeout)
         return self._initiator.start(plan, remote, Mode.PUSH, timeout, notify)
 
     def post(self, plan: TransferPlan, remote: str, *, how: str = "auto",
@@ -123,8 +139,10 @@ class Stager:
         :class:`MixedTransfer` of the two (the plan's runs split by peer rank). ``notify``
         reaches every peer rank once, by whichever part serves it (see :meth:`read`).
         """
-        if how not in ("auto", "direct", "staged"):
-            raise ValueError(f"how must be 'auto', 'direct' or 'staged', got {how!r}")
+        check_choice("how", how, ("auto", "direct", "staged"))
+        notify, timeout = check_request(remote, notify, timeout)
+        if not isinstance(plan, TransferPlan):
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         pull = plan.map.mode is Mode.PULL
         post = self.ep.read if pull else self.ep.write
         if how == "auto":
@@ -168,6 +186,8 @@ class Stager:
 
     def _choices(self, plan: TransferPlan, remote: str) -> list[tuple[int, int, bool]]:
         """Per peer rank of ``plan``: (rank, bytes, whether staging wins for it)."""
+        if not isinstance(plan, TransferPlan):
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         costs = self.costs.get(remote, DEFAULT_COSTS)
         rows = plan.copies()
         col = "src_rank" if plan.map.mode is Mode.PULL else "dst_rank"
@@ -186,6 +206,7 @@ class Stager:
         ``remote`` and store them in ``self.costs[remote]``; see
         :func:`kvplan_nixl.staged.calibration.calibrate` (``progress``: other Stagers of this
         process to poll meanwhile, as the peer's Stager must be polled)."""
+        check_str("remote", remote)
         self.costs[remote] = costs = calibrate(
             self.ep, self._pool, self._hello, self._asking, self.poll, remote,
             cpu_threads=self.cpu_threads, progress=progress, timeout=timeout)
@@ -225,6 +246,9 @@ class Stager:
         server polled less often adds its period to every chunk it serves. User notifications
         stay queued for ``endpoint.notifications()`` (``until`` may drain them). Returns False
         when ``timeout`` seconds passed first."""
+        if not callable(until):
+            raise ArgumentError(f"until must be a callable returning a bool, got {until!r}")
+        timeout = check_timeout("timeout", timeout)
         limit = None if timeout is None else time.monotonic() + timeout
         return drive(self.poll, until, (), limit)
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvplan import Mode
 from kvplan.staging import StagedPlan
+from kvplan_nixl.arguments import check_progress, check_timeout
 from kvplan_nixl.errors import TransferFailed, TransferTimeout
 from kvplan_nixl.transfer import State, drive
 
@@ -127,12 +128,13 @@ class StagedTransfer:
         """Block until every part is DONE; raise :class:`TransferFailed` /
         :class:`TransferTimeout` otherwise. ``progress`` lists other Stagers (polled) or
         Endpoints (progressed) of this process to drive while waiting."""
+        timeout = check_timeout("timeout", timeout)
         if timeout is not None:
             limit = time.monotonic() + timeout
             for j in self._jobs.values():
                 if j.deadline is None or limit < j.deadline:
                     j.deadline = limit
-        drive(self._st.poll, lambda: self.done, tuple(progress))
+        drive(self._st.poll, lambda: self.done, check_progress(progress))
         err = self.error()
         if err is not None:
             raise err
@@ -223,8 +225,9 @@ class MixedTransfer:
              ) -> dict[int, State]:
         """Block until both parts are done; raise as :meth:`StagedTransfer.wait` does, naming
         the failed peers of both parts."""
+        timeout = check_timeout("timeout", timeout)
         limit = None if timeout is None else time.monotonic() + timeout
-        if not drive(self.poll, lambda: self.done, tuple(progress), limit):
+        if not drive(self.poll, lambda: self.done, check_progress(progress), limit):
             self.cancel("deadline passed before completion")
         err = self.error()
         if err is not None:
