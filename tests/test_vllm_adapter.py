@@ -4,7 +4,9 @@ The fake engines below allocate exactly as vLLM 0.32 does (``create_kv_cache_vie
 ``compute_layout_strides`` in ``vllm/v1/kv_cache_interface.py``): one raw byte buffer per
 ``KVCacheTensor``, each layer a 4-D ``[B, H, N, C]`` strided view whose strides are the
 ``KVCacheLayout`` permutation of ``[L, B, H, N, C]``. Each backend's reader is modelled too:
-``CPU_ATTN`` views a head's ``[N, 2D]`` page as ``[2, N, D]`` (``cpu_attn.py``), FLASH_ATTN
+``CPU_ATTN`` keeps a head's page as a K part ``[D, N]`` (transposed) then a V part ``[N, D]``
+(``cpu_attn.py``, and what vLLM 0.32's ``cpu_attn_reshape_and_cache`` writes with the ``vec``
+ISA, float32, block 32: checked against the kernel, see docs/vllm.md), FLASH_ATTN
 and TRITON_ATTN split ``C`` into K and V halves of one token (``flash_attn.py``,
 ``triton_attn.py``), MLA backends read ``[B, 1, N, latent]``. A transfer is then planned
 between two such engines from the derived specs, applied with ``kvplan.simulate``, and every
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvplan import EngineSpec, SpecError, pull_map, simulate
-from kvplan.adapters.vllm import spec_from_vllm, vllm_buffers
+from kvplan.adapters.vllm import spec_from_vllm, vllm_buffers, whole_pages
 
 # vLLM 0.32's KVCacheLayout: the physical order of the logical axes [L, B, H, N, C]
 LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
@@ -99,14 +101,13 @@ def backend_read(kv, name, backend, mla=False):
     b, h, n, c = a.shape
     if mla:
         return a, None
-    if backend == "CPU_ATTN":  # cpu_attn.py: view [B, H, 2N, D], chunk dim 2
-        flat = a.reshape(b, h, 2 * n, c // 2) if a.flags.c_contiguous else None
-        if flat is None:  # a strided view: build the same view by strides
-            s = a.strides
-            flat = np.lib.stride_tricks.as_strided(a, (b, h, 2, n, c // 2),
-                                                   (s[0], s[1], n * s[2], s[2], s[3]))
-            return flat[:, :, 0], flat[:, :, 1]
-        return flat[:, :, :n], flat[:, :, n:]
+    if backend == "CPU_ATTN":  # a K part [D, N] then a V part [N, D] per (block, head)
+        s, e, d = a.strides, a.itemsize, c // 2
+        assert s[2] == c * e  # N right outside C: the page is N x 2D values
+        k = np.lib.stride_tricks.as_strided(a, (b, h, n, d), (s[0], s[1], e, n * e))
+        v_start = a[:, :, n // 2:]  # N*D values into the page (n is even here)
+        v = np.lib.stride_tricks.as_strided(v_start, (b, h, n, d), (s[0], s[1], d * e, e))
+        return k, v
     return a[..., : c // 2], a[..., c // 2:]  # flash_attn.py: split(head_size, dim=-1)
 
 
@@ -201,28 +202,44 @@ def _roundtrip(src, dst, backend, tokens, src_ids, dst_ids, block, dst_from="zer
                                             ("FLASH_ATTN", "BLHNC"), ("TRITON_ATTN", "BHLNC")])
 @pytest.mark.parametrize("dtp", [1, 2])
 def test_bytes_a_backend_reads_arrive(backend, layout, dtp):
-    # a prompt of 13 tokens over blocks of 4: the last block is copied in part (positions
-    # 12..12), which is where reading C wrongly would move the wrong V bytes
+    # a prompt of 13 tokens over blocks of 4: the last block is copied in part (position 12)
+    # where the backend reads tokens row by row; CPU_ATTN's pages move whole (whole_pages)
     block, heads = 4, 2
+    tokens = (0, 16) if whole_pages(backend) else (0, 13)
     skv, scfg, sraw = fake_engine(layout=layout, heads=heads, block=block)
     fill(skv, backend)
     dst = [fake_engine(layout=layout, heads=heads, tp=dtp, block=block) for _ in range(dtp)]
-    _roundtrip((skv, scfg, sraw, 1), dst, backend, (0, 13), [5, 0, 3, 1], [2, 4, 0, 5],
+    _roundtrip((skv, scfg, sraw, 1), dst, backend, tokens, [5, 0, 3, 1], [2, 4, 0, 5],
+               block)
+
+
+def test_cpu_attn_pages_move_whole():
+    # CPU_ATTN's K part is [D, N]: copying the first positions of a block as rows would move
+    # other tokens' values, which is why whole_pages() is true for it and not for FLASH_ATTN
+    assert whole_pages("CPU_ATTN") and not whole_pages("FLASH_ATTN")
+    block = 4
+    skv, scfg, sraw = fake_engine(block=block)
+    fill(skv, "CPU_ATTN")
+    dkv, dcfg, draw = fake_engine(block=block)
+    with pytest.raises(AssertionError):
+        _roundtrip((skv, scfg, sraw, 1), [(dkv, dcfg, draw)], "CPU_ATTN", (0, 6), [1, 2],
+                   [3, 4], block)
+    _roundtrip((skv, scfg, sraw, 1), [(dkv, dcfg, draw)], "CPU_ATTN", (0, 8), [1, 2], [3, 4],
                block)
 
 
 def test_prefix_hit_moves_only_the_missing_blocks():
     block = 4
     skv, scfg, sraw = fake_engine(block=block)
-    fill(skv, "CPU_ATTN")
+    fill(skv, "FLASH_ATTN")
     dkv, dcfg, draw = fake_engine(block=block)
     # decode holds positions 0..7 already; vLLM lists only the blocks it lacks
-    _roundtrip((skv, scfg, sraw, 1), [(dkv, dcfg, draw)], "CPU_ATTN", (8, 14),
+    _roundtrip((skv, scfg, sraw, 1), [(dkv, dcfg, draw)], "FLASH_ATTN", (8, 14),
                [5, 0, 3, 1], [4, 2], block, dst_from="start")
-    k, v = backend_read(dkv, "model.layers.0.self_attn.attn", "CPU_ATTN")
+    k, v = backend_read(dkv, "model.layers.0.self_attn.attn", "FLASH_ATTN")
     assert not k[2, :, 2:].any() and not v[2, :, 2:].any()  # positions 14, 15: not written
-    dspec = spec_from_vllm(dkv, dcfg, backend="CPU_ATTN")
-    sspec = spec_from_vllm(skv, scfg, backend="CPU_ATTN")
+    dspec = spec_from_vllm(dkv, dcfg, backend="FLASH_ATTN")
+    sspec = spec_from_vllm(skv, scfg, backend="FLASH_ATTN")
     plan = pull_map(sspec, dspec, 0).plan([[5, 0, 3, 1]], [[4, 2]], tokens=(8, 14),
                                           dst_from="start")
     full = pull_map(sspec, dspec, 0).plan([[5, 0, 3, 1]], [[4, 2, 0, 1]], tokens=(0, 14))

@@ -24,8 +24,13 @@ or when heads are sliced (hetero TP). ``backend`` names it:
 
 - ``FLASH_ATTN``, ``TRITON_ATTN`` (``flash_attn.py``, ``triton_attn.py``: ``split(head_size,
   dim=-1)``): ``C`` is K then V of one token, kvplan's ``C`` = ``SD``;
-- ``CPU_ATTN`` (``cpu_attn.py``: views ``[B, H, N, 2D]`` as ``[B, H, 2N, D]`` and chunks
-  dim 2): one head's page holds all K tokens then all V tokens, so ``NC`` reads ``SND``;
+- ``CPU_ATTN`` (``cpu_attn.py``: views ``[B, H, N, 2D]`` as ``[B, H, 2N, D]``, K from the
+  first ``N`` rows): one head's page holds its K part, then its V part, so ``NC`` reads
+  ``SND``. Inside a part the kernel decides: with the ``vec`` ISA (float32, block 32) vLLM's
+  own ``cpu_attn_reshape_and_cache`` writes K transposed (value ``d`` of token ``t`` at
+  ``d * N + t``) and V by token. Such pages are exact only as a whole, so
+  :func:`whole_pages` says so and a plan must move whole blocks (``tokens`` rounded out to
+  block boundaries) between equal block sizes;
 - MLA backends (``CPU_MLA``, ``FLASHMLA``, ``TRITON_MLA``...): one latent per token.
 - ``None``: vLLM's definition of ``C`` (K then V of one token).
 
@@ -43,8 +48,16 @@ from kvplan import DTYPE_SIZES, EngineSpec, SpecError, rank_layout
 
 #: Backends whose content ``C`` is K then V of one token (vLLM's definition).
 TOKEN_CONTENT = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"})
-#: Backends that read one head's ``[N, C]`` page as ``[2, N, D]``: K tokens, then V tokens.
+#: Backends that read one head's ``[N, C]`` page as a K part then a V part, each in the
+#: kernel's own order (see :func:`whole_pages`).
 STREAM_CONTENT = frozenset({"CPU_ATTN"})
+
+
+def whole_pages(backend: str | None) -> bool:
+    """Whether ``backend`` keeps a (block, head, K or V) page in a kernel-specific order, so
+    that only whole pages may be copied: whole blocks, equal block sizes on both sides
+    (``CPU_ATTN``). Head slices (heterogeneous TP) stay exact: heads are outside the page."""
+    return backend in STREAM_CONTENT
 
 
 def _content(backend: str | None, mla: bool) -> str:
