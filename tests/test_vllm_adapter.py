@@ -16,6 +16,10 @@ backend wrote.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -299,3 +303,27 @@ def test_from_vllm_alias():
     kv, cfg, _ = fake_engine()
     assert EngineSpec.from_vllm(kv, cfg, backend="CPU_ATTN") == spec_from_vllm(
         kv, cfg, backend="CPU_ATTN")
+
+
+def test_imports_stay_apart():
+    # the adapter is pure (no torch, no vllm); kvplan_nixl never loads vLLM on import; the
+    # connector module without vLLM installed is an ImportError naming vllm, nothing else
+    code = (
+        "import sys, kvplan, kvplan.adapters.vllm\n"
+        "assert not any(m.split('.')[0] in ('torch', 'vllm', 'nixl') for m in sys.modules)\n"
+        "import kvplan_nixl\n"
+        "assert 'vllm' not in sys.modules\n"
+        "try:\n"
+        "    import vllm\n"
+        "except ImportError:\n"
+        "    try:\n"
+        "        import kvplan_nixl.vllm\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        assert e.name == 'vllm', e\n"
+        "    else:\n"
+        "        raise AssertionError('kvplan_nixl.vllm imported without vllm')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stdout + r.stderr
