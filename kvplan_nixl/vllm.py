@@ -319,8 +319,10 @@ class _Worker:
                 if line == "MD":
                     self.wfile.write(struct.pack("!I", len(worker.md)) + worker.md)
                 elif line.startswith("RELEASE "):
+                    req = line.split(" ", 1)[1]
                     with worker.lock:
-                        worker.released.add(line.split(" ", 1)[1])
+                        worker.released.add(req)
+                    logger.info("kvplan: prefill req=%s released on the side channel", req)
                     self.wfile.write(b"OK\n")
 
         class Server(socketserver.ThreadingTCPServer):

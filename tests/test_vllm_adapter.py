@@ -160,12 +160,18 @@ def test_cpu_attn_reads_k_tokens_then_v_tokens():
         spec_from_vllm(kv, cfg, backend="CPU_ATTN")
 
 
+def test_single_head_keeps_its_place():
+    kv, cfg, _ = fake_engine(heads=2, tp=2)  # one KV head per rank: H of size 1
+    spec = spec_from_vllm(kv, cfg, backend="CPU_ATTN", tp_size=2)
+    assert spec.regions[0].layout_name == "LBHSND" and spec.regions[0].num_kv_heads == 2
+
+
 def test_mla_latent_and_kernel_blocks():
     kv, cfg, _ = fake_engine(mla=True, head=24, layout="BLHNC")
     spec = spec_from_vllm(kv, cfg, backend="CPU_MLA", tp_size=2)
     r = spec.regions[0]
     assert (r.kind.value, r.dim) == ("mla", 24)
-    assert "".join(x for x in r.order if x not in "SH") == "BLND"  # H, S: one each, anywhere
+    assert r.layout_name == "BLHNSD"  # H and S (one each) keep their logical place
     kv, cfg, _ = fake_engine(block=8, kernel=4)
     r = spec_from_vllm(kv, cfg, backend="FLASH_ATTN").regions[0]
     assert (r.block_size, r.kernel_block_size) == (8, 4)

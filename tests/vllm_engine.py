@@ -24,7 +24,10 @@ MARK = "@@kvplan "
 
 
 def write_model(path: str, *, mla: bool, seed: int = 1234) -> None:
-    """A tiny model with random float32 weights (fixed seed), config.json + safetensors."""
+    """A tiny model with random float32 weights (fixed seed), config.json + safetensors.
+
+    The MLA model's latent is 512 + 64 = 576 values per token: the only size vLLM's CPU_MLA
+    backend takes (``cpu_mla.py``, ``get_supported_head_sizes``), with blocks of 16."""
     import torch
     from safetensors.torch import save_file
 
@@ -35,9 +38,14 @@ def write_model(path: str, *, mla: bool, seed: int = 1234) -> None:
             "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
             "hidden_size": hidden, "intermediate_size": 512, "moe_intermediate_size": 128,
             "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 4,
-            "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32,
-            "qk_rope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": None,
-            "first_k_dense_replace": layers, "vocab_size": vocab,
+            "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 64, "v_head_dim": 32, "vocab_size": vocab,
+            # MoE fields must be present; first_k_dense_replace = layers makes every layer
+            # a dense MLP, so no expert is used
+            "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "first_k_dense_replace": layers, "moe_layer_freq": 1, "topk_method": "greedy",
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+            "norm_topk_prob": False, "scoring_func": "softmax",
             "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
             "torch_dtype": "float32", "tie_word_embeddings": False,
             "bos_token_id": 0, "eos_token_id": 1,

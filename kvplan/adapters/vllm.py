@@ -102,12 +102,16 @@ def _kind(name: str, s: Any) -> str:
 
 
 def _order(name: str, axes: list[tuple[str, int, int]], content: str) -> str:
-    """kvplan's axis order from ``(letter, size, byte stride)`` of ``L, B, H, N, C``: the
-    axes longer than 1 by decreasing stride, which must be those of a dense tensor."""
-    big = sorted((a for a in axes if a[1] > 1 and a[0] != "C"), key=lambda a: -a[2])
-    small = [a for a in axes if a[1] == 1 and a[0] != "C"]
-    c = next(a for a in axes if a[0] == "C")
-    seq = [*small, *big, c]
+    """kvplan's axis order from ``(letter, size, byte stride)`` of ``L, B, H, N, C`` (in that
+    order): the axes longer than 1 by decreasing stride, which must be those of a dense
+    tensor."""
+    outer = [a for a in axes if a[0] != "C"]
+    big = iter(sorted((a for a in outer if a[1] > 1), key=lambda a: -a[2]))
+    # axes of size 1 keep their logical place (their stride means nothing); the others are
+    # ordered by stride in the places they leave
+    seq = [a if a[1] == 1 else next(big) for a in outer]
+    c = axes[-1]
+    seq.append(c)
     step = c[1] * c[2]  # C's bytes; C's stride is the element size (checked by the caller)
     for letter, size, stride in reversed(seq[:-1]):
         if size > 1 and stride != step:
