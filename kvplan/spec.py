@@ -299,6 +299,15 @@ class EngineSpec:
                               num_blocks=num_blocks, dtype=dtype, pp_size=pp_size, draft=draft,
                               **kwargs)
 
+    @classmethod
+    def from_vllm(cls, kv_caches: Any, kv_cache_config: Any, **kwargs: Any) -> EngineSpec:
+        """A spec from vLLM's own KV cache: the tensors ``register_kv_caches`` receives and
+        the ``KVCacheConfig``; options and refusals: :func:`kvplan.adapters.vllm.spec_from_vllm`.
+        """
+        from kvplan.adapters.vllm import spec_from_vllm
+
+        return spec_from_vllm(kv_caches, kv_cache_config, **kwargs)
+
     def with_layout(self, layout: str, kv: str = "split") -> EngineSpec:
         """This engine with every region laid out by ``layout``.
 
