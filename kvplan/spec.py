@@ -7,7 +7,7 @@ through ``from_dict`` (the JSON-able form), is checked on construction, and leav
 ``to_dict``. Per-rank facts (which regions a pipeline stage holds, block and page sizes,
 allocation sizes) are answered here; byte layouts, placements and plans live in other modules.
 Methods served from above go through :mod:`kvplan.hooks`: ``from_hf_config`` (by
-:mod:`kvplan.hf`), ``_repr_html_`` and ``to_pandas`` (by :mod:`kvplan.views`).
+:mod:`kvplan.hf`), ``from_vllm`` (by :mod:`kvplan.adapters.vllm`), ``_repr_html_`` and ``to_pandas`` (by :mod:`kvplan.views`).
 
 Every public name of :mod:`kvplan.regions` is re-exported here, as it was defined here before.
 """
@@ -304,9 +304,7 @@ class EngineSpec:
         """A spec from vLLM's own KV cache: the tensors ``register_kv_caches`` receives and
         the ``KVCacheConfig``; options and refusals: :func:`kvplan.adapters.vllm.spec_from_vllm`.
         """
-        from kvplan.adapters.vllm import spec_from_vllm
-
-        return spec_from_vllm(kv_caches, kv_cache_config, **kwargs)
+        return hooks.call("from_vllm", kv_caches, kv_cache_config, **kwargs)
 
     def with_layout(self, layout: str, kv: str = "split") -> EngineSpec:
         """This engine with every region laid out by ``layout``.

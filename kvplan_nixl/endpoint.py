@@ -79,10 +79,10 @@ class Endpoint:
 
     ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`,
     makes :meth:`connect` refuse metadata not signed with it before NIXL sees a byte, and seals
-    every notification (docs/executor.md, "Trust boundary"). ``progress_thread=True`` lets NIXL progress transfers
-    and notifications on its own thread, which spins one CPU core at 100% for as long as the
-    endpoint lives; by default (False) the endpoint is progressed by its own calls
-    (``Transfer.wait``/``poll``, :meth:`progress`, :meth:`notifications`).
+    every notification (docs/executor.md, "Trust boundary"). ``progress_thread=True`` lets
+    NIXL progress transfers and notifications on its own thread, which spins one CPU core at
+    100% while the endpoint lives; by default (False) the endpoint is progressed by its own
+    calls (``Transfer.wait``/``poll``, :meth:`progress`, :meth:`notifications`).
 
     ``num_threads`` (a non-negative int; 0, the default, keeps NIXL's default) is NIXL's agent
     option of that name, handed to the UCX backend: worker threads that share the posting of a

@@ -37,6 +37,9 @@ or when heads are sliced (hetero TP). ``backend`` names it:
 Not covered yet (refused with a :class:`~kvplan.SpecError` naming the layer): Mamba and
 other state specs, layers of different groups sharing one ``KVCacheTensor`` (hybrid
 overlays), padded pages, ``head_size_v`` different from ``head_size``, pipeline stages.
+
+Layer 4 (adapters, beside hf): imports spec, regions, layout, errors and hooks; serves
+``EngineSpec.from_vllm`` through :mod:`kvplan.hooks`.
 """
 
 from __future__ import annotations
@@ -44,7 +47,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvplan import DTYPE_SIZES, EngineSpec, SpecError, rank_layout
+from kvplan import hooks
+from kvplan.errors import SpecError
+from kvplan.layout import rank_layout
+from kvplan.regions import DTYPE_SIZES
+from kvplan.spec import EngineSpec
 
 #: Backends whose content ``C`` is K then V of one token (vLLM's definition).
 TOKEN_CONTENT = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"})
@@ -133,6 +140,7 @@ def _order(name: str, axes: list[tuple[str, int, int]], content: str) -> str:
     return order[:-1] + "SD"
 
 
+@hooks.provide("from_vllm")
 def spec_from_vllm(
     kv_caches: Mapping[str, Any],
     kv_cache_config: Any,
