@@ -7,7 +7,8 @@ through ``from_dict`` (the JSON-able form), is checked on construction, and leav
 ``to_dict``. Per-rank facts (which regions a pipeline stage holds, block and page sizes,
 allocation sizes) are answered here; byte layouts, placements and plans live in other modules.
 Methods served from above go through :mod:`kvplan.hooks`: ``from_hf_config`` (by
-:mod:`kvplan.hf`), ``from_vllm`` (by :mod:`kvplan.adapters.vllm`), ``_repr_html_`` and ``to_pandas`` (by :mod:`kvplan.views`).
+:mod:`kvplan.hf`), ``from_vllm`` (by :mod:`kvplan.adapters.vllm`), ``_repr_html_`` and
+``to_pandas`` (by :mod:`kvplan.views`).
 
 Every public name of :mod:`kvplan.regions` is re-exported here, as it was defined here before.
 """
