@@ -25,6 +25,7 @@ from kvplan import (
     hf,  # noqa: F401  (serves EngineSpec.from_hf_config: kvplan/hooks.py)
     presets,
 )
+from kvplan.adapters import vllm as _vllm  # noqa: F401  (serves EngineSpec.from_vllm)
 from kvplan.errors import (
     IncompatibleLayoutError,
     KVPlanError,

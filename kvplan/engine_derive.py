@@ -24,6 +24,7 @@ from kvplan.regions import (
     MAX_BLOCK_ATOMS,
     Kind,
     RegionSpec,
+    _size_fields,
 )
 
 if TYPE_CHECKING:
@@ -49,9 +50,9 @@ def check_sizes(spec: EngineSpec) -> None:
             r = spec.regions[i]
             raise SpecError(
                 f"region {r.name!r}: {nbytes} bytes on a rank in buffer "
-                f"{spec._buffers.names[b]!r} ({r.num_blocks} blocks of {spec._pages[i]} "
+                f"{spec._buffers.names[b]!r} (num_blocks {r.num_blocks} of {spec._pages[i]} "
                 f"bytes) exceed the limit {MAX_ALLOCATION_BYTES} (2**61): byte offsets must "
-                "fit in int64"
+                f"fit in int64{_size_fields(r)}"
             )
 
 def check_components(spec: EngineSpec, r: RegionSpec) -> None:
@@ -61,7 +62,7 @@ def check_components(spec: EngineSpec, r: RegionSpec) -> None:
         raise SpecError(
             f"region {r.name!r}: a block holds {atoms} (stream, unit, token) pieces, over the "
             f"limit {MAX_BLOCK_ATOMS}: block_size {r.block_size} or the unit counts are too "
-            "large"
+            f"large{_size_fields(r)}"
         )
     for c in r.components:
         k = c.units

@@ -232,7 +232,7 @@ def _span(
         first = lo // vd if dst_from == "start" else 0
     if lane.window is not None:  # the window's blocks, counted back from the end
         lo = max(lo, hi - (lane.window // vd + 1) * vd)
-    if tokens is not None and hi > lo:
+    if tokens is not None:  # an empty range too: its start must not lie past the lists
         name = tmap.dst.regions[lane.dst_region].name
         if n_src * vs < hi:
             raise RequestError(
@@ -345,6 +345,14 @@ class TransferPlan(ReadOnlyArrays):
         """
         if isinstance(regions, str):
             regions = (regions,)
+        try:
+            regions = tuple(regions)
+        except TypeError:
+            raise RequestError(f"part: regions must be a region name or an iterable of names, "
+                               f"got {type(regions).__name__} {regions!r}") from None
+        odd = [n for n in regions if not isinstance(n, str)]
+        if odd:
+            raise RequestError(f"part: regions must be region names (str), got {odd[0]!r}")
         if self.spans_regions:
             raise RequestError(
                 "part: this plan merges runs across the layer slots of an allocation (a run "

@@ -300,6 +300,13 @@ def _lanes_for_dst_rank(
     return lanes
 
 
+def _check_specs(src: object, dst: object) -> None:
+    for side, spec in (("src", src), ("dst", dst)):
+        if not isinstance(spec, EngineSpec):
+            raise SpecError(f"{side} must be an EngineSpec (EngineSpec.from_dict), got "
+                            f"{type(spec).__name__}")
+
+
 def _check_rank(spec: EngineSpec, rank: int, side: str) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.num_ranks:
         raise SpecError(f"{side} rank {rank!r} is not in [0, {spec.num_ranks})")
@@ -462,6 +469,7 @@ def pull_map(
     what :func:`push_map` sends). Raises :class:`~kvplan.IncompatibleLayoutError` when the
     specs cannot exchange KV.
     """
+    _check_specs(src, dst)
     pairs = region_pairs(src, dst)
     _check_rank(dst, dst_rank, "destination")
     lanes = _lanes_for_dst_rank(src, dst, dst_rank, pairs, {}, spread=spread_pcp)
@@ -476,6 +484,7 @@ def push_map(src: EngineSpec, dst: EngineSpec, src_rank: int) -> TransferMap:
     the union of those pull plans. Where the source's PCP ranks are replicas only PCP rank 0
     sends (as vLLM 0.33 does): the maps of the other replicas are empty.
     """
+    _check_specs(src, dst)
     pairs = region_pairs(src, dst)
     _check_rank(src, src_rank, "source")
     cache: dict = {}

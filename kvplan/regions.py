@@ -42,6 +42,46 @@ MAX_ALLOCATION_BYTES = 1 << 61
 #: Largest number of (stream, unit, token) atoms in one block on one rank; the handshake builds
 #: a template of that many rows per lane, so this bounds its time and memory.
 MAX_BLOCK_ATOMS = 1 << 20
+#: Deepest nesting of lists and mappings a spec's JSON form may have (a real one has 5: engine,
+#: regions, region, parts, shape); checked without recursion before anything else reads it, so
+#: a forged spec nested 10^5 deep is refused instead of overflowing the stack in a repr.
+MAX_SPEC_DEPTH = 16
+#: Most values (lists, mappings and scalars) a spec's JSON form may hold: ample for
+#: MAX_REGIONS regions, and it bounds the walk of the depth check.
+MAX_SPEC_ITEMS = MAX_REGIONS * 256
+
+
+def _size_fields(r: Any) -> str:
+    """``' (num_kv_heads 8, head_dim 128)'``: the fields a region's page size comes from, for
+    a message refusing a size derived from them."""
+    got = [f"{f} {getattr(r, f)}" for f in ("num_kv_heads", "head_dim", "dim")
+           if getattr(r, f, None) is not None]
+    return f" ({', '.join(got)})" if got else ""
+
+
+def check_spec_json(d: Any, what: str) -> None:
+    """Refuse a spec (or region) ``d`` nested deeper than :data:`MAX_SPEC_DEPTH` or with a key
+    that is not a string, or holding more than :data:`MAX_SPEC_ITEMS` values, naming where
+    (iterative: never recurses)."""
+    stack = [(d, 0, what)]
+    seen = 0
+    while stack:
+        v, depth, path = stack.pop()
+        seen += 1
+        if seen > MAX_SPEC_ITEMS:
+            raise SpecError(f"{what}: more than {MAX_SPEC_ITEMS} values; a spec has at most "
+                            f"{MAX_REGIONS} regions of a few fields each")
+        if depth > MAX_SPEC_DEPTH:
+            raise SpecError(f"{path}: nested deeper than {MAX_SPEC_DEPTH} levels of lists and "
+                            "mappings; a spec is flat JSON")
+        if isinstance(v, Mapping):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise SpecError(f"{path}: keys must be strings, got {type(k).__name__} "
+                                    f"{str(k)[:40]}")
+                stack.append((x, depth + 1, f"{path}.{k[:40]}"))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, depth + 1, f"{path}[{i}]") for i, x in enumerate(v))
 
 
 class Kind(enum.Enum):
@@ -396,6 +436,7 @@ class RegionSpec:
         """Build from the JSON-able form; unknown keys and keys of another kind are refused."""
         if not isinstance(d, Mapping):
             raise SpecError(f"a region must be a mapping, got {type(d).__name__}")
+        check_spec_json(d, "region")
         name = d.get("name")
         for key in ("name", "kind", "num_blocks", "dtype"):
             if key not in d:

@@ -7,7 +7,8 @@ through ``from_dict`` (the JSON-able form), is checked on construction, and leav
 ``to_dict``. Per-rank facts (which regions a pipeline stage holds, block and page sizes,
 allocation sizes) are answered here; byte layouts, placements and plans live in other modules.
 Methods served from above go through :mod:`kvplan.hooks`: ``from_hf_config`` (by
-:mod:`kvplan.hf`), ``_repr_html_`` and ``to_pandas`` (by :mod:`kvplan.views`).
+:mod:`kvplan.hf`), ``from_vllm`` (by :mod:`kvplan.adapters.vllm`), ``_repr_html_`` and
+``to_pandas`` (by :mod:`kvplan.views`).
 
 Every public name of :mod:`kvplan.regions` is re-exported here, as it was defined here before.
 """
@@ -40,6 +41,7 @@ from kvplan.regions import (
     Layout,
     RegionSpec,
     StatePart,
+    check_spec_json,
     layout_order,
 )
 
@@ -129,6 +131,7 @@ class EngineSpec:
         """Build from ``{"tp_size": int, "pp_size": int (optional), "regions": [...]}``."""
         if not isinstance(d, Mapping):
             raise SpecError(f"an engine spec must be a mapping, got {type(d).__name__}")
+        check_spec_json(d, "engine spec")
         unknown = sorted(set(d) - {"tp_size", "pp_size", "regions", "dcp_size", "dcp_interleave",
                                    "pcp_size"})
         if unknown:
@@ -296,6 +299,13 @@ class EngineSpec:
         return hooks.call("from_hf_config", config, tp_size=tp_size, block_size=block_size,
                               num_blocks=num_blocks, dtype=dtype, pp_size=pp_size, draft=draft,
                               **kwargs)
+
+    @classmethod
+    def from_vllm(cls, kv_caches: Any, kv_cache_config: Any, **kwargs: Any) -> EngineSpec:
+        """A spec from vLLM's own KV cache: the tensors ``register_kv_caches`` receives and
+        the ``KVCacheConfig``; options and refusals: :func:`kvplan.adapters.vllm.spec_from_vllm`.
+        """
+        return hooks.call("from_vllm", kv_caches, kv_cache_config, **kwargs)
 
     def with_layout(self, layout: str, kv: str = "split") -> EngineSpec:
         """This engine with every region laid out by ``layout``.

@@ -256,6 +256,8 @@ def stage(plan: TransferPlan, chunk_bytes: int) -> StagedPlan:
     over the plan's length column (about 2 ms for 40,960 runs); the legs' rows are built only
     when asked for.
     """
+    if not isinstance(plan, TransferPlan):
+        raise RequestError(f"plan must be a TransferPlan, got {type(plan).__name__}")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or (
         chunk_bytes <= 0
     ):

@@ -25,13 +25,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvplan_nixl.errors import (
+    ArgumentError,
     BoundsError,
     BufferSizeError,
+    BusyError,
     ClosedError,
     ExecutorError,
     MetadataError,
     NixlError,
     NotConnectedError,
+    PeerTimeout,
     PlanMismatchError,
     TransferFailed,
     TransferTimeout,
@@ -58,8 +61,10 @@ _LAZY = {
 }
 
 __all__ = [
+    "ArgumentError",
     "BoundsError",
     "BufferSizeError",
+    "BusyError",
     "ClosedError",
     "Endpoint",
     "ExecutorError",
@@ -69,6 +74,7 @@ __all__ = [
     "NotConnectedError",
     "Notification",
     "Peer",
+    "PeerTimeout",
     "PlanMismatchError",
     "RequestTransfer",
     "StagedTransfer",

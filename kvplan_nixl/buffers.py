@@ -112,12 +112,10 @@ def declared_memory(spec: EngineSpec, memory: Mapping[str, str] | None,
                     types: Sequence[str]) -> dict[int, str]:
     """``{buffer index: NIXL memory type}`` from ``memory``, keyed by buffer name (an entry
     of ``spec.buffers``: a region, pool, allocation or K/V buffer) or by a region's name
-    (the buffer it lives in); refuses an unknown name or a type not in ``types``, naming it."""
+    (the buffer it lives in); refuses an unknown name or a type not in ``types``, naming it
+    (the endpoint checked that ``memory`` is a mapping)."""
     if memory is None:
         return {}
-    if not isinstance(memory, Mapping):
-        raise TypeError(f"memory must be a mapping of buffer name to 'DRAM' or 'VRAM', got "
-                        f"{type(memory).__name__}")
     names = {name: b for b, name in enumerate(spec.buffers)}
     regions = {r.name: i for i, r in enumerate(spec.regions)}
     out: dict[int, str] = {}
@@ -173,6 +171,9 @@ def resolve_buffers(
     :func:`declared_memory`; buffers of other stages may be declared, so that a deployment
     passes one mapping to every rank); every refusal is a :class:`BufferSizeError` naming
     what."""
+    if isinstance(buffers, (str, bytes)) or not isinstance(buffers, (Mapping, Sequence)):
+        raise BufferSizeError(f"buffers must be a mapping by name or a sequence of buffers, got "
+                              f"{type(buffers).__name__}")
     declared = declared or {}
     held = spec.regions_on(rank)
     allocs = sorted({spec.buffer_of(i, s) for i in held for s in (0, 1)})

@@ -30,7 +30,7 @@ import numpy as np
 
 import kvplan
 from kvplan import EngineSpec
-from kvplan.cli.cliargs import HelpFormatter, UsageError, columns, legend
+from kvplan.cli.cliargs import HelpFormatter, UsageError, columns, fitted, legend
 from kvplan.cli.engines import engine_options, engines
 from kvplan.cli.engines import plans as make_plans
 from kvplan.cli.progress import step
@@ -182,7 +182,7 @@ def cmd_demo(args) -> int:
         print(f"{len(prefill) + len(decode)} endpoints in {t1 - t0:.2f} s, "
               f"{connects} connects in {(t2 - t1) * 1e3:.1f} ms\n")
         for plan in plans:
-            print(plan.summary())
+            print(fitted(plan.summary()))
         print()
         # warm-up: the first transfer of each pair also sets up its UCX connection
         with step("warm-up transfer (sets up the UCX connections)"):

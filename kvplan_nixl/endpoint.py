@@ -29,15 +29,24 @@ from typing import Any
 from kvplan import EngineSpec, Mode, TransferMap, TransferPlan
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import make_agent
+from kvplan_nixl.arguments import (
+    check_int,
+    check_mode,
+    check_names,
+    check_request,
+    check_str,
+)
 from kvplan_nixl.buffers import declared_memory, resolve_buffers
+from kvplan_nixl.envelope import Envelope
 from kvplan_nixl.errors import (
+    ArgumentError,
     ClosedError,
     NixlError,
     NotConnectedError,
     nixl_call,
 )
 from kvplan_nixl.handles import Handles
-from kvplan_nixl.handshake import CTRL, Handshake
+from kvplan_nixl.handshake import CTRL, HELLO, Handshake
 from kvplan_nixl.notifications import Notification, NotificationRouter
 from kvplan_nixl.parts import RequestTransfer
 from kvplan_nixl.peers import Peer, PeerTable
@@ -71,13 +80,12 @@ class Endpoint:
     endpoint. ``telemetry=True`` records NIXL's descriptor counts. ``spread_pcp=False``: pull
     maps read PCP replica 0 only (vLLM's choice; by default they spread over the replicas).
 
-    ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`
-    with HMAC-SHA256 and makes :meth:`connect` refuse metadata not signed with it before any
-    byte reaches NIXL; close notices are signed too. Without a secret, peers are trusted (see
-    docs/executor.md, "Trust boundary"). ``progress_thread=True`` lets NIXL progress transfers
-    and notifications on its own thread, which spins one CPU core at 100% for as long as the
-    endpoint lives; by default (False) the endpoint is progressed by its own calls
-    (``Transfer.wait``/``poll``, :meth:`progress`, :meth:`notifications`).
+    ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`,
+    makes :meth:`connect` refuse metadata not signed with it before NIXL sees a byte, and seals
+    every notification (docs/executor.md, "Trust boundary"). ``progress_thread=True`` lets
+    NIXL progress transfers and notifications on its own thread, which spins one CPU core at
+    100% while the endpoint lives; by default (False) the endpoint is progressed by its own
+    calls (``Transfer.wait``/``poll``, :meth:`progress`, :meth:`notifications`).
 
     ``num_threads`` (a non-negative int; 0, the default, keeps NIXL's default) is NIXL's agent
     option of that name, handed to the UCX backend: worker threads that share the posting of a
@@ -101,7 +109,7 @@ class Endpoint:
         memory: Mapping[str, str] | None = None,
         spread_pcp: bool = True,
     ) -> None:
-        spec = _check_args(engine, spec, rank, num_threads, spread_pcp)
+        spec = _check_args(engine, spec, rank, num_threads, backends, memory, spread_pcp)
         self._secret = md.check_secret(secret)
         allocs = resolve_buffers(spec, rank, buffers,
                                  declared_memory(spec, memory, md.MEM_TYPES))
@@ -117,21 +125,7 @@ class Endpoint:
         regs = [reg for _, reg in allocs.values()]
         self.agent_name = md.agent_name(engine, rank, f"{os.getpid():x}{secrets.token_hex(4)}")
         label = f"{engine!r} rank {rank}"
-        self._handles = Handles()
-        self._peers = PeerTable(self._handles)
-        self._routes_table = RouteTable(
-            engine, spec, rank, self._handles, bases=self._bases, nbytes=self._nbytes,
-            devices=self._devices, v_bases=self._v_bases, memory=self.mem_types,
-            spread_pcp=spread_pcp)
-        self._routes = self._routes_table.routes
-        self._handshake = Handshake(self.agent_name, self._secret, self._peers,
-                                    self._routes_table, self.metadata, self.progress)
-        self._router = NotificationRouter(
-            CTRL, lambda name, m: self._handshake.on_control(self._agent, name, m))
-        self._poster = Poster(label, rank, self._routes_table, self._peers, self._handles,
-                              lambda: self._agent, self.progress, self.telemetry)
-        self._peers.on_drop(self._poster.drop_peer)  # transfers with a dropped peer fail,
-        self._peers.on_drop(self._routes_table.drop_peer)  # then its lists are released
+        _wire(self, label, spread_pcp)
         self._agent = None
         with nixl_call("agent creation", f"backends {list(backends)}"):
             agent = make_agent(self.agent_name, tuple(backends), self.telemetry,
@@ -178,11 +172,11 @@ class Endpoint:
         stages holding this rank's regions. Other ranks may be connected too: they get no
         descriptor list, since no plan of the map names them.
         """
-        return self._handshake.connect(self._require(), metadata, mode)
+        return self._handshake.connect(self._require(), metadata, check_mode(mode))
 
     def map(self, remote: str, mode: str | Mode = "pull") -> TransferMap:
         """The TransferMap connect built for ``remote`` (make plans with its ``plan``)."""
-        return self._route(remote, Mode(mode)).map
+        return self._route(check_str("remote", remote), check_mode(mode)).map
 
     def peers(self) -> tuple[Peer, ...]:
         """The connected peer ranks, ordered by (engine, rank)."""
@@ -191,15 +185,25 @@ class Endpoint:
     def disconnect(self, remote: str, rank: int) -> None:
         """Forget one peer rank: its transfers in flight fail, its descriptor lists are released."""
         agent = self._require()
-        peer = self._peers.peers.get((remote, rank))
+        peer = self._peers.peers.get((check_str("remote", remote), check_int("rank", rank)))
         if peer is None:
             raise NotConnectedError(f"engine {remote!r} rank {rank} is not connected")
-        self._peers.drop(agent, peer)
+        self._peers.drop(agent, peer, park=True)  # alive: NIXL keeps it for a reconnect
 
     @property
     def ignored_notices(self) -> int:
-        """Control notifications ignored (unknown sender, bad MAC, unreadable): see progress()."""
-        return self._handshake.ignored
+        """Notifications ignored: dropped by the envelope (unknown sender, unsigned, forged,
+        replayed) and control notices that made no sense (see :meth:`stats`)."""
+        return self._handshake.ignored + sum(self._envelope.dropped.values())
+
+    def stats(self) -> dict[str, int]:
+        """Notifications dropped since construction, by why: ``unknown`` (from an agent that
+        is neither a connected peer nor a verified initiator), ``unsigned``, ``forged`` (its
+        tag does not verify under the secret), ``replayed`` (a counter seen before, or of an
+        older connection), ``control`` (a control notice that made no sense: a hello carrying
+        another agent's metadata, a close from an agent not loaded). See docs/executor.md,
+        "Trust boundary"."""
+        return {**self._envelope.dropped, "control": self._handshake.ignored}
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -249,8 +253,9 @@ class Endpoint:
         completion message, sent to every peer rank of ``plan`` once every part is DONE;
         ``timeout`` (seconds) is a deadline for all parts. See :mod:`kvplan_nixl.parts`.
         """
+        notify, timeout = check_request(remote, notify, timeout)
         if not isinstance(plan, TransferPlan):
-            raise TypeError(f"expected a kvplan.TransferPlan, got {type(plan).__name__}")
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         self._route(remote, plan.map.mode)  # connected in that mode, or NotConnectedError
         deadline = None if timeout is None else time.monotonic() + timeout
         return RequestTransfer(self._poster, plan, remote, notify, deadline)
@@ -277,6 +282,11 @@ class Endpoint:
         """Internal: queue ``message`` for :meth:`notifications` as if NIXL had delivered it
         from ``agent_name`` (a layered protocol delivering a user's ``notify``)."""
         self._router.deliver(agent_name, message)
+
+    def _seal(self, agent_name: str, message: bytes) -> bytes:
+        """Internal: ``message`` as it must leave for agent ``agent_name`` (sealed under the
+        secret: a layered protocol's messages, sent or attached to its transfers)."""
+        return self._envelope.seal(agent_name, message)
 
     # -- resources ---------------------------------------------------------------------------
 
@@ -349,6 +359,28 @@ class Endpoint:
         self._routes_table.check_plan(plan, route, remote, mode)
 
 
+def _wire(ep: Endpoint, label: str, spread_pcp: bool) -> None:
+    """Build ``ep``'s collaborators and wire them together (see the module doc): every message
+    leaves through the envelope's ``seal`` and arrives through its ``open``."""
+    ep._handles = handles = Handles()
+    ep._peers = peers = PeerTable(handles)
+    ep._routes_table = routes = RouteTable(
+        ep.engine, ep.spec, ep.rank, handles, bases=ep._bases, nbytes=ep._nbytes,
+        devices=ep._devices, v_bases=ep._v_bases, memory=ep.mem_types,
+        spread_pcp=spread_pcp)
+    ep._routes = routes.routes
+    ep._envelope = env = Envelope(ep.agent_name, ep._secret, peers.loaded.__contains__, HELLO)
+    peers.on_unload(env.retire)
+    ep._handshake = Handshake(ep.agent_name, ep._secret, peers, routes, ep.metadata,
+                              ep.progress, env.seal)
+    ep._router = NotificationRouter(
+        CTRL, lambda name, m: ep._handshake.on_control(ep._agent, name, m), env.open)
+    ep._poster = Poster(label, ep.rank, routes, peers, handles, lambda: ep._agent, ep.progress,
+                        ep.telemetry, env.seal)
+    peers.on_drop(ep._poster.drop_peer)  # transfers with a dropped peer fail,
+    peers.on_drop(routes.drop_peer)  # then its lists are released
+
+
 def _layout(spec: EngineSpec, rank: int, allocs: Mapping[int, Any]) -> tuple[tuple[int, ...], ...]:
     """Per region index: (bases, nbytes, devices, V bases) of the rank's resolved buffers
     (pooled regions share their pool's; 0 for regions of another stage)."""
@@ -404,23 +436,27 @@ def _deregister(agent: Any, regs: list[Any], handles: Handles,
             errors.append(exc)
 
 
-def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any,
-                spread_pcp: Any = True) -> EngineSpec:
+def _check_args(engine: Any, spec: Any, rank: Any, num_threads: Any, backends: Any,
+                memory: Any, spread_pcp: Any) -> EngineSpec:
     """Refuse bad constructor arguments (before anything is allocated); the spec as a value."""
+    check_names("backends", backends)
     if not isinstance(spread_pcp, bool):
-        raise TypeError(f"spread_pcp must be a bool, got {type(spread_pcp).__name__}")
+        raise ArgumentError(f"spread_pcp must be a bool, got {type(spread_pcp).__name__}")
+    if memory is not None and not isinstance(memory, Mapping):
+        raise ArgumentError(f"memory must be a mapping of buffer name to 'DRAM' or 'VRAM', "
+                            f"got {type(memory).__name__}")
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 0:
-        raise ValueError(f"num_threads must be a non-negative int (0: NIXL's default), "
-                         f"got {num_threads!r}")
+        raise ArgumentError(f"num_threads must be a non-negative int (0: NIXL's default), "
+                            f"got {num_threads!r}")
     if not isinstance(engine, str) or not engine:
-        raise ValueError(f"engine must be a non-empty name, got {engine!r}")
+        raise ArgumentError(f"engine must be a non-empty name, got {engine!r}")
     if isinstance(spec, Mapping):
         spec = EngineSpec.from_dict(spec)
     if not isinstance(spec, EngineSpec):
-        raise TypeError(f"spec must be an EngineSpec or its dict, got {type(spec).__name__}")
+        raise ArgumentError(f"spec must be an EngineSpec or its dict, got {type(spec).__name__}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < spec.num_ranks:
         pp = f" (tp {spec.tp_size} x pp {spec.pp_size})" if spec.pp_size > 1 else ""
-        raise ValueError(
+        raise ArgumentError(
             f"rank {rank!r} is not in [0, {spec.num_ranks}) of engine {engine!r}{pp}"
         )
     return spec

@@ -19,13 +19,16 @@ import numpy as np
 from kvplan import KVPlanError
 
 __all__ = [
+    "ArgumentError",
     "BoundsError",
     "BufferSizeError",
+    "BusyError",
     "ClosedError",
     "ExecutorError",
     "MetadataError",
     "NixlError",
     "NotConnectedError",
+    "PeerTimeout",
     "PlanMismatchError",
     "TransferFailed",
     "TransferTimeout",
@@ -34,6 +37,12 @@ __all__ = [
 
 class ExecutorError(KVPlanError):
     """Root of every error kvplan_nixl raises on purpose (itself a :class:`kvplan.KVPlanError`)."""
+
+
+class ArgumentError(ExecutorError, ValueError, TypeError):
+    """An argument of a public call has the wrong type or an out-of-range value; the message
+    names the argument and the value given. A ``ValueError`` and a ``TypeError`` both, so that
+    callers catching either of those keep working."""
 
 
 class BufferSizeError(ExecutorError, ValueError):
@@ -56,8 +65,23 @@ class BoundsError(ExecutorError, ValueError):
     """A run lies outside the registered bytes of a region (or off its granule); nothing posted."""
 
 
+class BusyError(ExecutorError, RuntimeError):
+    """A call that needs a resource now found none free (``Stager.calibrate`` with every
+    staging slot in use); nothing was started: retry once requests finished."""
+
+
 class ClosedError(ExecutorError, RuntimeError):
     """The endpoint was closed."""
+
+
+class PeerTimeout(ExecutorError, TimeoutError):
+    """A blocking call that is not a transfer's ``wait`` (``Stager.calibrate``) ran past its
+    deadline because a peer stopped answering or progressing; ``peer`` names it (engine and
+    rank). What the call had in flight was released."""
+
+    def __init__(self, message: str, peer: str) -> None:
+        self.peer = peer
+        super().__init__(message)
 
 
 class NixlError(ExecutorError, RuntimeError):

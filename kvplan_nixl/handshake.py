@@ -4,14 +4,15 @@ Owns trust at connection time and the control notices: :meth:`Handshake.connect`
 peer's metadata (checked against the deployment's secret, then against its own NIXL section,
 before NIXL parses a byte), builds what a route to it needs aside and commits only a fully
 successful connect; ``hello`` tells a target how to reach its initiator, ``close`` (signed under
-a secret) tells peers this endpoint went. Messages of this kind start with :data:`CTRL` and never
-reach the user's ``notifications()``. It holds no per-peer state of its own (``peers`` and
-``routes`` do) and may not import the endpoint or posting.
+a secret, as every message: :mod:`~kvplan_nixl.envelope`) tells peers this endpoint went.
+Messages of this kind start with :data:`CTRL` and never reach the user's ``notifications()``; they
+reach :meth:`Handshake.on_control` only once the envelope opened them (a known sender, or a hello;
+with a secret, a valid tag and a fresh counter). It holds no per-peer state of its own (``peers``
+and ``routes`` do) and may not import the endpoint or posting.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,20 +27,15 @@ __all__ = ["CLOSE", "CTRL", "HELLO", "Handshake"]
 
 #: Prefix of the control messages endpoints exchange as NIXL notifications (never delivered to
 #: ``notifications()``): ``hello`` carries the connecting endpoint's metadata so that the target
-#: can reach it, ``close`` says the sender closed. With a secret, a close carries a MAC.
+#: can reach it, ``close`` says the sender closed. With a secret, both are sealed (as every
+#: message) by the envelope.
 CTRL = b"\x00kvplan_nixl\x00"
 HELLO = CTRL + b"hello"
 CLOSE = CTRL + b"close"
-_MAC_CLOSE = b"kvplan_nixl close\x00"
 #: How long close() keeps progressing so that its notices leave: rounds x sleep (~5 ms).
 _CLOSE_FLUSH_ROUNDS = 10
 _CLOSE_FLUSH_SLEEP = 0.5e-3
 
-
-def _close_mac(secret: bytes, sender: str, receiver: str) -> bytes:
-    """What a close notice from ``sender`` to ``receiver`` carries under a secret (bound to both
-    agent names, so it cannot be replayed to another endpoint or for another agent)."""
-    return md.mac(secret, _MAC_CLOSE, f"{sender}\x00{receiver}".encode())
 
 
 class Handshake:
@@ -47,8 +43,9 @@ class Handshake:
 
     def __init__(self, agent_name: str, secret: bytes | None, peers: PeerTable,
                  routes: RouteTable, own_metadata: Callable[[], bytes],
-                 progress: Callable[[], int]) -> None:
+                 progress: Callable[[], int], seal: Callable[[str, bytes], bytes]) -> None:
         self.agent_name, self.secret = agent_name, secret
+        self._seal = seal
         self.peers, self.routes = peers, routes
         self._own_metadata, self._progress = own_metadata, progress
         #: control notices ignored (unknown sender, bad MAC, unreadable)
@@ -131,7 +128,7 @@ class Handshake:
             with nixl_call("get_agent_metadata"):
                 blob = self._own_metadata()
             with nixl_call("send_notif", peer_agent):
-                agent.send_notif(peer_agent, HELLO + blob)
+                agent.send_notif(peer_agent, self._seal(peer_agent, HELLO + blob))
         except NixlError:
             pass  # the peer then learns of our close by the failure of its next transfer
 
@@ -154,11 +151,6 @@ class Handshake:
         if not msg.startswith(CLOSE) or sender not in peers.loaded:
             self.ignored += 1
             return
-        if self.secret is not None:
-            tag = msg[len(CLOSE):]
-            if not hmac.compare_digest(tag, _close_mac(self.secret, sender, self.agent_name)):
-                self.ignored += 1
-                return
         engine, rank = peers.loaded[sender]
         peer = peers.peers.get((engine, rank))
         if peer is not None and peer.agent == sender:
@@ -173,9 +165,8 @@ class Handshake:
         ``flush``: progress a few times so that the notices leave (no progress thread)."""
         loaded = self.peers.loaded
         for name in list(loaded):
-            tag = b"" if self.secret is None else _close_mac(self.secret, self.agent_name, name)
             try:
-                agent.send_notif(name, CLOSE + tag)
+                agent.send_notif(name, self._seal(name, CLOSE))
             except Exception as exc:  # a peer already gone: nothing to tell
                 if not is_nixl_error(exc):
                     raise

@@ -52,6 +52,8 @@ MAGIC = b"KVPLNIXL"
 #: DRAM and VRAM buffers); a version-2 reader would have taken every buffer for "mem_type".
 FORMAT_VERSION = 3
 _FIXED = struct.Struct(">8sHII")
+#: Every advertised buffer must end at or below this address: descriptor offsets are int64.
+_ADDRESS_END = 1 << 63
 _DIGEST = 32
 #: Refuse headers larger than this before parsing JSON (a spec of kvplan.spec.MAX_REGIONS
 #: regions is about 0.25 MiB).
@@ -289,10 +291,10 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
                 f"{spec.regions[i].pool!r} are registered at different addresses; a pool is one "
                 "allocation"
             )
-        if not (0 <= base and base + size <= 1 << 64 and 0 <= dev < 1 << 32):
+        if not (0 <= base and base + size <= _ADDRESS_END and 0 <= dev < 1 << 32):
             raise MetadataError(
                 f"{who}: region {spec.regions[i].name!r} at base {base} device {dev} with "
-                f"{size} bytes does not fit a 64-bit address space"
+                f"{size} bytes does not fit below 2**63 (offsets are int64)"
             )
         bases[i], sizes[i], devs[i] = base, size, dev
     v_bases = _v_bases(raw_v, n, sizes, who)
@@ -304,6 +306,8 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
         raise MetadataError(f"{who}: regions {missing} keep K and V in separate buffers, but "
                             "the metadata carries no V buffer base for them")
     memory = _memory(raw_mem, spec, held, str(mem), who)
+    _check_disjoint(spec, indices, bases, v_bases, devs,
+                    [memory[b] if memory else str(mem) for b in range(len(spec.buffers))], who)
     return PeerInfo(
         engine=engine,
         rank=rank,
@@ -349,6 +353,32 @@ def _memory(raw: object, spec: EngineSpec, held: tuple[int, ...], mem: str,
     return tuple(out)
 
 
+def _check_disjoint(spec: EngineSpec, held: list[int], bases: list[int],
+                    v_bases: tuple[int, ...], devs: list[int], kinds: list[str],
+                    who: str) -> None:
+    """Refuse buffers advertised at overlapping addresses: two buffers of a rank are two
+    allocations, so one sharing another's base would make a transfer to one write the other.
+    Addresses compare per (memory kind, device), ``kinds`` giving each buffer's: a DRAM and a
+    VRAM buffer live in different address spaces."""
+    where: dict[int, tuple[tuple[str, int], int]] = {}  # buffer -> ((kind, device), base)
+    for i in held:
+        sides = [(0, bases[i])] + ([(1, v_bases[i])] if spec.regions[i].separate_kv else [])
+        for side, base in sides:
+            b = spec.buffer_of(i, side)
+            where.setdefault(b, ((kinds[b], devs[i]), base))
+    spans = sorted((dev, base, base + spec.rank_buffer_nbytes(b), b)
+                   for b, (dev, base) in where.items())
+    last = None  # ((kind, device), end, buffer) of the span reaching furthest so far
+    for dev, base, end, b in spans:
+        if last is not None and last[0] == dev and base < last[1]:
+            raise MetadataError(
+                f"{who}: buffers {spec.buffers[last[2]]!r} and {spec.buffers[b]!r} are "
+                f"advertised at overlapping addresses ({dev[0]} device {dev[1]}, base {base} "
+                f"below {last[1]}); each buffer is its own allocation")
+        if last is None or last[0] != dev or end > last[1]:
+            last = (dev, end, b)
+
+
 def _rows(raw: object, who: str) -> list[tuple[int, int, int, int]]:
     """The header's region rows, each four JSON integers (no floats, strings or booleans)."""
     if not isinstance(raw, list) or not all(
@@ -388,8 +418,8 @@ def _v_bases(raw: object, n: int, sizes: list[int], who: str) -> tuple[int, ...]
     ):
         raise MetadataError(f"{who}: v_bases must be a list of integers")
     if raw and len(raw) == n:
-        bad = [i for i, v in enumerate(raw) if not 0 <= v <= (1 << 64) - sizes[i]]
+        bad = [i for i, v in enumerate(raw) if not 0 <= v <= _ADDRESS_END - sizes[i]]
         if bad:
             raise MetadataError(f"{who}: V buffer base {raw[bad[0]]} of region {bad[0]} does "
-                                "not fit a 64-bit address space")
+                                "not fit below 2**63 (offsets are int64)")
     return tuple(raw)

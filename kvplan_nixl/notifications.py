@@ -1,7 +1,9 @@
 """Notifications: NIXL notifications received by one Endpoint, each routed to its owner.
 
 Owns the receiving side of the notification channel: :meth:`NotificationRouter.progress`
-drains NIXL's new notifications and routes each message by its prefix: the endpoints' control
+drains NIXL's new notifications, opens each (``open``: the endpoint's
+:class:`~kvplan_nixl.envelope.Envelope`, which drops what an unknown, forging or replaying sender
+sent) and routes the message by its prefix: the endpoints' control
 notices (hello, close) to the handshake, a protocol layered on the endpoint (the staged
 executor's ``kvs1``) to the hook it registered, everything else to the user's queue, which
 ``Endpoint.notifications()`` drains. It parses no message body and may not import the
@@ -44,8 +46,10 @@ class NotificationRouter:
     """Routes received notifications: ``control_prefix`` to ``control``, hooks by their
     5-byte prefix, the rest to the user's queue."""
 
-    def __init__(self, control_prefix: bytes, control: Handler) -> None:
+    def __init__(self, control_prefix: bytes, control: Handler,
+                 open_: Callable[[str, bytes], bytes | None]) -> None:
         self._control_prefix = control_prefix
+        self._open = open_
         self._control = control
         self.hooks: dict[bytes, Handler] = {}
         self.queue: collections.deque[Notification] = collections.deque()
@@ -58,8 +62,10 @@ class NotificationRouter:
         n = 0
         for name, msgs in new.items():
             name = name.decode() if isinstance(name, bytes) else name
-            for m in msgs:
-                m = bytes(m)
+            for wire in msgs:
+                m = self._open(name, bytes(wire))
+                if m is None:  # dropped (and counted) by the envelope
+                    continue
                 if m.startswith(self._control_prefix):
                     self._control(name, m)
                     continue

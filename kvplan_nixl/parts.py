@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from kvplan import Mode, TransferPlan
+from kvplan_nixl.arguments import check_notify, check_progress, check_timeout
 from kvplan_nixl.descriptors import Lowered
-from kvplan_nixl.errors import NotConnectedError, PlanMismatchError
+from kvplan_nixl.errors import ArgumentError, NotConnectedError, PlanMismatchError
 from kvplan_nixl.posting import Poster
 from kvplan_nixl.transfer import State, Transfer, _Part
 
@@ -112,6 +113,7 @@ class RequestTransfer:
         :class:`PlanMismatchError` for a part of another plan, a region already posted, or a
         post after :meth:`end`; nothing is posted then.
         """
+        notify = check_notify(notify)
         if self._ended:
             raise PlanMismatchError("request already ended: no part can be posted after end()")
         whole = self.plan
@@ -130,6 +132,9 @@ class RequestTransfer:
             regions = part.regions
         else:  # names: descriptors are sliced from the whole plan's, no part plan is built
             ids = whole.map.region_ids
+            if not isinstance(part, (str, list, tuple)):
+                raise ArgumentError(f"part must be a plan.part(...) of this request, a region "
+                                    f"name or a list of names, got {type(part).__name__}")
             names = (part,) if isinstance(part, str) else tuple(part)
             unknown = [n for n in names if n not in ids]
             if unknown:
@@ -158,6 +163,9 @@ class RequestTransfer:
         poster, whole = self._poster, self.plan
         agent = poster.require()
         route = poster.routes.get(self.remote, self.mode)
+        # the peer may have restarted with another spec since open: its route was replaced and
+        # the descriptors lowered at open describe the old layout
+        poster.routes.check_plan(whole, route, self.remote, self.mode)
         lanes_of, info = whole.map.region_lanes, self._lane
         by_peer: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
         for k in sorted(k for j in regions for k in lanes_of.get(j, ()) if k in info):
@@ -227,10 +235,11 @@ class RequestTransfer:
         Raises the first failed part's :class:`TransferFailed` / :class:`TransferTimeout`;
         ``progress`` as for :meth:`Transfer.wait`. Needs :meth:`end` first.
         """
+        timeout = check_timeout("timeout", timeout)
         if not self._ended:
             raise PlanMismatchError("wait(): call end() once every part is posted")
         limit = None if timeout is None else time.monotonic() + timeout
-        others = tuple(progress)
+        others = check_progress(progress)
         for t in self.transfers:
             left = None if limit is None else max(0.0, limit - time.monotonic())
             t.wait(left, progress=others)

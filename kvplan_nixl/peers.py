@@ -4,12 +4,21 @@ Owns per-peer state and its teardown: which (engine, rank) is connected through 
 which remote agents NIXL has loaded (peers, and initiators that said hello), loading and
 unloading them, and :meth:`PeerTable.drop`, the one way a peer goes (disconnect, restart, its
 close notice, our close). What else holds per-peer state registers a *drop listener* and
-releases it there (the routes' lists, the transfers in flight). It decides nothing about
-trust (``handshake`` does) and may not import the endpoint, routes or posting.
+releases it there (the routes' lists, the transfers in flight); what is held per remote *agent*
+(a staged pool's list, the envelope's replay window) registers an *unload listener*, called
+whenever an agent is unloaded (a peer dropped, an initiator that said hello gone). It decides
+nothing about trust (``handshake`` does) and may not import the endpoint, routes or posting.
+
+NIXL 1.5.1 keeps two sockets open per ``remove_remote_agent`` of a live agent until the agent
+is destroyed, so a peer that is disconnected (alive) is *parked*: forgotten here, its lists and
+state released, but left loaded in NIXL; connecting the same agent with the same NIXL metadata
+again takes it back without ``add_remote_agent``. At most :data:`PARKED` agents stay parked
+(the oldest is removed beyond, leaking its two sockets); ``close`` removes them all.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -20,10 +29,15 @@ from kvplan_nixl import metadata as md
 from kvplan_nixl.errors import MetadataError, NixlError, nixl_call
 from kvplan_nixl.handles import Handles
 
-__all__ = ["Peer", "PeerTable"]
+__all__ = ["PARKED", "Peer", "PeerTable"]
+
+#: Disconnected agents kept loaded in NIXL for a reconnect (see the module doc).
+PARKED = 8
 
 #: ``listener(peer, why, errors)``: release what is held for ``peer`` (append failures)
 DropListener = Callable[["Peer", str, list[BaseException]], None]
+#: ``listener(agent_name)``: release what is held for that remote agent (before NIXL forgets it)
+UnloadListener = Callable[[str], None]
 
 
 @attrs.frozen
@@ -44,10 +58,24 @@ class PeerTable:
         self.peers: dict[tuple[str, int], Peer] = {}
         self.loaded: dict[str, tuple[str, int]] = {}  # remote agents loaded: peers, listeners
         self._listeners: list[DropListener] = []
+        self._unload_listeners: list[UnloadListener] = []
+        #: agents disconnected but still loaded in NIXL: name -> their NIXL metadata
+        self.parked: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._nixl_md: dict[str, bytes] = {}  # loaded agents: their NIXL metadata (to park)
 
     def on_drop(self, listener: DropListener) -> None:
         """Call ``listener`` whenever a peer is dropped, before its agent is unloaded."""
         self._listeners.append(listener)
+
+    def on_unload(self, listener: UnloadListener) -> None:
+        """Call ``listener(name)`` whenever remote agent ``name`` is unloaded, before NIXL
+        removes it."""
+        self._unload_listeners.append(listener)
+
+    def off_unload(self, listener: UnloadListener) -> None:
+        """Stop calling ``listener`` (its owner closed)."""
+        if listener in self._unload_listeners:
+            self._unload_listeners.remove(listener)
 
     def sorted(self) -> tuple[Peer, ...]:
         """The connected peers, ordered by (engine, rank)."""
@@ -55,6 +83,14 @@ class PeerTable:
 
     def load(self, agent: Any, info: md.PeerInfo, who: str) -> None:
         """Load a peer's NIXL metadata; on any failure nothing of it stays loaded."""
+        parked = self.parked.pop(info.agent, None)
+        if parked == info.agent_metadata:  # a parked agent, unchanged: NIXL still has it
+            self.handles.live["remote_agents"] += 1
+            self.loaded[info.agent] = (info.engine, info.rank)
+            self._nixl_md[info.agent] = parked
+            return
+        if parked is not None:  # the same name with other NIXL metadata: load it afresh
+            self._remove(agent, info.agent, quiet=True)
         try:
             with nixl_call("add_remote_agent", who):
                 loaded = agent.add_remote_agent(info.agent_metadata)
@@ -65,6 +101,7 @@ class PeerTable:
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         self.handles.live["remote_agents"] += 1
         self.loaded[loaded] = (info.engine, info.rank)
+        self._nixl_md[loaded] = info.agent_metadata
         if loaded != info.agent:  # cannot happen once the prefix was checked; kept as a guard
             self.unload(agent, loaded, quiet=True)
             raise MetadataError(
@@ -72,28 +109,45 @@ class PeerTable:
             )
 
     def unload(self, agent: Any, name: str, *, quiet: bool = False,
-               counted: bool = True) -> None:
-        """Remove a loaded remote agent (``quiet``: a NIXL refusal is ignored)."""
+               counted: bool = True, park: bool = False) -> None:
+        """Remove a loaded remote agent (``quiet``: a NIXL refusal is ignored); ``park``: keep
+        it loaded in NIXL for a reconnect instead (see the module doc)."""
         self.loaded.pop(name, None)
+        nixl_md = self._nixl_md.pop(name, None)
+        for listener in list(self._unload_listeners):
+            listener(name)
+        if park and nixl_md is not None:
+            if counted:
+                self.handles.live["remote_agents"] -= 1
+            self.parked[name] = nixl_md
+            while len(self.parked) > PARKED:
+                self._remove(agent, self.parked.popitem(last=False)[0], quiet=True)
+            return
+        if self._remove(agent, name, quiet) and counted:
+            self.handles.live["remote_agents"] -= 1
+
+    def _remove(self, agent: Any, name: str, quiet: bool) -> bool:
+        """``remove_remote_agent``; False when NIXL refused and ``quiet``."""
         try:
             with nixl_call("remove_remote_agent", name):
                 agent.remove_remote_agent(name)
         except NixlError:
             if not quiet:
                 raise
-            return
-        if counted:
-            self.handles.live["remote_agents"] -= 1
+            return False
+        return True
 
-    def drop(self, agent: Any, peer: Peer, why: str = "disconnected") -> None:
+    def drop(self, agent: Any, peer: Peer, why: str = "disconnected",
+             park: bool = False) -> None:
         """Forget ``peer``: every listener releases what it holds for it, then its agent is
-        unloaded. Raises the first failure once everything was attempted."""
+        unloaded (``park``: kept loaded in NIXL, a live peer disconnected: see the module doc).
+        Raises the first failure once everything was attempted."""
         errors: list[BaseException] = []
         for listener in self._listeners:
             listener(peer, why, errors)
         del self.peers[(peer.engine, peer.rank)]
         try:
-            self.unload(agent, peer.agent)
+            self.unload(agent, peer.agent, park=park)
         except Exception as exc:
             errors.append(exc)
         if errors:
@@ -112,3 +166,5 @@ class PeerTable:
                 self.unload(agent, name)
             except Exception as exc:
                 errors.append(exc)
+        while self.parked:
+            self._remove(agent, self.parked.popitem()[0], quiet=True)

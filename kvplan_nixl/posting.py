@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvplan import Mode, TransferPlan
+from kvplan_nixl.arguments import check_request
 from kvplan_nixl.descriptors import Lowered
 from kvplan_nixl.errors import (
     ClosedError,
@@ -39,12 +40,13 @@ class Poster:
 
     def __init__(self, label: str, rank: int, routes: RouteTable, peers: PeerTable,
                  handles: Handles, agent: Callable[[], Any], progress: Callable[[], int],
-                 telemetry: bool) -> None:
+                 telemetry: bool, seal: Callable[[str, bytes], bytes]) -> None:
         self.label, self.rank, self.routes, self.handles = label, rank, routes, handles
         self.peers = peers
         self._agent = agent
         self._progress = progress
         self.telemetry = telemetry
+        self._seal = seal  # every notification leaves sealed for its receiver
         self.transfers: set[Transfer] = set()
 
     # -- the Owner of its Transfers ------------------------------------------------------------
@@ -89,7 +91,9 @@ class Poster:
 
     def post(self, plan: TransferPlan, remote: str, mode: Mode, notify: bytes | None,
              timeout: float | None) -> Transfer:
-        """Post every run of ``plan`` (see ``Endpoint.read``)."""
+        """Post every run of ``plan`` (see ``Endpoint.read``); the arguments are checked
+        first (``kvplan_nixl.arguments``)."""
+        notify, timeout = check_request(remote, notify, timeout)
         agent = self.require()
         self.progress()  # a peer's close notice drops its route before we post to it
         route = self.routes.get(remote, mode)
@@ -140,20 +144,29 @@ class Poster:
         local = route.local_lists
         posts = [[(local.dlists[lk], route.peer_dlists[p.peer].dlists[rk], lw)  # type: ignore
                   for lk, rk, lw in kinds] for p, kinds in zip(parts, lowered, strict=True)]
-        t._start(agent, "READ" if route.map.mode is Mode.PULL else "WRITE", posts,
-                 b"" if notify is None else bytes(notify))
+        note = b"" if notify is None else bytes(notify)
+        for p, mine in zip(parts, posts, strict=True):
+            if len(mine) > 1:  # several transfers: sent once all are DONE, sealed by notify()
+                p.note = note
+        # a part of one transfer carries its notification, sealed now for its receiver
+        msgs = [b"" if len(mine) > 1 else self._seal(self.peers.peers[(remote, p.peer)].agent,
+                                                     note)
+                for p, mine in zip(parts, posts, strict=True)]
+        t._start(agent, "READ" if route.map.mode is Mode.PULL else "WRITE", posts, msgs)
         if not t.done:
             self.transfers.add(t)
         return t
 
     def notify(self, remote: str, ranks: tuple[int, ...], message: bytes) -> None:
-        """Send ``message`` to each connected rank ``ranks`` of ``remote`` (a request's one
-        completion message)."""
+        """Send ``message`` to each rank ``ranks`` of ``remote`` still connected (a request's
+        one completion message; a rank that went has nothing to be told)."""
         agent = self.require()
         for rank in ranks:
-            peer = self.peers.peers[(remote, rank)]
+            peer = self.peers.peers.get((remote, rank))
+            if peer is None:
+                continue
             with nixl_call("send_notif", f"{remote} rank {rank}"):
-                agent.send_notif(peer.agent, message)
+                agent.send_notif(peer.agent, self._seal(peer.agent, message))
 
     def drop_peer(self, peer: Peer, why: str, _errors: list[BaseException]) -> None:
         """Fail the transfers in flight with ``peer`` (a drop listener of the peer table)."""

@@ -25,7 +25,7 @@ from kvplan import EngineSpec, Mode, TransferMap, TransferPlan, pull_map, push_m
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import NIXL_LOCAL
 from kvplan_nixl.descriptors import Ladder, Lowered, kind_shifts, lower, run_text, split_kinds
-from kvplan_nixl.errors import NotConnectedError, PlanMismatchError
+from kvplan_nixl.errors import ArgumentError, NotConnectedError, PlanMismatchError
 from kvplan_nixl.handles import Handles
 from kvplan_nixl.peers import Peer
 
@@ -139,7 +139,7 @@ class RouteTable:
     def check_plan(self, plan: TransferPlan, route: Route, remote: str, mode: Mode) -> None:
         """Raise unless ``plan`` was made by ``route``'s map (or an equal one)."""
         if not isinstance(plan, TransferPlan):
-            raise TypeError(f"expected a kvplan.TransferPlan, got {type(plan).__name__}")
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         m = plan.map
         if m is route.map:
             return

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from kvplan_nixl.arguments import check_progress, check_timeout
 from kvplan_nixl.errors import TransferFailed, TransferTimeout, is_nixl_error, nixl_code
 
 if TYPE_CHECKING:
@@ -260,6 +261,7 @@ class Transfer:
         :class:`TransferFailed`. ``progress`` lists other endpoints of this process to progress
         while waiting (a peer in the same process has no progress thread of its own).
         """
+        timeout = check_timeout("timeout", timeout)
         if timeout is not None:
             limit = time.monotonic() + timeout
             if self._deadline is None or limit < self._deadline:
@@ -269,27 +271,24 @@ class Transfer:
             if self._pending:
                 self._ep.progress()
 
-        drive(step, lambda: not self._pending, tuple(progress))
+        drive(step, lambda: not self._pending, check_progress(progress))
         err = self.error()
         if err is not None:
             raise err
         return self.states()
 
-    def _start(self, agent, op: str, posts, msg: bytes) -> None:
+    def _start(self, agent, op: str, posts, msgs: list[bytes]) -> None:
         """Make and post the NIXL transfers of each part (Endpoint.read/write, once): per part,
-        ``posts`` lists ``(local list, remote list, Lowered)``, one per memory kind pair. A part
-        is DONE when all of its transfers are, FAILED when any fails (the others released)."""
-        for part, mine in zip(self._parts.values(), posts, strict=True):
+        ``posts`` lists ``(local list, remote list, Lowered)``, one per memory kind pair, and
+        ``msgs`` the notification its transfers carry, sealed for its peer (empty for a part
+        of several transfers: its ``note`` is sent once all are DONE). A part is DONE when all
+        of its transfers are, FAILED when any fails (the others released)."""
+        for part, mine, msg in zip(self._parts.values(), posts, msgs, strict=True):
             states = []
-            # several transfers would each deliver the notification: send it once, when all
-            # are DONE (as a layer-wise request sends its completion message)
-            note = msg if len(mine) == 1 else b""
-            part.note = b"" if len(mine) == 1 else msg
             for local_dlist, dlist, lw in mine:
                 where = "make_prepped_xfer"
                 try:
-                    h = agent.make_prepped_xfer(op, local_dlist, lw.local, dlist, lw.remote,
-                                                note)
+                    h = agent.make_prepped_xfer(op, local_dlist, lw.local, dlist, lw.remote, msg)
                     self._ep.count_xfer()
                     part.handles.append(h)
                     where = "transfer"

@@ -18,6 +18,8 @@ LLAMA = ["explain", "--prefill", "llama-3.1-70b", "--prefill-tp", "8", "--decode
 HYBRID = ["explain", "--prefill", "qwen3-next-80b-a3b", "--prefill-tp", "2", "--decode",
           "qwen3-next-80b-a3b", "--decode-tp", "4", "--rank", "1", "--tokens", "1024",
           "--no-compare-layouts"]
+PLAIN = ["explain", "--prefill", "llama-3.1-70b", "--prefill-tp", "8", "--decode",
+         "llama-3.1-70b", "--decode-tp", "4", "--rank", "0", "--no-compare-layouts"]
 HEADERS = ("from", "regions", "placement", "streams", "offsets", "bytes", "runs")
 
 
@@ -37,11 +39,13 @@ def _words(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("columns", [80, 200])
-@pytest.mark.parametrize("argv", [LLAMA, HYBRID], ids=["llama-70b-packed", "qwen3-next"])
+@pytest.mark.parametrize("argv", [LLAMA, PLAIN, HYBRID],
+                         ids=["llama-70b-packed", "llama-70b", "qwen3-next"])
 def test_no_header_or_cell_is_cut_inside_a_word(capsys, monkeypatch, argv, columns):
     doc = json.loads(run(capsys, monkeypatch, [*argv, "--json", "--no-compare-layouts"])[0])
     out, _ = run(capsys, monkeypatch, argv, columns)
     assert max(len(line.rstrip()) for line in out.splitlines()) <= columns
+    assert "…" not in out.replace("…,", "")  # nothing cut short (name_set's own … aside)
     flat = " ".join(out.split())  # a word cut across lines would be two words here
     body = flat[flat.index(" d") : flat.index("legend:")]
     for r in doc["ranks"]:
@@ -107,3 +111,14 @@ def test_a_long_layout_comparison_reports_progress_on_a_pipe(capsys, monkeypatch
     monkeypatch.delenv("KVPLAN_PROGRESS")
     _, err = run(capsys, monkeypatch, [*LLAMA, "--compare-layouts"], 80)
     assert err == ""
+
+
+def test_plan_summaries_wrap_to_the_terminal_between_words(capsys, monkeypatch):
+    argv = ["plan", "--example", "kimi-linear", "--prefill-tp", "2", "--decode-tp", "1",
+            "--tokens", "128", "--num-blocks", "8"]
+    wide, _ = run(capsys, monkeypatch, argv, 200)
+    narrow, _ = run(capsys, monkeypatch, argv, 80)
+    assert max(map(len, narrow.splitlines())) <= 80 < max(map(len, wide.splitlines()))
+    summary = wide[:wide.index("legend:")]
+    # the same words, whole: only the line breaks differ
+    assert " ".join(narrow[:narrow.index("legend:")].split()) == " ".join(summary.split())

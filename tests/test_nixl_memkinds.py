@@ -221,7 +221,9 @@ class MixedPair(TensorPair):
 def test_dram_and_vram_on_one_rank_move_exact_bytes(mode, how):
     rng = np.random.default_rng(8)
     sb, db = blocks(rng, SRC, 40), blocks(rng, DST, 40)
-    with pair(SRC, DST, cls=MixedPair, device="cuda") as pr:
+    # under a secret every notification is sealed: the deferred one (sent after the kinds'
+    # transfers) must arrive opened, once, as a carried one does
+    with pair(SRC, DST, cls=MixedPair, device="cuda", secret=b"mk secret") as pr:
         for ep in pr.endpoints:
             assert ep.mem_type is None and {m for m in ep.mem_types if m} == {"DRAM", "VRAM"}
             assert ep.handles()["registrations"] == 2

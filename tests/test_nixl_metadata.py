@@ -20,7 +20,7 @@ def _info(**kw) -> md.PeerInfo:
     n = len(SPEC.regions)
     base = dict(
         engine="prefill", rank=3, agent="prefill#3#abc", spec=SPEC, mem_type="DRAM",
-        bases=tuple(4096 * (i + 1) for i in range(n)),
+        bases=tuple((i + 1) << 32 for i in range(n)),  # buffers never overlap
         nbytes=tuple(SPEC.rank_region_nbytes(i) for i in range(n)),
         devices=(0,) * n, agent_metadata=b"\x00nixl-opaque\xff" * 10,
     )
@@ -94,7 +94,7 @@ def _held_info(spec, rank, **kw) -> md.PeerInfo:
     held = spec.regions_on(rank)
     bases = [0] * n
     for i in held:
-        bases[i] = 4096 * (spec.allocation_of(i) + 1)
+        bases[i] = (spec.allocation_of(i) + 1) << 32  # one per allocation, never overlapping
     base = dict(
         engine="prefill", rank=rank, agent=f"prefill#{rank}#abc", spec=spec, mem_type="DRAM",
         bases=tuple(bases),

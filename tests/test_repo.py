@@ -59,12 +59,12 @@ def test_every_benchmark_prints_its_help_without_running(script):
     """``python benchmarks/X.py --help`` prints argparse's help and exits 0 at once: it never
     starts the benchmark (which takes minutes and NIXL)."""
     import os
-    import time
 
-    t = time.monotonic()
+    # no wall-clock bound: importing torch and NIXL alone takes a minute on a loaded 2-core CI
+    # machine; what tells "help" from "ran" is the output (a benchmark prints a results table)
     r = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120,
+                       capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "KVPLAN_PROGRESS": "0"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("usage: ") and "--help" in r.stdout
-    assert "|---" not in r.stdout and time.monotonic() - t < 60  # no table: nothing measured
+    assert "|---" not in r.stdout  # no table: nothing measured

@@ -53,6 +53,8 @@ LAYERS = {
     "kvplan.presets": 4,
     "kvplan.examples": 4,
     "kvplan.strategies": 4,
+    "kvplan.adapters": 4,
+    "kvplan.adapters.vllm": 4,
     "kvplan.cli": 6,
     "kvplan.cli.__main__": 6,
     "kvplan.cli.command": 6,

@@ -26,8 +26,10 @@ __all__ = [
     "Parser",
     "UsageError",
     "columns",
+    "fitted",
     "int_in",
     "legend",
+    "wrap",
 ]
 
 #: Bounds of the command line's integers (a larger value is a usage error, exit 2). 2**21 tokens
@@ -72,16 +74,29 @@ def columns() -> int:
     return shutil.get_terminal_size().columns if sys.stdout.isatty() else 160
 
 
+def wrap(text: str, width: int, first: str = "", rest: str = "  ") -> str:
+    """``text`` wrapped at ``width`` between words only (a word longer than a line stays whole),
+    the first line indented by ``first``, the others by ``rest``."""
+    import textwrap
+
+    return textwrap.fill(text, max(width, 30), initial_indent=first, subsequent_indent=rest,
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def fitted(text: str) -> str:
+    """``text`` with each line wrapped to the terminal (:func:`columns`) between words,
+    continuation lines indented under their line (a summary's long state placements)."""
+    width = columns()
+    return "\n".join(wrap(line, width, "", " " * (len(line) - len(line.lstrip()) + 4))
+                     if len(line) > width else line for line in text.splitlines())
+
+
 def legend(width: int = 96, extra: tuple[tuple[str, str], ...] = ()) -> str:
     """The legend, one ``term = meaning`` per line, each wrapped between words at ``width``
     with a hanging indent (so a narrow terminal never cuts a word or mixes entries)."""
-    import textwrap
-
     lines = ["legend:"]
     for term, meaning in (*extra, *LEGEND_ENTRIES):
-        lines.append(textwrap.fill(f"{term} = {meaning}", max(width, 30), initial_indent="  ",
-                                   subsequent_indent="      ", break_long_words=False,
-                                   break_on_hyphens=False))
+        lines.append(wrap(f"{term} = {meaning}", width, "  ", "      "))
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 import kvplan
-from kvplan.cli.cliargs import HelpFormatter, Parser, UsageError, columns, legend
+from kvplan.cli.cliargs import HelpFormatter, Parser, UsageError, columns, fitted, legend
 from kvplan.cli.engines import engine_options, engines, plans
 from kvplan.cli.progress import step
 
@@ -38,7 +38,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with step("planning"):
         made = plans(args, src, dst)
     for plan in made:
-        print(plan.summary())
+        print(fitted(plan.summary()))
     print(f"\n{legend(columns())}")
     return 0
 

@@ -46,6 +46,7 @@ from kvplan.cli.cliargs import (
     columns,
     int_in,
     legend,
+    wrap,
 )
 from kvplan.compat import region_pairs
 from kvplan.cp import parallel_fields, parallel_label
@@ -485,15 +486,12 @@ def _rows(r: dict[str, Any]) -> list[dict[str, Any]]:
 def _records(r: dict[str, Any], width: int) -> list[str]:
     """A rank's rows one block each, wrapped between words at ``width``: what a terminal too
     narrow for the table gets (no cell is ever cut inside a word)."""
-    import textwrap
-
     out = []
     for row in _rows(r):
         text = (f"{_cell(row, 'from')}  {row['regions']}: {_cell(row, 'bytes')} in "
                 f"{row['runs']} runs; placement {row['placement']}; streams {row['streams']}"
                 + (f"; offsets {row['offsets']}" if row["offsets"] else ""))
-        out.append(textwrap.fill(text, width, initial_indent="  ", subsequent_indent="      ",
-                                 break_long_words=False, break_on_hyphens=False))
+        out.append(wrap(text, width, "  ", "      "))
     return out
 
 
@@ -503,16 +501,38 @@ def _rank_title(r: dict[str, Any]) -> str:
             f"{', '.join(f'p{p}' for p in r['peers'])}")
 
 
-def _print_text(doc: dict[str, Any], title: str) -> None:
-    import textwrap
+def _fit(console, table, cells: list[list[str]], width: int) -> bool:
+    """Size ``table``'s columns so it fits ``width`` with cells wrapped between words only;
+    False when even its longest words do not fit (the caller prints one block per row)."""
+    from rich.measure import Measurement
 
+    n = len(cells[0])
+    longest = [max(len(line[i]) for line in cells) for i in range(n)]
+    words = [longest[i] if col.no_wrap else  # a no_wrap cell is one word
+             max(len(w) for line in cells for w in (line[i].split() or [""]))
+             for i, col in enumerate(table.columns)]
+    wide = console.options.update_width(1 << 16)  # measured unclamped: borders and padding
+    extra = Measurement.get(console, wide, table).maximum - sum(longest)
+    if sum(longest) + extra <= width:
+        return True
+    if sum(words) + extra > width:
+        return False
+    sizes, spare = list(words), width - extra - sum(words)
+    for i in sorted(range(n), key=lambda i: longest[i] - words[i]):  # narrowest needs first
+        grow = min(spare, longest[i] - words[i])
+        sizes[i] += grow
+        spare -= grow
+    for col, size in zip(table.columns, sizes):
+        col.width = size
+    return True
+
+
+def _print_text(doc: dict[str, Any], title: str) -> None:
     width = columns()
     console = _console()
     notes = legend(width, [("offsets +a -> +b", OFFSETS)])
-    wrap = lambda text: textwrap.fill(text, width, subsequent_indent="  ",  # noqa: E731
-                                      break_long_words=False, break_on_hyphens=False)
     if console is None:
-        print(wrap(title))
+        print(wrap(title, width))
         for r in doc["ranks"]:
             print(f"\n{_rank_title(r)}")
             table = [list(_COLUMNS)] + [[_cell(row, c) for c in _COLUMNS] for row in _rows(r)]
@@ -523,21 +543,16 @@ def _print_text(doc: dict[str, Any], title: str) -> None:
             for line in table:
                 print("  " + "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
         for w in doc["warnings"]:
-            print(wrap(f"warning: {w}"))
+            print(wrap(f"warning: {w}", width))
         print(f"\n{notes}")
         return
     from rich import box
     from rich.markup import escape
-    from rich.measure import Measurement
     from rich.table import Table
 
-    console.print(escape(wrap(title)), style="bold", soft_wrap=True)
-    wide = console.options.update_width(1 << 16)
+    console.print(escape(wrap(title, width)), style="bold", soft_wrap=True)
     for r in doc["ranks"]:
         cells = [list(_COLUMNS)] + [[_cell(row, c) for c in _COLUMNS] for row in _rows(r)]
-        longest = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
-        words = [max(len(w) for line in cells for w in (line[i].split() or [""]))
-                 for i in range(len(_COLUMNS))]
         table = Table(title=_rank_title(r), title_justify="left", box=box.SIMPLE_HEAD,
                       pad_edge=False)
         for c in _COLUMNS:
@@ -545,22 +560,13 @@ def _print_text(doc: dict[str, Any], title: str) -> None:
                              no_wrap=c in ("from", "bytes", "runs"))
         for line in cells[1:]:
             table.add_row(*map(escape, line))
-        extra = Measurement.get(console, wide, table).maximum - sum(longest)  # borders, padding
-        if sum(longest) + extra > width:  # wrap cells between words only, never inside one
-            if sum(words) + extra > width:  # too narrow even so: one block per row
-                console.print(f"\n{_rank_title(r)}")
-                console.print(escape("\n".join(_records(r, width))), soft_wrap=True)
-                continue
-            sizes, spare = list(words), width - extra - sum(words)
-            for i in sorted(range(len(sizes)), key=lambda i: longest[i] - words[i]):
-                grow = min(spare, longest[i] - words[i])
-                sizes[i] += grow
-                spare -= grow
-            for col, size in zip(table.columns, sizes):
-                col.width = size
-        console.print(table)
+        if _fit(console, table, cells, width):
+            console.print(table)
+        else:  # too narrow for the table: one block per row
+            console.print(f"\n{escape(_rank_title(r))}")
+            console.print(escape("\n".join(_records(r, width))), soft_wrap=True)
     for w in doc["warnings"]:
-        console.print(escape(wrap(f"warning: {w}")), style="yellow", soft_wrap=True)
+        console.print(escape(wrap(f"warning: {w}", width)), style="yellow", soft_wrap=True)
     console.print(f"\n{escape(notes)}", style="dim", soft_wrap=True)
 
 
@@ -598,16 +604,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     _print_text(doc, _title(args, src, dst))
-    import textwrap
-
     if compare:
         text = (f"runs per request on decode rank {shown} with one layout on both sides: "
                 + ", ".join(f"{k} {v:,}" for k, v in doc["runs_by_layout"].items()))
     else:
         text = (f"(runs per layout are compared up to {COMPARE_LAYOUTS_TOKENS} tokens; "
                 "pass --compare-layouts to count them for this request)")
-    print("\n" + textwrap.fill(text, columns(), subsequent_indent="  ", break_long_words=False,
-                               break_on_hyphens=False))
+    print("\n" + wrap(text, columns()))
     return 0
 
 

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from kvplan.staging import Costs
+from kvplan_nixl.arguments import check_progress, check_timeout
 from kvplan_nixl.endpoint import Endpoint
-from kvplan_nixl.errors import NixlError, NotConnectedError, nixl_call
+from kvplan_nixl.errors import BusyError, NixlError, NotConnectedError, PeerTimeout, nixl_call
 from kvplan_nixl.staged import legs
 from kvplan_nixl.staged.pool import PIECE, RegisteredPool
 
@@ -35,37 +36,46 @@ def calibrate(ep: Endpoint, pool: RegisteredPool, hello: Callable[[str], str | N
     of a whole slot (``per_byte``), a READ of half its bytes as unmergeable 4 KiB descriptors
     (``per_descriptor``), best of three each, and a local 4 KiB-granule gather
     (``local_per_byte``, with ``cpu_threads``). Reads only the peer's pool, into a free slot of
-    ``pool``.
+    ``pool``. Every wait ends by ``timeout`` seconds after the call: :class:`PeerTimeout`
+    names the peer then (the READ in flight is released). :class:`BusyError` when no slot is
+    free.
     """
     agent = ep._require()
+    timeout = check_timeout("timeout", timeout, optional=False)
     peer = next((p for p in ep.peers() if p.engine == remote), None)
     if peer is None:
         raise NotConnectedError(f"calibrate: no rank of engine {remote!r} is connected")
     slots = pool.slots
     if not slots.free:
-        raise RuntimeError("calibrate: every staging slot is in use")
-    others = tuple(progress)
+        raise BusyError(f"calibrate: every staging slot is in use ({slots.in_use} of "
+                        f"{slots.nslots}); calibrate while no staged request is in flight")
+    who = f"engine {remote!r} rank {peer.rank}"
+    others = check_progress(progress, "poll")
+    # one deadline for every wait below: a peer that answers HELLO and then stops progressing
+    # must not hold a READ (or the round trip) forever
+    deadline = time.monotonic() + timeout
     t0 = time.perf_counter()
     nonce = hello(peer.agent)
     if nonce is None:
-        raise NixlError("send_notif", "unreachable", f"{remote} rank {peer.rank}")
-    deadline = time.monotonic() + timeout
-    while nonce in asking:
+        raise NixlError("send_notif", "unreachable", who)
+    while nonce in asking:  # spins (no nap): the round trip is what is measured
         for o in others:
             o.poll()
         poll()
         if time.monotonic() > deadline:
             asking.discard(nonce)
-            raise TimeoutError(f"calibrate: {remote} rank {peer.rank} did not answer")
+            raise PeerTimeout(f"calibrate: {who} did not answer HELLO within {timeout} s", who)
     rtt = time.perf_counter() - t0
     slot = slots.free.popleft()
+    stuck = []  # a READ NIXL would not abort: it may still write into the slot
     try:
         base, s = slot * pool.slot_bytes, pool.slot_bytes
         n = s // (2 * PIECE)  # every other 4 KiB piece: nothing merges
         offs = np.arange(n, dtype=np.int64) * 2 * PIECE
 
         def read(local, remote_off, length) -> float:
-            return _timed_read(pool, agent, peer.agent, local, remote_off, length, others)
+            return _timed_read(pool, agent, peer.agent, local, remote_off, length, others,
+                               deadline, who, stuck)
 
         read([base], [0], [s])  # sets up the connection; then best of three
         one = min(read([base], [0], [s]) for _ in range(3))
@@ -79,13 +89,17 @@ def calibrate(ep: Endpoint, pool: RegisteredPool, hello: Callable[[str], str | N
             legs.synchronize(half)
             local = time.perf_counter() - t
     finally:
-        slots.release(slot)
+        if not stuck:
+            slots.release(slot)
     per_byte = one / s
     return Costs(per_descriptor=max(0.0, (many - n * PIECE * per_byte) / n),
                  per_byte=per_byte, local_per_byte=local / (s // 2), per_chunk=rtt)
 
 
-def _timed_read(pool: RegisteredPool, agent, name: str, local, remote, length, others) -> float:
+def _timed_read(pool: RegisteredPool, agent, name: str, local, remote, length, others,
+                deadline: float, who: str, stuck: list) -> float:
+    """Seconds one READ took; :class:`PeerTimeout` once ``deadline`` passed (the READ is
+    released, which aborts it; one NIXL refuses to release is noted in ``stuck``)."""
     with nixl_call("calibration transfer"):
         h = pool.make_xfer(agent, "READ", name, np.asarray(local), np.asarray(remote),
                            np.asarray(length), b"")
@@ -97,6 +111,14 @@ def _timed_read(pool: RegisteredPool, agent, name: str, local, remote, length, o
                 for o in others:
                     o.poll()
                 state = agent.check_xfer_state(h)
+                if state == "PROC" and time.monotonic() > deadline:
+                    raise PeerTimeout(f"calibrate: a READ from {who}'s staging pool did not "
+                                      "complete before the deadline", who)
+        if state != "DONE":
+            raise NixlError("calibration transfer", f"NIXL state {state}", who)
         return time.perf_counter() - t
     finally:
+        before = pool.handles.live["xfer"]
         pool.handles.release(h)
+        if pool.handles.live["xfer"] == before:
+            stuck.append(h)

@@ -3,8 +3,10 @@
 Owns the inbox of staged messages (the endpoint hands every notification starting with
 :data:`~kvplan_nixl.staged.protocol.TAG` to :meth:`Channel.receive`, never to the user's
 ``notifications()``) and the sending of messages to a peer agent. Every staged message passes
-here, in both directions: the place where per-message authentication would check and sign.
-It may not parse a message (``protocol`` does) nor act on one (the Stager does).
+here, in both directions: what arrives was opened by the endpoint's envelope (a known sender;
+with a secret, a valid tag and a fresh counter), what leaves is sealed for its receiver
+(:meth:`Channel.seal` too for the notes attached to bulk transfers). It may not parse a message
+(``protocol`` does) nor act on one (the Stager does).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Channel:
         while self.inbox:
             yield self.inbox.popleft()
 
+    def seal(self, agent_name: str, msg: bytes) -> bytes:
+        """``msg`` as it must leave for ``agent_name`` attached to a transfer (sealed)."""
+        return self.ep._seal(agent_name, msg)
+
     def send(self, agent_name: str, msg: bytes) -> bool:
         """Send ``msg`` to agent ``agent_name``; False when it could not leave (endpoint closed,
         peer unreachable)."""
@@ -43,7 +49,7 @@ class Channel:
         if agent is None:
             return False
         try:
-            agent.send_notif(agent_name, msg)
+            agent.send_notif(agent_name, self.ep._seal(agent_name, msg))
         except Exception as exc:
             if not is_nixl_error(exc):
                 raise

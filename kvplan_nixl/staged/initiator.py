@@ -97,14 +97,24 @@ class Initiator:
             self._settle(t)
         return n
 
-    def on_message(self, agent_name: str, m: proto.Message) -> None:
-        """FAIL, ACK, GRANT, READY or DONE from the server of one of this side's requests."""
+    def on_message(self, agent_name: str, m: proto.Message) -> bool:
+        """FAIL, ACK, GRANT, READY or DONE from the server of one of this side's requests;
+        False when it names no pending request of that agent or repeats a credit (dropped).
+        Fields out of bounds raise ``ValueError``."""
         entry = self.mine.get(m.rid)
         j = None
         if entry is not None:
             j = next((j for j in entry[1].values() if j.agent == agent_name), None)
         if j is None or j.state is not State.PENDING:
-            return
+            return False
+        if m.op in ("GRANT", "READY"):
+            k, rslot = m.int(1), m.int(2)
+            if k in j.credited:
+                return False  # a replayed credit must not take a second slot
+            remote = self.pool.remote.get(agent_name)
+            nslots = None if remote is None else int(remote[0].nbytes[0]) // self.pool.slot_bytes
+            if not 0 <= k < len(j.chunks) or (nslots is not None and not 0 <= rslot < nslots):
+                raise ValueError(f"credit for chunk {k} in slot {rslot}: out of bounds")
         if m.op == "FAIL":
             why = m.text(1)
             kind = "timeout" if why.startswith("server deadline") else "error"
@@ -112,11 +122,26 @@ class Initiator:
         elif m.op == "ACK":
             self.pool.learn(self.ep._agent_or_none(), agent_name, proto.PoolInfo.decode(m))
         elif m.op in ("GRANT", "READY"):
-            self._on_credit(j, m.int(1), m.int(2))
+            j.credited.add(k)
+            self._on_credit(j, k, rslot)
         elif m.op == "DONE":
             j.remote_done = True
             self._advance(j)
+        else:
+            return False
+        assert entry is not None
         self._settle(entry[0])
+        return True
+
+    def peer_gone(self, agent_name: str) -> None:
+        """Agent ``agent_name`` was unloaded (disconnect, close notice, restart): its jobs
+        fail now, naming their blocks."""
+        for t, jobs in list(self.mine.values()):
+            for j in jobs.values():
+                if j.agent == agent_name:
+                    self.fail(j, "peer went (disconnected, closed or restarted)", "error",
+                              tell=False)
+            self._settle(t)
 
     def fail(self, j: Job, reason: str, kind: str, *, tell: bool = True) -> None:
         """Leave PENDING once: release handles and slots, drop slot waits, tell the peer."""
@@ -211,7 +236,8 @@ class Initiator:
         op, note = ("WRITE", "DATA") if j.mode is Mode.PUSH else ("READ", "TAKEN")
         try:
             h = self.pool.chunk_xfer(agent, op, j.agent, slot, rslot,
-                                     int(j.chunks["nbytes"][k]), proto.encode(note, j.rid, k))
+                                     int(j.chunks["nbytes"][k]),
+                                     self.channel.seal(j.agent, proto.encode(note, j.rid, k)))
         except Exception as exc:
             if not is_nixl_error(exc):
                 raise

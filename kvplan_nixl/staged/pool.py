@@ -117,9 +117,13 @@ class RegisteredPool:
         return PoolInfo(t.data_ptr(), t.numel(), self.slot_bytes, self.dev, self.mem)
 
     def learn(self, agent: Any, name: str, info: PoolInfo) -> None:
-        """Prepare the list of agent ``name``'s pool (once per agent)."""
+        """Prepare the list of agent ``name``'s pool (once per agent: until :meth:`forget`);
+        ``ValueError`` for a pool of other slots than this one's."""
         if name in self.remote:
             return
+        if info.slot_bytes != self.slot_bytes:
+            raise ValueError(f"peer pool of {info.slot_bytes}-byte slots, this side's "
+                             f"{self.slot_bytes}")
         ladder = Ladder.build(["staging"], [info.nbytes], [PIECE])
         dl = self.handles.prep(agent, name, ladder.rows([info.addr], info.device), info.mem,
                                f"staging pool of {name}")

@@ -6,8 +6,10 @@ only: :func:`encode` / :func:`decode` for every message, :func:`open_messages` /
 :func:`decode_open` for the OPEN (whose fields must agree with its body), and the pool
 descriptions of ACK and POOL. It decides nothing about a request and holds no state; it may not
 import the rest of the staged executor. A message that does not parse raises ``ValueError``,
-``IndexError`` or :class:`Refuse` (the caller answers with a FAIL or ABORT). Authentication of
-staged messages, when added, belongs here.
+``IndexError`` or :class:`Refuse` (the caller answers with a FAIL or ABORT). Nothing parsed from
+the wire is trusted for resources: counts, sizes and pool fields are bounded here, before any
+list or array is built from them. Authentication is not here: every message is sealed and
+opened by the endpoint's envelope (:mod:`kvplan_nixl.envelope`) before it reaches the Stager.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ __all__ = ["TAG", "Message", "Open", "PoolInfo", "Refuse", "decode", "decode_ope
 
 #: Protocol tag: the first five bytes of every staged message.
 TAG = b"kvs1 "
+#: Most block id lists an OPEN may carry per side (a spec has at most 1024 regions).
+MAX_LISTS = 1024
+#: Pool fields an ACK or POOL may carry: addresses in 64 bits, sizes below 2**61 bytes.
+_ADDR_LIMIT, _SIZE_LIMIT = 1 << 64, 1 << 61
 
 
 class Refuse(Exception):
@@ -81,8 +87,16 @@ class PoolInfo:
 
     @classmethod
     def decode(cls, m: Message) -> PoolInfo:
-        """The pool an ACK or POOL message describes."""
-        return cls(m.int(1), m.int(2), m.int(3), m.int(4), m.fields[5])
+        """The pool an ACK or POOL message describes (``ValueError`` for fields out of
+        bounds: an address past 64 bits, a size that is not a positive multiple of a positive
+        slot size, a negative device, a memory type other than DRAM or VRAM)."""
+        info = cls(m.int(1), m.int(2), m.int(3), m.int(4), m.fields[5])
+        if not (0 < info.addr and info.addr + info.nbytes <= _ADDR_LIMIT
+                and 0 < info.slot_bytes <= info.nbytes < _SIZE_LIMIT
+                and info.nbytes % info.slot_bytes == 0 and 0 <= info.device < 1 << 31
+                and info.mem in ("DRAM", "VRAM")):
+            raise ValueError(f"pool fields out of bounds: {info}")
+        return info
 
 
 @attrs.frozen
@@ -120,8 +134,11 @@ def decode_open(m: Message) -> Open:
     chunk, tmo, nbytes, nchunks, ng, ngd = (int(x) for x in f[2:8])
     # then one length per block id list, then the length of the user's notify, which follows
     # the block ids in the body
-    if ng < 0 or ngd < 0 or len(f) != 9 + ng + ngd:
+    if not (0 <= ng <= MAX_LISTS and 0 <= ngd <= MAX_LISTS) or len(f) != 9 + ng + ngd:
         raise Refuse(f"OPEN has {len(f) + 1} fields for {ng} + {ngd} block id lists")
+    if chunk <= 0 or tmo < 0 or nbytes < 0 or nchunks < 0:
+        raise Refuse(f"OPEN fields out of bounds: slot {chunk}, timeout {tmo} ms, "
+                     f"{nbytes} bytes, {nchunks} chunks")
     lens = [int(x) for x in f[8:8 + ng + ngd]]
     nnote = int(f[-1])
     if not 0 <= nnote <= len(body):

@@ -27,7 +27,8 @@ from kvplan_nixl.transfer import State
 
 __all__ = ["SERVE_TIMEOUT", "Server"]
 
-#: How long a server keeps a request whose initiator gave no timeout (seconds).
+#: How long a server keeps a request (seconds): the initiator's timeout when it gave a shorter
+#: one, never longer (a timeout from the wire never holds slots past this side's limit).
 SERVE_TIMEOUT = 60.0
 
 
@@ -40,22 +41,33 @@ class Server:
         self.window = window
         self.served: dict[tuple[str, str], Job] = {}  # (agent, rid) -> server job
 
-    def on_open(self, agent_name: str, m: proto.Message) -> None:
-        """Serve an OPEN, or refuse it with a FAIL naming why (raises for a malformed one)."""
+    def on_open(self, agent_name: str, m: proto.Message) -> bool:
+        """Serve an OPEN, or refuse it with a FAIL naming why (raises for a malformed one);
+        False for an OPEN of a request served already (a duplicate: dropped, the request it
+        names is left alone)."""
+        if (agent_name, m.rid) in self.served:
+            return False
         try:
             self._open(agent_name, m)
         except proto.Refuse as exc:
             self.channel.send(agent_name, proto.encode("FAIL", m.rid, f"refused: {exc}"))
+        return True
 
-    def on_message(self, agent_name: str, m: proto.Message) -> None:
-        """DATA, TAKEN or ABORT from the initiator of a request served here."""
+    def on_message(self, agent_name: str, m: proto.Message) -> bool:
+        """DATA, TAKEN or ABORT from the initiator of a request served here; False when it
+        names no request served for that agent, or a chunk not in flight."""
         j = self.served.get((agent_name, m.rid))
         if j is None:
-            return
+            return False
         if m.op == "ABORT":
             self._drop(j, "initiator aborted: " + m.text(1), tell=False)
-        else:
-            self._step(j, m.int(1))
+            return True
+        return self._step(j, m.int(1))
+
+    def peer_gone(self, agent_name: str) -> None:
+        """Agent ``agent_name`` was unloaded: drop what it opened here, freeing its slots."""
+        for j in [j for j in self.served.values() if j.agent == agent_name]:
+            self._drop(j, "initiator gone", tell=False)
 
     def step(self, now: float) -> None:
         """Drop the requests whose deadline passed (a dead initiator holds no slot)."""
@@ -81,7 +93,8 @@ class Server:
             sp = stage(tmap.plan(op.src_blocks, op.dst_blocks), self.pool.slot_bytes)
         except (NotConnectedError, KVPlanError) as exc:  # e.g. block ids that do not fit
             raise proto.Refuse(str(exc)) from exc
-        deadline = time.monotonic() + (op.timeout_ms / 1000 if op.timeout_ms else SERVE_TIMEOUT)
+        limit = SERVE_TIMEOUT if not op.timeout_ms else min(op.timeout_ms / 1000, SERVE_TIMEOUT)
+        deadline = time.monotonic() + limit
         j = Job(op.rid, agent_name, rank, sp, mine, deadline)
         j.server = True
         j.notify = op.notify
@@ -116,14 +129,16 @@ class Server:
 
             self.pool.slots.acquire(j, go)
 
-    def _step(self, j: Job, k: int) -> None:
-        """DATA (push: scatter) or TAKEN (pull: nothing to copy) of chunk k: free its slot."""
+    def _step(self, j: Job, k: int) -> bool:
+        """DATA (push: scatter) or TAKEN (pull: nothing to copy) of chunk k: free its slot
+        (False: chunk k is not in flight)."""
         if k not in j.slots or k in j.busy:
-            return
+            return False
         if j.mode is Mode.PULL:
             self.runner.run(j, k, "scatter", lambda: self._done(j, k), self._leg_failed)
         else:
             self._done(j, k)
+        return True
 
     def _done(self, j: Job, k: int) -> None:
         self.pool.slots.release(j.slots.pop(k))

@@ -20,9 +20,16 @@ import torch
 
 from kvplan import Mode, TransferPlan
 from kvplan.staging import Costs, prefer_staged
+from kvplan_nixl.arguments import (
+    check_choice,
+    check_int,
+    check_request,
+    check_str,
+    check_timeout,
+)
 from kvplan_nixl.buffers import memory_text
 from kvplan_nixl.endpoint import Endpoint
-from kvplan_nixl.errors import BufferSizeError
+from kvplan_nixl.errors import ArgumentError, BufferSizeError, NixlError
 from kvplan_nixl.staged import legs
 from kvplan_nixl.staged import protocol as proto
 from kvplan_nixl.staged.calibration import calibrate
@@ -63,13 +70,20 @@ class Stager:
     def __init__(self, endpoint: Endpoint, *, pool_bytes: int = 64 << 20,
                  slot_bytes: int = 16 << 20, window: int = 2,
                  cpu_threads: int | None = 1, overlap: bool = True) -> None:
-        if slot_bytes <= 0 or slot_bytes % PIECE or pool_bytes < slot_bytes or (
-                pool_bytes % slot_bytes):
-            raise ValueError(
+        check_int("pool_bytes", pool_bytes, low=1)
+        check_int("slot_bytes", slot_bytes, low=1)
+        if slot_bytes % PIECE or pool_bytes < slot_bytes or pool_bytes % slot_bytes:
+            raise ArgumentError(
                 f"slot_bytes ({slot_bytes}) must be a positive multiple of {PIECE} dividing "
                 f"pool_bytes ({pool_bytes})")
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        check_int("window", window, low=1)
+        if cpu_threads is not None:
+            check_int("cpu_threads", cpu_threads, low=1)
+        if not isinstance(overlap, bool):
+            raise ArgumentError(f"overlap must be a bool, got {overlap!r}")
+        if not isinstance(endpoint, Endpoint):
+            raise ArgumentError(f"endpoint must be a kvplan_nixl.Endpoint, got "
+                                f"{type(endpoint).__name__}")
         if endpoint.mem_type is None:  # its legs gather every buffer into one pool's memory
             raise BufferSizeError(
                 f"staged transfers need the buffers of {endpoint!r} in one memory kind; it "
@@ -91,6 +105,9 @@ class Stager:
         self._initiator = Initiator(endpoint, self._pool, self.legs, self.channel, self._ids,
                                     self.poll)
         self._server = Server(endpoint, self._pool, self.legs, self.channel, window)
+        #: staged messages dropped, by why (see :meth:`stats`)
+        self._dropped = {"malformed": 0, "stray": 0}
+        endpoint._peers.on_unload(self._peer_gone)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -102,6 +119,7 @@ class Stager:
         as ``Notification(engine, rank, message)`` naming this rank) once that rank saw this
         side take its last chunk, as a direct ``Endpoint.read`` delivers it; never on failure.
         """
+        notify, timeout = check_request(remote, notify, timeout)
         return self._initiator.start(plan, remote, Mode.PULL, timeout, notify)
 
     def write(self, plan: TransferPlan, remote: str, *, notify: bytes | None = None,
@@ -112,6 +130,7 @@ class Stager:
         scattered into its KV cache, as a direct ``Endpoint.write`` delivers it; never on
         failure.
         """
+        notify, timeout = check_request(remote, notify, timeout)
         return self._initiator.start(plan, remote, Mode.PUSH, timeout, notify)
 
     def post(self, plan: TransferPlan, remote: str, *, how: str = "auto",
@@ -125,8 +144,10 @@ class Stager:
         :class:`MixedTransfer` of the two (the plan's runs split by peer rank). ``notify``
         reaches every peer rank once, by whichever part serves it (see :meth:`read`).
         """
-        if how not in ("auto", "direct", "staged"):
-            raise ValueError(f"how must be 'auto', 'direct' or 'staged', got {how!r}")
+        check_choice("how", how, ("auto", "direct", "staged"))
+        notify, timeout = check_request(remote, notify, timeout)
+        if not isinstance(plan, TransferPlan):
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         pull = plan.map.mode is Mode.PULL
         post = self.ep.read if pull else self.ep.write
         if how == "auto":
@@ -170,6 +191,8 @@ class Stager:
 
     def _choices(self, plan: TransferPlan, remote: str) -> list[tuple[int, int, bool]]:
         """Per peer rank of ``plan``: (rank, bytes, whether staging wins for it)."""
+        if not isinstance(plan, TransferPlan):
+            raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         costs = self.costs.get(remote, DEFAULT_COSTS)
         rows = plan.copies()
         col = "src_rank" if plan.map.mode is Mode.PULL else "dst_rank"
@@ -188,6 +211,7 @@ class Stager:
         ``remote`` and store them in ``self.costs[remote]``; see
         :func:`kvplan_nixl.staged.calibration.calibrate` (``progress``: other Stagers of this
         process to poll meanwhile, as the peer's Stager must be polled)."""
+        check_str("remote", remote)
         self.costs[remote] = costs = calibrate(
             self.ep, self._pool, self._hello, self._asking, self.poll, remote,
             cpu_threads=self.cpu_threads, progress=progress, timeout=timeout)
@@ -227,6 +251,9 @@ class Stager:
         server polled less often adds its period to every chunk it serves. User notifications
         stay queued for ``endpoint.notifications()`` (``until`` may drain them). Returns False
         when ``timeout`` seconds passed first."""
+        if not callable(until):
+            raise ArgumentError(f"until must be a callable returning a bool, got {until!r}")
+        timeout = check_timeout("timeout", timeout)
         limit = None if timeout is None else time.monotonic() + timeout
         return drive(self.poll, until, (), limit)
 
@@ -239,8 +266,17 @@ class Stager:
                 "dlist": live["dlist"], "requests": len(self._initiator.mine),
                 "serving": len(self._server.served), "registrations": live["registrations"]}
 
+    def stats(self) -> dict[str, int]:
+        """Staged messages dropped since construction, by why: ``malformed`` (fields that do
+        not parse or are out of bounds: answered with a FAIL or ABORT of the request it names),
+        ``stray`` (naming no request of its sender, a chunk not in flight, a repeated OPEN or
+        credit, a POOL nobody asked for). What the endpoint's envelope dropped before (unknown
+        senders, forged, replayed) is in ``Endpoint.stats()``."""
+        return dict(self._dropped)
+
     def close(self) -> None:
         """Fail every request (telling peers), release lists, deregister the pool."""
+        self.ep._peers.off_unload(self._peer_gone)
         self._initiator.close()
         self._server.close()
         self.channel.close()
@@ -256,25 +292,41 @@ class Stager:
     # -- messages ----------------------------------------------------------------------------
 
     def _handle(self, agent_name: str, msg: bytes) -> None:
-        """Route one staged message to the side it concerns; answer a malformed one."""
+        """Route one staged message to the side it concerns; count a stray one, answer a
+        malformed one (never raise: a genuine ``wait`` polls here)."""
         m = proto.decode(msg)
         try:
             if m.op == "OPEN":
-                self._server.on_open(agent_name, m)
+                handled = self._server.on_open(agent_name, m)
             elif m.op in ("DATA", "TAKEN", "ABORT"):
-                self._server.on_message(agent_name, m)
+                handled = self._server.on_message(agent_name, m)
             elif m.op == "HELLO":  # calibration: tell the asker where this pool is
-                self.channel.send(agent_name, self._pool.info().encode("POOL", m.rid))
+                handled = self.channel.send(agent_name, self._pool.info().encode("POOL", m.rid))
             elif m.op == "POOL":
-                self._pool.learn(self.ep._agent_or_none(), agent_name, proto.PoolInfo.decode(m))
-                self._asking.discard(m.rid)
+                handled = m.rid in self._asking  # only the answer to our own HELLO
+                if handled:
+                    self._pool.learn(self.ep._agent_or_none(), agent_name,
+                                     proto.PoolInfo.decode(m))
+                    self._asking.discard(m.rid)
             else:
-                self._initiator.on_message(agent_name, m)
-        except (IndexError, ValueError) as exc:  # a malformed message: refuse, never crash
+                handled = self._initiator.on_message(agent_name, m)
+            if not handled:
+                self._dropped["stray"] += 1
+        except (IndexError, ValueError, OverflowError, NixlError) as exc:
+            # a malformed message (or a pool NIXL refuses): refuse, never crash
+            self._dropped["malformed"] += 1
             if m.fields:  # answer on the channel of the request it names
                 back = "FAIL" if m.op in ("OPEN", "DATA", "TAKEN", "ABORT") else "ABORT"
                 self.channel.send(agent_name,
                                   proto.encode(back, m.rid, f"malformed {m.op}: {exc}"))
+
+    def _peer_gone(self, agent_name: str) -> None:
+        """Agent ``agent_name`` was unloaded (disconnect, close notice, restart): its requests
+        fail (as initiator, naming their blocks) or are dropped (as server), and its pool's
+        list is released, so that a reconnected or restarted peer is learnt afresh."""
+        self._initiator.peer_gone(agent_name)
+        self._server.peer_gone(agent_name)
+        self._pool.forget(agent_name)
 
     def _hello(self, agent_name: str) -> str | None:
         """Ask ``agent_name`` where its pool is (HELLO); the nonce, in ``_asking`` until the

