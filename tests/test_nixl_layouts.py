@@ -136,9 +136,9 @@ def test_metadata_carries_v_bases_and_refuses_their_absence():
     n = len(s.regions)
     info = md.PeerInfo(
         engine="decode", rank=1, agent="decode#1#abc", spec=s, mem_type="DRAM",
-        bases=tuple(4096 * (i + 1) for i in range(n)),
+        bases=tuple((i + 1) << 24 for i in range(n)),  # apart: overlapping buffers are refused
         nbytes=tuple(s.rank_region_nbytes(i) for i in range(n)), devices=(0,) * n,
-        agent_metadata=b"nixl", v_bases=(1 << 20, 2 << 20, 0),
+        agent_metadata=b"nixl", v_bases=(1 << 30, 2 << 30, 0),
     )
     assert md.decode(md.encode(info)) == info
     with pytest.raises(MetadataError, match=r"regions \['layers.0.attn', 'layers.1.attn'\] keep "
