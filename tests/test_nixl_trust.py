@@ -196,7 +196,8 @@ def test_refused_restart_or_spec_leaves_genuine_peers_alone():
             def doubled(h):  # a consistent blob, but another spec than rank 0's
                 for r in h["spec"]["regions"]:
                     r["num_blocks"] *= 2
-                for row in h["regions"]:
+                for k, row in enumerate(h["regions"]):  # twice the size, laid apart (buffers
+                    row[1] = (k + 1) << 40  # advertised overlapping are refused first)
                     row[2] *= 2
 
             other = _rewrite(pr.p[1].metadata(), doubled)
