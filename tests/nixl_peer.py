@@ -54,7 +54,7 @@ def main() -> int:
         help="oracle: tests/oracle.py source bytes; sentinel: its destination pattern",
     )
     ap.add_argument("--metadata-out", required=True)
-    ap.add_argument("--stager", default="", help="POOL_BYTES,SLOT_BYTES: serve staged "
+    ap.add_argument("--stager", default="", help="POOL_BYTES,SLOT_BYTES[,WINDOW]: serve staged "
                     "transfers (kvplan_nixl.staged) from a pool of that size")
     ap.add_argument("--connect", nargs=2, metavar=("FILE", "MODE"), action="append",
                     default=[], help="wait for an initiator's metadata in FILE, connect it in "
@@ -74,8 +74,8 @@ def main() -> int:
         if args.stager:  # before metadata(): the peer's NIXL metadata must include the pool
             from kvplan_nixl.staged import Stager
 
-            pool, slot = (int(x) for x in args.stager.split(","))
-            stager = Stager(ep, pool_bytes=pool, slot_bytes=slot)
+            pool, slot, *window = (int(x) for x in args.stager.split(","))
+            stager = Stager(ep, pool_bytes=pool, slot_bytes=slot, window=(window or [2])[0])
         tmp = args.metadata_out + ".tmp"
         with open(tmp, "wb") as f:
             f.write(ep.metadata())

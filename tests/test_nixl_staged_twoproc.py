@@ -20,6 +20,7 @@ import pytest
 from kvplan import simulate
 from kvplan_nixl import Endpoint, State, TransferFailed, TransferTimeout
 from kvplan_nixl.staged import Stager
+from kvplan_nixl.staged import protocol as proto
 from tests import oracle
 from tests.nixl_util import PeerProc, attn, mla, spec
 
@@ -112,6 +113,49 @@ def test_staged_pull_across_processes_and_a_peer_killed_between_gather_and_trans
         assert _idle(out["stager"]) == IDLE, out["stager"]
         # the user's notify reached it once, from this rank, as a direct read delivers it
         assert out["notifications"] == [["decode", 0, "pull-1"]]
+    finally:
+        st.close()
+        ep.close()
+        for p in peers:
+            p.kill()
+
+
+def test_staged_pull_fails_at_once_when_a_silent_peer_dies(tmp_path):
+    """A peer that dies before it answered holds no NIXL transfer UCX could fail: the
+    initiator's liveness probe (a PING after PROBE_S without a message) cannot leave once its
+    process is gone, and the request fails then, not at its 30 s deadline."""
+    bufs = [np.zeros(DST.rank_region_nbytes(i), np.uint8) for i in range(len(DST.regions))]
+    ep = Endpoint("decode", DST, 0, bufs)
+    st = Stager(ep, pool_bytes=POOL, slot_bytes=SLOT)
+    me = str(tmp_path / "decode.md")
+    peers = [_peer(tmp_path, "prefill", SRC, r, "oracle", [(me, "push")]) for r in range(2)]
+    try:
+        metas = [p.ready() for p in peers]
+        _write_md(me, ep)
+        for p, m in zip(peers, metas, strict=True):
+            assert p.line() == "connected"
+            ep.connect(m, mode="pull")
+        plan = ep.map("prefill").plan(SRC_BLOCKS, DST_BLOCKS)
+        assert st.read(plan, "prefill", timeout=30).wait() == {0: State.DONE, 1: State.DONE}
+        peers[1].proc.send_signal(signal.SIGSTOP)  # it never answers this request's OPEN
+        t = st.read(plan, "prefill", timeout=30)
+        end = time.monotonic() + 2 * proto.PROBE_S
+        while time.monotonic() < end:  # probes leave (the stopped peer's kernel takes them)
+            st.poll()
+            time.sleep(1e-3)
+        assert not t.done
+        peers[1].proc.kill()
+        peers[1].proc.wait(30)
+        killed = time.monotonic()
+        with pytest.raises(TransferFailed) as info:
+            t.wait()
+        took = time.monotonic() - killed
+        err = info.value
+        assert not isinstance(err, TransferTimeout)
+        assert err.peer_ranks == (1,) and "peer unreachable" in err.reasons[1], err.reasons
+        assert took < 10, f"failed {took:.2f} s after the kill (deadline 30 s)"
+        print(f"silent peer killed: TransferFailed {took:.3f} s after the kill (deadline 30 s)")
+        assert _idle(st.handles()) == IDLE, st.handles()
     finally:
         st.close()
         ep.close()

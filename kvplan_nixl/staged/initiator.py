@@ -94,8 +94,18 @@ class Initiator:
                 n += self._advance(j)
                 if j.state is State.PENDING and j.deadline is not None and now > j.deadline:
                     self.fail(j, "deadline passed before completion", "timeout")
+                elif j.state is State.PENDING and now - j.heard > proto.PROBE_S:
+                    self.probe(j, now)
             self._settle(t)
         return n
+
+    def probe(self, j: Job, now: float) -> None:
+        """A PING to the peer of a request waiting on it: one that cannot leave (NIXL reports
+        the peer disconnected) fails the request now."""
+        j.heard = now
+        if not self.channel.send(j.agent, proto.encode("PING", j.rid)):
+            self.fail(j, "peer unreachable: a liveness probe could not be sent (its process "
+                      "or its endpoint went)", "error", tell=False)
 
     def on_message(self, agent_name: str, m: proto.Message) -> bool:
         """FAIL, ACK, GRANT, READY or DONE from the server of one of this side's requests;
@@ -107,6 +117,7 @@ class Initiator:
             j = next((j for j in entry[1].values() if j.agent == agent_name), None)
         if j is None or j.state is not State.PENDING:
             return False
+        j.heard = time.monotonic()
         if m.op in ("GRANT", "READY"):
             k, rslot = m.int(1), m.int(2)
             if k in j.credited:

@@ -22,11 +22,17 @@ import numpy as np
 
 from kvplan import Mode
 
-__all__ = ["TAG", "Message", "Open", "PoolInfo", "Refuse", "decode", "decode_open", "encode",
-           "open_messages"]
+__all__ = ["PROBE_S", "TAG", "Message", "Open", "PoolInfo", "Refuse", "decode", "decode_open",
+           "encode", "open_messages"]
 
 #: Protocol tag: the first five bytes of every staged message.
 TAG = b"kvs1 "
+#: Seconds either side of a request may go without hearing from the other before it sends a
+#: ``PING`` (answered by nothing). A peer whose process died had its sockets closed by its
+#: kernel: NIXL reports it disconnected, the probe cannot leave, and the request fails at
+#: once instead of at its deadline (a stopped peer or a cut link accepts the probe: those
+#: still end at the deadline, as direct transfers do).
+PROBE_S = 0.25
 #: Most block id lists an OPEN may carry per side (a spec has at most 1024 regions).
 MAX_LISTS = 1024
 #: Pool fields an ACK or POOL may carry: addresses in 64 bits, sizes below 2**61 bytes.

@@ -59,6 +59,7 @@ class Server:
         j = self.served.get((agent_name, m.rid))
         if j is None:
             return False
+        j.heard = time.monotonic()
         if m.op == "ABORT":
             self._drop(j, "initiator aborted: " + m.text(1), tell=False)
             return True
@@ -70,10 +71,16 @@ class Server:
             self._drop(j, "initiator gone", tell=False)
 
     def step(self, now: float) -> None:
-        """Drop the requests whose deadline passed (a dead initiator holds no slot)."""
+        """Drop the requests whose deadline passed, or whose initiator a probe finds gone
+        (a dead initiator holds no slot)."""
         for j in list(self.served.values()):
             if now > j.deadline:
                 self._drop(j, "server deadline passed", tell=True)
+            elif now - j.heard > proto.PROBE_S:
+                j.heard = now
+                if not self.channel.send(j.agent, proto.encode("PING", j.rid)):
+                    self._drop(j, "initiator unreachable (a liveness probe could not be sent)",
+                               tell=False)
 
     def close(self) -> None:
         """Drop every request served (the initiators are told)."""

@@ -300,6 +300,8 @@ class Stager:
                 handled = self._server.on_open(agent_name, m)
             elif m.op in ("DATA", "TAKEN", "ABORT"):
                 handled = self._server.on_message(agent_name, m)
+            elif m.op == "PING":  # a liveness probe (see initiator.PROBE_S): nothing to answer
+                handled = True
             elif m.op == "HELLO":  # calibration: tell the asker where this pool is
                 handled = self.channel.send(agent_name, self._pool.info().encode("POOL", m.rid))
             elif m.op == "POOL":

@@ -45,6 +45,7 @@ class Job:
         self.remote_done = False  # push initiator: DONE received
         self.notify = b""  # server: the user's notify, delivered here when the part is DONE
         self.posted = 0  # bulk descriptors posted
+        self.heard = time.monotonic()  # last sign of the peer: a message, or a probe that left
 
     @property
     def nbytes(self) -> int:
