@@ -51,6 +51,8 @@ from tests import netns  # noqa: E402
 SLOT = int(os.environ.get("KVPLAN_BENCH_SLOT", 16 << 20))
 POOL = int(os.environ.get("KVPLAN_BENCH_POOL", 64 << 20))
 WINDOW = int(os.environ.get("KVPLAN_BENCH_WINDOW", 2))
+#: An experiment's knob: the polling loops' longest nap (both sides), unset: the library's.
+MAX_NAP = os.environ.get("KVPLAN_BENCH_MAX_NAP")
 #: Requests whose destination blocks are disjoint (the engines hold this many requests' blocks).
 SLOTS = 4
 STREAM_PORT = 47011
@@ -168,6 +170,8 @@ class Peers:
                    "--stager", f"{POOL},{SLOT},{WINDOW}"]
             for b in back:
                 cmd += ["--connect", b, mode]
+            if MAX_NAP:
+                cmd += ["--max-nap", MAX_NAP]
             if host is not None:  # started from the initiator, inside the other namespace
                 cmd = ["ip", "netns", "exec", host, *cmd]
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE,
@@ -224,6 +228,10 @@ def initiator(args) -> dict:
     from kvplan_nixl import Endpoint
     from kvplan_nixl.staged import Stager
 
+    if MAX_NAP:
+        from kvplan_nixl import transfer
+
+        transfer.MAX_SLEEP_SECONDS = float(MAX_NAP)
     src_d, dst_d, tokens = case(args.case)
     src, dst = EngineSpec.from_dict(src_d), EngineSpec.from_dict(dst_d)
     nb = src.regions[0].num_blocks

@@ -59,7 +59,13 @@ def main() -> int:
     ap.add_argument("--connect", nargs=2, metavar=("FILE", "MODE"), action="append",
                     default=[], help="wait for an initiator's metadata in FILE, connect it in "
                     "MODE (repeatable)")
+    ap.add_argument("--max-nap", type=float, default=None,
+                    help="seconds: cap of the polling loop's naps (an experiment's knob)")
     args = ap.parse_args()
+    if args.max_nap is not None:
+        from kvplan_nixl import transfer
+
+        transfer.MAX_SLEEP_SECONDS = args.max_nap
 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvplan import EngineSpec
