@@ -57,10 +57,10 @@ MAX_NAP = os.environ.get("KVPLAN_BENCH_MAX_NAP")
 SLOTS = 4
 STREAM_PORT = 47011
 
-#: UCX's TCP transport settings this benchmark (and docs/executor.md) recommends over TCP:
-#: larger segments mean fewer messages per emulated get or put (UCX's default segment is
-#: 8 KiB), see docs/performance.md, "Two hosts".
+#: What kvplan_nixl sets unless the user did (kvplan_nixl._nixl.UCX_TCP_DEFAULTS); ``--ucx
+#: default`` passes UCX's own values explicitly instead, for the comparison.
 TUNED_UCX = {"UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "256K"}
+UCX_OWN = {"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K"}
 
 
 # -- cases ---------------------------------------------------------------------------------
@@ -104,10 +104,17 @@ def case(name: str) -> tuple[dict, dict, int]:
         tokens, layers = 2048, 28
         nb = tokens // 16 * SLOTS + 16
         return _mla(8, layers, nb), _mla(4, layers, nb), tokens
+    if name == "tiny":  # the tests' case (tests/test_netns_staged.py): P TP 4 -> D TP 2
+        tokens, layers = 256, 3
+        nb = tokens // 16 * SLOTS + 16
+        spec = _attention(4, layers, nb)
+        return spec, dict(spec, tp_size=2), tokens
     raise ValueError(f"unknown case {name!r}")
 
 
 CASES = ("llama-2k", "llama-32k", "cross-layer", "mla")
+#: Fill seed of the peers' buffers in ``--check`` runs (tests/oracle.py's source or sentinel).
+SEED = 5
 
 
 def blocks(nb: int, n: int, seed: int) -> list[int]:
@@ -159,14 +166,16 @@ class Peers:
     """The other engine's ranks, ``tests/nixl_peer.py --stager`` processes in the other host."""
 
     def __init__(self, tmp: str, engine: str, spec: dict, ranks, back: list[str], mode: str,
-                 host: str | None) -> None:
+                 host: str | None, fill: str = "random") -> None:
         self.procs, self.paths = [], []
+        self.final: list[dict] = []  # each process's last line (notifications, sha256)
         env = dict(os.environ, PYTHONPATH=ROOT)
         for r in ranks:
             path = os.path.join(tmp, f"{engine}-{r}.md")
             cmd = [sys.executable, os.path.join(ROOT, "tests", "nixl_peer.py"), "--engine",
-                   engine, "--rank", str(r), "--spec", json.dumps(spec), "--seed", str(r + 1),
-                   "--fill", "random", "--metadata-out", path,
+                   engine, "--rank", str(r), "--spec", json.dumps(spec), "--seed",
+                   str(SEED if fill != "random" else r + 1), "--fill", fill,
+                   "--metadata-out", path,
                    "--stager", f"{POOL},{SLOT},{WINDOW}"]
             for b in back:
                 cmd += ["--connect", b, mode]
@@ -195,6 +204,8 @@ class Peers:
         return sum(_cpu(p.pid) for p in self.procs if p.poll() is None)
 
     def close(self) -> None:
+        if self.final:
+            return
         for p in self.procs:
             if p.poll() is None:
                 try:
@@ -204,8 +215,11 @@ class Peers:
                     pass
         for p in self.procs:
             try:
+                if p.poll() is None or p.returncode == 0:
+                    last = [x for x in p.stdout.read().splitlines() if x.startswith("{")]
+                    self.final.append(json.loads(last[-1]) if last else {})
                 p.wait(30)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, ValueError):
                 p.kill()
 
 
@@ -240,16 +254,19 @@ def initiator(args) -> dict:
     peers = pull_map(src, dst, 0).peers  # the prefill ranks decode rank 0 reads
     tmp = args.tmp
     if pull:
-        local = [Endpoint("decode", dst, 0, _bufs(dst, 0))]
+        dbufs = _bufs(dst, 0)
+        local = [Endpoint("decode", dst, 0, dbufs)]
         remote = Peers(tmp, "prefill", src_d, peers, [os.path.join(tmp, "local-0.md")],
-                       "push", args.other)
+                       "push", args.other, "oracle" if args.check else "random")
         engine = "prefill"
     else:
-        local = [Endpoint("prefill", src, r, _bufs(src, r)) for r in peers]
+        local = [Endpoint("prefill", src, r, _source(src, r) if args.check else _bufs(src, r))
+                 for r in peers]
         remote = Peers(tmp, "decode", dst_d, [0],
                        [os.path.join(tmp, f"local-{i}.md") for i in range(len(local))],
-                       "pull", args.other)
+                       "pull", args.other, "sentinel" if args.check else "random")
         engine = "decode"
+        dbufs = []
     sts = [Stager(ep, pool_bytes=POOL, slot_bytes=SLOT, window=WINDOW) for ep in local]
     out: dict = {"case": args.case, "mode": args.mode}
     try:
@@ -282,6 +299,10 @@ def initiator(args) -> dict:
                     raise RuntimeError(f"{how}: {t.error()}")
             return ts
 
+        if args.check:
+            out["check"] = _check(args, sts, plans, maps, reqs[0], engine, remote, src_d, dst_d,
+                                  dbufs)
+            return out
         go("staged")  # sets up connections and teaches each Stager its peers' pools
         go("direct")
         costs = [st.calibrate(engine, progress=sts) for st in sts]
@@ -336,6 +357,81 @@ def initiator(args) -> dict:
             ep.close()
         remote.close()
     return out
+
+
+def _source(spec: EngineSpec, rank: int) -> list:
+    """Source rank ``rank``'s buffers with tests/oracle.py's content (one per region)."""
+    import torch
+
+    from tests import oracle
+
+    every = oracle.source_buffers(spec.to_dict(), seed=SEED)
+    return [torch.from_numpy(every[(rank, i)].copy()) for i in range(len(spec.regions))]
+
+
+def _check(args, sts, plans, maps, req, engine: str, remote: Peers, src_d, dst_d,
+           dbufs: list) -> dict:
+    """``--check``: the request's bytes against tests/oracle.py for each mode, and auto's
+    choice against the cost model evaluated here on the calibrated costs."""
+    from kvplan.staging import prefer_staged
+    from kvplan_nixl.staged import StagedTransfer
+    from tests import oracle
+
+    pull = args.mode == "pull"
+    sb, db = req
+    src = oracle.source_buffers(src_d, seed=SEED)
+    res: dict = {}
+
+    def expected(before: dict) -> dict:
+        exp, _ = oracle.expected_destination(src_d, dst_d, sb, db, 0, src, before)
+        return exp
+
+    def go(how: str) -> object:
+        ts = [st.post(p, engine, how=how, timeout=60) for st, p in zip(sts, plans, strict=True)]
+        for t in ts:
+            t.wait(60, progress=sts)
+        return ts[0]
+
+    go("staged")  # connects, teaches each Stager its peers' pools
+    costs = [st.calibrate(engine, progress=sts) for st in sts]
+    choice, model = [], []
+    for st, p, c in zip(sts, plans, costs, strict=True):
+        rows = p.copies()
+        col = rows["src_rank" if pull else "dst_rank"]
+        want = []
+        for r in np.unique(col).tolist():
+            lengths = rows["length"][col == r]
+            n = int(lengths.sum())
+            if prefer_staged(len(lengths), n, -(-n // st.slot_bytes), c):
+                want.append(r)
+        model.append(want)
+        choice.append(list(st.staged_peers(p, engine)))
+    res["auto_choice"], res["model_choice"] = choice, model
+    res["costs"] = [[c.per_descriptor, c.per_byte, c.local_per_byte, c.per_chunk]
+                    for c in costs]
+    if pull:
+        bufs = [b.numpy() for b in dbufs]  # one per region in the cases checked
+        res["exact"] = {}
+        for how in ("direct", "staged", "auto"):
+            for b in bufs:
+                b[:] = 0
+            t = go(how)
+            got = {(0, i): bufs[i] for i in range(len(bufs))}
+            exp = expected({k: np.zeros_like(v) for k, v in got.items()})
+            res["exact"][how] = all(np.array_equal(got[(0, k)], exp[k]) for k in exp)
+            if how == "auto":
+                res["auto_staged"] = isinstance(t, StagedTransfer)
+    else:  # the destination is the peer: its digest once it quits, after one staged push
+        go("staged")
+        res["auto_staged"] = None
+        before = oracle.destination_buffers(dst_d, seed=SEED)
+        exp = expected(before)
+        remote.close()
+        import hashlib
+
+        want = [hashlib.sha256(exp[i].tobytes()).hexdigest() for i in range(len(exp))]
+        res["exact"] = {"staged": remote.final[0].get("sha256") == want}
+    return res
 
 
 def _link(sts, pull: bool, plans):
@@ -429,7 +525,7 @@ def run_case(name: str, mode: str, args, ucx: dict) -> dict:
         cmd = [sys.executable, __file__, "--role", "initiator", "--case", name, "--mode", mode,
                "--tmp", tmp, "--other", hosts.ns[other], "--peer-addr", netns.ADDRS["a"],
                "--reps", str(args.reps), "--inflight", str(args.inflight),
-               "--measure", args.measure]
+               "--measure", args.measure] + (["--check"] if args.check else [])
         cmd += ["--dead", str(args.dead if name == "llama-2k" and mode == "pull" else 0)]
         p = hosts.spawn(me, cmd, stdout=subprocess.PIPE, text=True, env=env)
         out, _ = p.communicate(timeout=1800)
@@ -469,7 +565,7 @@ def report(results: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", default="driver", choices=["driver", "initiator", "stream-server"])
-    ap.add_argument("--case", action="append", choices=CASES)
+    ap.add_argument("--case", action="append", choices=(*CASES, "tiny"))
     ap.add_argument("--mode", action="append", choices=["pull", "push"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--inflight", type=int, default=4)
@@ -482,6 +578,9 @@ def main(argv=None) -> int:
                     help="which of link,direct,staged,auto to time (comma-separated)")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="extra environment of every process (UCX settings to try)")
+    ap.add_argument("--check", action="store_true",
+                    help="instead of timing: check every mode's bytes against tests/oracle.py "
+                         "and auto's choice against the cost model (the tests run this)")
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     ap.add_argument("--other", help=argparse.SUPPRESS)
     ap.add_argument("--peer-addr", help=argparse.SUPPRESS)
@@ -498,7 +597,7 @@ def main(argv=None) -> int:
         return 2
     cases = args.case or (["llama-2k"] if args.quick else list(CASES))
     modes = args.mode or ["pull", "push"]
-    ucx = dict(TUNED_UCX if args.ucx == "tuned" else {})
+    ucx = dict(TUNED_UCX if args.ucx == "tuned" else UCX_OWN)
     ucx.update(x.split("=", 1) for x in args.env)
     results = []
     for name in cases:
@@ -507,7 +606,10 @@ def main(argv=None) -> int:
             results.append(run_case(name, mode, args, ucx))
             print(f"# {name} {mode}: {time.perf_counter() - t:.0f} s", file=sys.stderr,
                   flush=True)
-    print(f"UCX over TCP, {'UCX defaults' if not ucx else ucx}; median of {args.reps}")
+    if args.check:
+        print(json.dumps(results))
+        return 0
+    print(f"UCX over TCP, {ucx}; median of {args.reps}")
     print(report(results))
     if args.json:
         with open(args.json, "w") as f:

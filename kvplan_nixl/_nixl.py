@@ -7,6 +7,7 @@ torch is built for CUDA 13 may install ``nixl-cu13`` instead.
 
 NIXL logs an INFO line per agent and backend to stderr; unless the user set
 ``NIXL_LOG_LEVEL`` we ask for warnings and errors only (it is read when nixl is imported).
+Likewise UCX's TCP segment size (:data:`UCX_TCP_DEFAULTS`), unless the user set it.
 
 Bottom layer: owns the import and the agent's options; it may import nothing of kvplan_nixl.
 """
@@ -16,6 +17,16 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+#: UCX's TCP transport moves a read or write in segments of ``UCX_TCP_TX_SEG_SIZE`` (8 KiB by
+#: default), a message each. Between two hosts over TCP one contiguous 64 MiB NIXL READ ran
+#: at 0.64 GB/s with UCX's default, 48% of a plain TCP stream between the same hosts, and at
+#: 1.5-1.8 GB/s with 256 KiB segments, 83-100% (benchmarks/bench_two_hosts.py,
+#: docs/performance.md "Two hosts"). Set, like NIXL_LOG_LEVEL, only where the user did not
+#: set them (UCX reads them when an agent's backend is created); other transports ignore them.
+UCX_TCP_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "256K"}
+for _name, _value in UCX_TCP_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
 
 #: Where NIXL's Python API may live: the meta package, then a backend wheel directly.
 _NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
@@ -49,7 +60,7 @@ def _import_nixl():
 
 nixl_agent, nixl_agent_config = _import_nixl()
 
-__all__ = ["NIXL_LOCAL", "make_agent"]
+__all__ = ["NIXL_LOCAL", "UCX_TCP_DEFAULTS", "make_agent"]
 
 #: The agent name NIXL uses for the local side of a prepared descriptor list.
 NIXL_LOCAL = "NIXL_INIT_AGENT"
