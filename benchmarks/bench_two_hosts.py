@@ -95,11 +95,11 @@ def case(name: str) -> tuple[dict, dict, int]:
         tokens, layers = 32768, 2
         nb = tokens // 16 * SLOTS + 16
         return _attention(8, layers, nb), _attention(4, layers, nb), tokens
-    if name == "cross-layer":  # vLLM cross-layer blocks -> SGLang token-major K and V pages
+    if name == "cross-layer":  # vLLM cross-layer blocks (one buffer) -> token-major pages
         tokens, layers = 1024, 8
         nb = tokens // 16 * SLOTS + 16
-        return (_attention(8, layers, nb, "BLHNC", "kv"),
-                _attention(4, layers, nb, "LBNHD", ["k", "v"]), tokens)
+        return (_attention(8, layers, nb, "BLHNC", "kv"), _attention(4, layers, nb, "NHD"),
+                tokens)
     if name == "mla":  # DeepSeek-like latent, replicated: one prefill peer, whole blocks
         tokens, layers = 2048, 28
         nb = tokens // 16 * SLOTS + 16
@@ -374,7 +374,7 @@ def _check(args, sts, plans, maps, req, engine: str, remote: Peers, src_d, dst_d
     """``--check``: the request's bytes against tests/oracle.py for each mode, and auto's
     choice against the cost model evaluated here on the calibrated costs."""
     from kvplan.staging import prefer_staged
-    from kvplan_nixl.staged import StagedTransfer
+    from kvplan_nixl.staged import MixedTransfer, StagedTransfer
     from tests import oracle
 
     pull = args.mode == "pull"
@@ -421,6 +421,11 @@ def _check(args, sts, plans, maps, req, engine: str, remote: Peers, src_d, dst_d
             res["exact"][how] = all(np.array_equal(got[(0, k)], exp[k]) for k in exp)
             if how == "auto":
                 res["auto_staged"] = isinstance(t, StagedTransfer)
+                res["auto_why"] = sts[0].last_choice
+                rates = next(iter(sts[0].measured.rate.values()))
+                picked = "staged" if isinstance(t, StagedTransfer) else (
+                    "mixed" if isinstance(t, MixedTransfer) else "direct")
+                res["auto_follows_measured"] = picked == min(rates, key=rates.__getitem__)
     else:  # the destination is the peer: its digest once it quits, after one staged push
         go("staged")
         res["auto_staged"] = None

@@ -16,7 +16,7 @@ import pytest
 from kvplan import Costs, pull_map, simulate
 from kvplan_nixl import NotConnectedError, State, TransferFailed, TransferTimeout
 from kvplan_nixl.endpoint import Notification
-from kvplan_nixl.staged import Stager
+from kvplan_nixl.staged import StagedTransfer, Stager
 from tests import oracle
 from tests.nixl_util import ZERO, attn, blocks, mla, notifications, pair, spec
 
@@ -367,11 +367,61 @@ def test_auto_splits_a_request_by_peer_when_the_model_says_so(monkeypatch):
         pr.check(sb, db, plans=[plan])
         # nobody serves the staged part: it fails at the deadline, the direct part (one-sided
         # reads) completes; the error names the staged peer only
+        st.measured.rate.clear()  # (else auto would now measure the direct mode once)
         t = st.post(plan, "prefill", timeout=0.3)
         with pytest.raises(TransferTimeout) as info:
             t.wait()
         assert info.value.peer_ranks == (1,) and t.direct.ok and not t.ok
         drain(pr.stagers.values())
+
+
+def test_auto_takes_the_mode_measured_faster_and_re_measures_the_other():
+    """The cost model decides a shape's first request; once the shape was moved direct and
+    staged (any ``post``), auto posts the mode whose seconds per byte were lower, and one
+    request in EXPLORE the other one; a failed request is not counted."""
+    from kvplan_nixl.staged.measured import EXPLORE, Measured
+
+    rng = np.random.default_rng(16)
+    sb, db = blocks(rng, SRC, 24), blocks(rng, DST, 24)
+    with staged_pair(SRC, DST) as pr:
+        d = pr.d[0]
+        st = pr.stagers[d]
+        others = list(pr.stagers.values())
+        plan = d.map("prefill").plan(sb, db)
+        key = Measured.shape("prefill", "pull", len(plan), plan.nbytes)
+
+        def post(how="auto"):
+            t = st.post(plan, "prefill", how=how, timeout=30)
+            t.wait(30, progress=others)
+            drain(others)  # the Stager stamps and records the request as it polls
+            return t
+
+        t = post()
+        assert "cost model" in st.last_choice
+        first = "staged" if isinstance(t, StagedTransfer) else "direct"
+        t = post()  # the other mode, once
+        assert "other mode" in st.last_choice
+        assert isinstance(t, StagedTransfer) == (first == "direct")
+        rates = st.measured.rate[key]
+        assert set(rates) == {"direct", "staged"} and all(v > 0 for v in rates.values())
+        fast = min(rates, key=rates.__getitem__)
+        t = post()
+        assert "measured fastest" in st.last_choice
+        assert isinstance(t, StagedTransfer) == (fast == "staged")
+        pr.check(sb, db, plans=[plan])
+        # pretend staging measured 100x faster: auto follows the measurement, not the model
+        picks = []
+        while len(picks) < EXPLORE:
+            rates["staged"], rates["direct"] = 1e-12, 1e-10  # (each sample moves them)
+            picks.append(isinstance(post(), StagedTransfer))
+        assert picks.count(False) == 1  # the one re-measurement of direct
+        # a request that fails is not a sample
+        before = dict(rates)
+        t = st.post(plan, "prefill", how="staged", timeout=1e-3)
+        with pytest.raises(TransferTimeout):
+            t.wait(5)
+        drain(others)
+        assert st.measured.rate[key] == before
 
 
 # -- the user's notify on staged requests ------------------------------------------------------

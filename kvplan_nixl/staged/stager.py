@@ -2,7 +2,7 @@
 
 Owns one of each collaborator (the registered pool, the channel, the leg runner, the initiator
 and the server) and wires them together; routes each staged message to the side it concerns;
-chooses direct or staged per peer (the cost model). It holds no request state of its own and
+chooses direct or staged (the cost model per peer, then what ``measured`` timed). It holds no request state of its own and
 makes no NIXL transfer itself. It may not be imported by any other module of the staged
 executor (they receive what they need from it: callbacks, collaborators).
 """
@@ -35,6 +35,7 @@ from kvplan_nixl.staged import protocol as proto
 from kvplan_nixl.staged.calibration import calibrate
 from kvplan_nixl.staged.channel import Channel
 from kvplan_nixl.staged.initiator import Initiator
+from kvplan_nixl.staged.measured import Measured
 from kvplan_nixl.staged.pool import PIECE, RegisteredPool
 from kvplan_nixl.staged.runner import LegRunner
 from kvplan_nixl.staged.server import Server
@@ -98,6 +99,11 @@ class Stager:
         self._pool = RegisteredPool(agent, pool_bytes, slot_bytes, device, endpoint.mem_type)
         self.pool = self._pool.slots
         self.costs: dict[str, Costs] = {}
+        #: seconds per byte of each mode by request shape, from completed requests: what
+        #: ``how="auto"`` picks by once both modes were measured (see ``staged.measured``)
+        self.measured = Measured()
+        #: why the last ``how="auto"`` request went the way it did
+        self.last_choice = ""
         self._ids = itertools.count()
         self._asking: set[str] = set()  # calibration nonces awaiting POOL
         self.channel = Channel(endpoint)
@@ -137,10 +143,14 @@ class Stager:
              notify: bytes | None = None, timeout: float | None = None):
         """Read (pull plan) or write (push plan) ``plan`` directly or staged.
 
-        ``how``: ``"direct"``, ``"staged"`` or ``"auto"``, which decides per peer rank with
-        :meth:`staged_peers` and the costs of ``remote`` (measured by :meth:`calibrate`, else
-        :data:`DEFAULT_COSTS`). Returns a :class:`~kvplan_nixl.Transfer`, a
-        :class:`StagedTransfer`, or, when ``auto`` stages only some peers, a
+        ``how``: ``"direct"``, ``"staged"`` or ``"auto"``. ``auto`` first decides per peer
+        rank with :meth:`staged_peers` and the costs of ``remote`` (measured by
+        :meth:`calibrate`, else :data:`DEFAULT_COSTS`); every request posted here is timed
+        once complete, and once requests of the same shape (engine, direction, mean run size)
+        were moved both direct and staged, auto takes the mode measured faster, re-measuring
+        the other one request in 16 (:mod:`kvplan_nixl.staged.measured`; why the last auto
+        request went its way: :attr:`last_choice`). Returns a :class:`~kvplan_nixl.Transfer`,
+        a :class:`StagedTransfer`, or, when ``auto`` stages only some peers, a
         :class:`MixedTransfer` of the two (the plan's runs split by peer rank). ``notify``
         reaches every peer rank once, by whichever part serves it (see :meth:`read`).
         """
@@ -148,28 +158,19 @@ class Stager:
         notify, timeout = check_request(remote, notify, timeout)
         if not isinstance(plan, TransferPlan):
             raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
-        pull = plan.map.mode is Mode.PULL
-        post = self.ep.read if pull else self.ep.write
+        key = Measured.shape(remote, plan.map.mode.value, len(plan), plan.nbytes)
         if how == "auto":
-            staged = self.staged_peers(plan, remote)
-            if not staged:
-                how = "direct"
-            elif set(staged) == set(plan.peers):
-                how = "staged"
-            else:
-                direct = [r for r in plan.peers if r not in staged]
-                # post the staged part first: its OPENs travel while the direct part runs
-                st = self._initiator.start(_subset(plan, staged), remote, plan.map.mode,
-                                           timeout, notify)
-                try:
-                    dt = post(_subset(plan, direct), remote, notify=notify, timeout=timeout)
-                except BaseException:
-                    st.cancel("the direct part could not be posted")
-                    raise
-                return MixedTransfer(plan, dt, st)
-        if how == "direct":
-            return post(plan, remote, notify=notify, timeout=timeout)
-        return self._initiator.start(plan, remote, plan.map.mode, timeout, notify)
+            how, self.last_choice = self._auto(plan, remote, key)
+        t = _post(self, plan, remote, how, notify, timeout)
+        self.measured.watch(t, key, how, plan.nbytes)
+        return t
+
+    def _auto(self, plan: TransferPlan, remote: str, key: tuple) -> tuple[str, str]:
+        """(mode, why) of an auto request: the cost model's choice until both modes were
+        measured for requests of its shape, then the one measured faster (``measured``)."""
+        staged = set(self.staged_peers(plan, remote))
+        model = "direct" if not staged else "staged" if staged == set(plan.peers) else "mixed"
+        return self.measured.pick(key, model)
 
     def staged_peers(self, plan: TransferPlan, remote: str) -> tuple[int, ...]:
         """The peer ranks of ``plan`` for which the cost model predicts staging beats direct
@@ -234,6 +235,7 @@ class Stager:
         now = time.monotonic()
         n += self._initiator.step(now)
         self._server.step(now)
+        self.measured.reap()  # after the step that stamps a transfer's end; not work done
         return n
 
     def progress(self) -> int:
@@ -338,6 +340,31 @@ class Stager:
             return None
         self._asking.add(nonce)
         return nonce
+
+
+def _post(st: Stager, plan: TransferPlan, remote: str, how: str, notify: bytes | None,
+          timeout: float | None):
+    """Post ``plan`` ``how`` (``direct``, ``staged`` or ``mixed``: the peers the cost model
+    stages staged, the others direct) through ``st``."""
+    post = st.ep.read if plan.map.mode is Mode.PULL else st.ep.write
+    staged = st.staged_peers(plan, remote) if how == "mixed" else ()
+    if how == "mixed" and not staged:  # the costs changed since the mix was measured
+        how = "direct"
+    elif how == "mixed" and set(staged) == set(plan.peers):
+        how = "staged"
+    if how == "mixed":  # the peers the cost model stages staged, the others direct
+        direct = [r for r in plan.peers if r not in staged]
+        # post the staged part first: its OPENs travel while the direct part runs
+        sx = st._initiator.start(_subset(plan, staged), remote, plan.map.mode, timeout, notify)
+        try:
+            dt = post(_subset(plan, direct), remote, notify=notify, timeout=timeout)
+        except BaseException:
+            sx.cancel("the direct part could not be posted")
+            raise
+        return MixedTransfer(plan, dt, sx)
+    if how == "direct":
+        return post(plan, remote, notify=notify, timeout=timeout)
+    return st._initiator.start(plan, remote, plan.map.mode, timeout, notify)
 
 
 def _buffer_tensors(endpoint: Endpoint) -> dict[int, torch.Tensor]:
