@@ -329,6 +329,8 @@ def initiator(args) -> dict:
                 cpu[how][1] += remote.cpu() - r0
             if pull:
                 times["tcp"].append(stream_seconds(args.peer_addr, STREAM_PORT, nbytes))
+        out["auto_why"] = sts[0].last_choice
+        out["rates"] = {m: v * 1e9 for r in sts[0].measured.rate.values() for m, v in r.items()}
         out["seconds"] = {k: statistics.median(v) if v else float("nan")
                           for k, v in times.items()}
         out["all_seconds"] = times
