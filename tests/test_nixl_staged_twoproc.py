@@ -9,6 +9,7 @@ request may be left on this side, nor (reported by the peer when it exits) on th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -75,7 +76,10 @@ def _expected_pull() -> dict:
     return expected
 
 
-def test_staged_pull_across_processes_and_a_peer_killed_between_gather_and_transfer(tmp_path):
+@contextlib.contextmanager
+def _pulling(tmp_path):
+    """Decode rank 0 here (a Stager over zeroed buffers), prefill ranks 0 and 1 in their own
+    processes, connected both ways: ``(bufs, ep, st, peers, plan)``; all closed after."""
     bufs = [np.zeros(DST.rank_region_nbytes(i), np.uint8) for i in range(len(DST.regions))]
     ep = Endpoint("decode", DST, 0, bufs)
     st = Stager(ep, pool_bytes=POOL, slot_bytes=SLOT)
@@ -87,7 +91,16 @@ def test_staged_pull_across_processes_and_a_peer_killed_between_gather_and_trans
         for p, m in zip(peers, metas, strict=True):
             assert p.line() == "connected"
             ep.connect(m, mode="pull")
-        plan = ep.map("prefill").plan(SRC_BLOCKS, DST_BLOCKS)
+        yield bufs, ep, st, peers, ep.map("prefill").plan(SRC_BLOCKS, DST_BLOCKS)
+    finally:
+        st.close()
+        ep.close()
+        for p in peers:
+            p.kill()
+
+
+def test_staged_pull_across_processes_and_a_peer_killed_between_gather_and_transfer(tmp_path):
+    with _pulling(tmp_path) as (bufs, ep, st, peers, plan):
         t = st.read(plan, "prefill", notify=b"pull-1", timeout=30)
         assert t.wait() == {0: State.DONE, 1: State.DONE}
         assert t.chunks > 2 * len(t.peers) and t.descriptors == t.chunks
@@ -113,29 +126,13 @@ def test_staged_pull_across_processes_and_a_peer_killed_between_gather_and_trans
         assert _idle(out["stager"]) == IDLE, out["stager"]
         # the user's notify reached it once, from this rank, as a direct read delivers it
         assert out["notifications"] == [["decode", 0, "pull-1"]]
-    finally:
-        st.close()
-        ep.close()
-        for p in peers:
-            p.kill()
 
 
 def test_staged_pull_fails_at_once_when_a_silent_peer_dies(tmp_path):
     """A peer that dies before it answered holds no NIXL transfer UCX could fail: the
     initiator's liveness probe (a PING after PROBE_S without a message) cannot leave once its
     process is gone, and the request fails then, not at its 30 s deadline."""
-    bufs = [np.zeros(DST.rank_region_nbytes(i), np.uint8) for i in range(len(DST.regions))]
-    ep = Endpoint("decode", DST, 0, bufs)
-    st = Stager(ep, pool_bytes=POOL, slot_bytes=SLOT)
-    me = str(tmp_path / "decode.md")
-    peers = [_peer(tmp_path, "prefill", SRC, r, "oracle", [(me, "push")]) for r in range(2)]
-    try:
-        metas = [p.ready() for p in peers]
-        _write_md(me, ep)
-        for p, m in zip(peers, metas, strict=True):
-            assert p.line() == "connected"
-            ep.connect(m, mode="pull")
-        plan = ep.map("prefill").plan(SRC_BLOCKS, DST_BLOCKS)
+    with _pulling(tmp_path) as (_, _, st, peers, plan):
         assert st.read(plan, "prefill", timeout=30).wait() == {0: State.DONE, 1: State.DONE}
         peers[1].proc.send_signal(signal.SIGSTOP)  # it never answers this request's OPEN
         t = st.read(plan, "prefill", timeout=30)
@@ -156,11 +153,6 @@ def test_staged_pull_fails_at_once_when_a_silent_peer_dies(tmp_path):
         assert took < 10, f"failed {took:.2f} s after the kill (deadline 30 s)"
         print(f"silent peer killed: TransferFailed {took:.3f} s after the kill (deadline 30 s)")
         assert _idle(st.handles()) == IDLE, st.handles()
-    finally:
-        st.close()
-        ep.close()
-        for p in peers:
-            p.kill()
 
 
 def test_staged_push_across_processes_and_a_deadline_while_the_peer_scatters(tmp_path):

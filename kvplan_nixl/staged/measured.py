@@ -10,8 +10,10 @@ run size, in powers of two), as an exponentially weighted mean of seconds per by
 mode that moved it (``direct``, ``staged``, or ``mixed`` when auto split the peers). Once a
 shape has been moved both direct and staged, auto posts the mode with the lower mean; until
 then it tries the mode not yet measured, after the cost model's choice; and one request in
-:data:`EXPLORE` re-measures the mode it would not pick, so a choice follows the link when it
-changes. A request that fails is not counted.
+:data:`EXPLORE` re-measures the mode it would not pick (one in 256 when that mode was more
+than :data:`CLOSE` times slower), so a choice follows the link when it changes. A request
+that fails is not counted. Requests the cost model never stages (at most one run per chunk:
+nothing to gather) are not decided here: they go direct.
 
 Owns the measurements only: the Stager asks :meth:`Measured.pick` and hands every posted
 transfer to :meth:`Measured.watch`; :meth:`Measured.reap` (called by ``Stager.poll``) records
@@ -23,14 +25,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ALPHA", "EXPLORE", "MODES", "WATCHED", "Measured"]
+__all__ = ["ALPHA", "CLOSE", "EXPLORE", "MODES", "WATCHED", "Measured"]
 
 #: Modes compared (a ``mixed`` request is measured too, and picked when it was the fastest).
 MODES = ("direct", "staged")
 #: Weight of a new sample in a shape's mean (the rest is its history).
 ALPHA = 0.3
-#: One request in this many (per shape) re-measures the mode not currently picked.
+#: One request in this many (per shape) re-measures the mode not currently picked, while the
+#: two modes' rates are within :data:`CLOSE` of each other; one in ``16 * EXPLORE`` when they
+#: are further apart (a re-measure then costs more and changes nothing unless the link did).
 EXPLORE = 16
+CLOSE = 1.5
 #: Transfers timed at once at most (the oldest is forgotten beyond: a transfer nobody waits
 #: for must not grow this list).
 WATCHED = 4096
@@ -61,9 +66,10 @@ class Measured:
         if missing:
             return missing[0], "measuring the other mode once"
         best = min(seen, key=seen.__getitem__)
-        if n % EXPLORE == 0:
-            other = min((m for m in seen if m != best), key=seen.__getitem__)
-            return other, f"re-measuring (one request in {EXPLORE})"
+        other = min((m for m in seen if m != best), key=seen.__getitem__)
+        every = EXPLORE if seen[other] <= CLOSE * seen[best] else 16 * EXPLORE
+        if n % every == 0:
+            return other, f"re-measuring (one request in {every})"
         return best, f"measured fastest ({seen[best] * 1e9:.3f} s/GB)"
 
     def watch(self, transfer: Any, key: tuple, mode: str, nbytes: int) -> None:

@@ -2,9 +2,10 @@
 
 Owns one of each collaborator (the registered pool, the channel, the leg runner, the initiator
 and the server) and wires them together; routes each staged message to the side it concerns;
-chooses direct or staged (the cost model per peer, then what ``measured`` timed). It holds no request state of its own and
-makes no NIXL transfer itself. It may not be imported by any other module of the staged
-executor (they receive what they need from it: callbacks, collaborators).
+chooses direct or staged (the cost model per peer, then what ``measured`` timed). It holds
+no request state of its own and makes no NIXL transfer itself. It may not be imported by any
+other module of the staged executor (they receive what they need from it: callbacks,
+collaborators).
 """
 
 from __future__ import annotations
@@ -168,6 +169,9 @@ class Stager:
     def _auto(self, plan: TransferPlan, remote: str, key: tuple) -> tuple[str, str]:
         """(mode, why) of an auto request: the cost model's choice until both modes were
         measured for requests of its shape, then the one measured faster (``measured``)."""
+        shapes = self._choices(plan, remote)
+        if not any(runs > max(chunks, 1) for _, runs, _, chunks, _ in shapes):
+            return "direct", "at most one run per chunk: nothing to gather"
         staged = set(self.staged_peers(plan, remote))
         model = "direct" if not staged else "staged" if staged == set(plan.peers) else "mixed"
         return self.measured.pick(key, model)
@@ -175,7 +179,7 @@ class Stager:
     def staged_peers(self, plan: TransferPlan, remote: str) -> tuple[int, ...]:
         """The peer ranks of ``plan`` for which the cost model predicts staging beats direct
         posting (``kvplan.staging.prefer_staged`` with that peer's runs, bytes and chunks)."""
-        return tuple(peer for peer, _, wins in self._choices(plan, remote) if wins)
+        return tuple(peer for peer, *_, wins in self._choices(plan, remote) if wins)
 
     def prefer(self, plan: TransferPlan, remote: str) -> bool:
         """True when the cost model predicts staging ``plan`` beats posting it directly.
@@ -185,13 +189,14 @@ class Stager:
         direct (``kvplan.staging.prefer_staged``).
         """
         won = total = 0
-        for _, nbytes, wins in self._choices(plan, remote):
+        for _, _, nbytes, _, wins in self._choices(plan, remote):
             total += nbytes
             won += nbytes if wins else 0
         return total > 0 and 2 * won > total
 
-    def _choices(self, plan: TransferPlan, remote: str) -> list[tuple[int, int, bool]]:
-        """Per peer rank of ``plan``: (rank, bytes, whether staging wins for it)."""
+    def _choices(self, plan: TransferPlan, remote: str
+                 ) -> list[tuple[int, int, int, int, bool]]:
+        """Per peer rank of ``plan``: (rank, runs, bytes, chunks, whether staging wins)."""
         if not isinstance(plan, TransferPlan):
             raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         costs = self.costs.get(remote, DEFAULT_COSTS)
@@ -202,8 +207,8 @@ class Stager:
             sel = rows["length"][rows[col] == peer]
             nbytes = int(sel.sum())
             chunks = -(-nbytes // self.slot_bytes)
-            out.append((int(peer), nbytes, prefer_staged(len(sel), nbytes, chunks, costs,
-                                                         overlap=self.pool.tensor.is_cuda)))
+            out.append((int(peer), len(sel), nbytes, chunks, prefer_staged(
+                len(sel), nbytes, chunks, costs, overlap=self.pool.tensor.is_cuda)))
         return out
 
     def calibrate(self, remote: str, *, progress: Iterable[Any] = (), timeout: float = 10.0
