@@ -44,9 +44,16 @@ class _StopAfterPool:
 
 
 @pytest.fixture
-def stalled(tmp_path):
+def stalled(tmp_path, monkeypatch):
     """(endpoint, stager, peer process): decode rank 0 here, prefill rank 0 in its own process
-    with a Stager, connected both ways (pull here, push there)."""
+    with a Stager, connected both ways (pull here, push there), UCX over TCP only on loopback.
+
+    TCP because over CMA a READ is one-sided: once UCX had wired the connection up before the
+    stop (a race with the HELLO's answer), a read from the stopped peer completed and the
+    calibration deadline test failed about one run in six; over TCP the target must answer
+    every read, so a stopped peer stalls it whenever the stop landed."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read when each agent's UCX context is created
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     bufs = [np.zeros(DST.rank_region_nbytes(i), np.uint8) for i in range(len(DST.regions))]
     ep = Endpoint("decode", DST, 0, bufs)
     st = Stager(ep, pool_bytes=POOL, slot_bytes=SLOT)
