@@ -23,7 +23,10 @@ Per case and mode, in one run, timed alternately (median of ``--reps``):
   seconds from the kill to the request's failure.
 
 Prints a markdown table of ratios (each against the link measured in the same run) and, with
-``--json FILE``, the raw numbers.
+``--json FILE``, the raw numbers. Environment knobs for experiments: ``KVPLAN_BENCH_SLOT``,
+``KVPLAN_BENCH_POOL`` (staging slot and pool bytes, 16 and 64 MiB), ``KVPLAN_BENCH_WINDOW``
+(chunks in flight per peer, 2) and ``KVPLAN_BENCH_MAX_NAP`` (the polling loops' longest nap,
+seconds, on both sides; unset: the library's 1 ms).
 """
 
 from __future__ import annotations

@@ -78,9 +78,9 @@ class Measured:
             self._watching.append((transfer, key, mode, nbytes))
             del self._watching[:-WATCHED]
 
-    def reap(self) -> int:
-        """Record the watched transfers that ended; how many completed well."""
-        done, keep = 0, []
+    def reap(self) -> None:
+        """Record the watched transfers that ended (those that failed are dropped)."""
+        keep = []
         for t, key, mode, nbytes in self._watching:
             seconds = t.seconds if t.done else None
             if seconds is None and (not t.done or t.ok):  # its end not stamped yet
@@ -91,6 +91,4 @@ class Measured:
                 sample = seconds / nbytes
                 old = rates.get(mode)
                 rates[mode] = sample if old is None else (1 - ALPHA) * old + ALPHA * sample
-                done += 1
         self._watching = keep
-        return done
