@@ -42,7 +42,7 @@ from kvplan.placement import (
     held_heads,
     holders,
 )
-from kvplan.plan import COPY_DTYPE, TransferPlan
+from kvplan.plan import ABSENT, COPY_DTYPE, TransferPlan
 from kvplan.planner import Lane, Mode, TransferMap, pull_map, push_map
 from kvplan.simulate import simulate
 from kvplan.spec import DTYPE_SIZES, KV, EngineSpec, Kind, Layout, RegionSpec
@@ -50,6 +50,7 @@ from kvplan.staging import STAGING, Costs, Leg, StagedPlan, prefer_staged, stage
 from kvplan.views import plot_rank_map, rank_map
 
 __all__ = [
+    "ABSENT",
     "COPY_DTYPE",
     "DTYPE_SIZES",
     "KV",

@@ -67,8 +67,15 @@ def _id_array(ids: object, side: str, g: int) -> np.ndarray:
         ) from None
 
 
+#: A block id meaning "this side does not hold that block position" (an engine's null block:
+#: vLLM's blocks outside a sliding window, the placeholders before a state slot). No run reads
+#: or writes it; the positions it stands for are not moved.
+ABSENT = -1
+
+
 def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarray, ...]:
-    """Validate one side's block ids: one list per group, ids in range and unique."""
+    """Validate one side's block ids: one list per group, ids in range (or :data:`ABSENT`)
+    and unique."""
     if isinstance(lists, (str, bytes)) or not hasattr(lists, "__len__"):
         raise RequestError(f"{side} block ids: expected one sequence per group, got {lists!r}")
     if len(lists) != spec.num_groups:
@@ -87,14 +94,15 @@ def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarr
                 f"shape {a.shape} dtype {a.dtype}"
             )
         limit, holder = min((r.num_blocks, r.name) for r in spec.regions if r.group == g)
-        bad = np.flatnonzero((a < 0) | (a >= limit))  # before the cast: uint64 must not wrap
+        bad = np.flatnonzero((a < ABSENT) | (a >= limit))  # before the cast: no uint64 wrap
         if bad.size:
             raise RequestError(
                 f"{side} group {g}: block id {int(a[bad[0]])} at position {int(bad[0])} is out of "
-                f"range [0, {limit}) (region {holder!r} has {limit} blocks)"
+                f"range [0, {limit}) (region {holder!r} has {limit} blocks; {ABSENT} marks a "
+                "block position this side does not hold)"
             )
         a = a.astype(np.int64)
-        s = np.sort(a)
+        s = np.sort(a[a != ABSENT])
         dup = np.flatnonzero(s[1:] == s[:-1])
         if dup.size:
             raise RequestError(f"{side} group {g}: block id {int(s[dup[0]])} appears twice")
@@ -110,7 +118,7 @@ def _block_lists(spec: EngineSpec, lists: Sequence, side: str) -> tuple[np.ndarr
             shared.setdefault(tuple(sorted(g)), p)
     for groups, pool in shared.items():  # a page belongs to one group's view at a time
         ids = np.concatenate([out[g] for g in groups])
-        s = np.sort(ids)
+        s = np.sort(ids[ids != ABSENT])
         dup = np.flatnonzero(s[1:] == s[:-1])
         if dup.size:
             page = int(s[dup[0]])
@@ -140,9 +148,14 @@ def _expand(
     0 is block position ``dst_first`` (the source list always starts at position 0).
     """
     s_pos = pos * tpl.dst_bs // tpl.src_bs  # first source block each destination block touches
-    src_off = src_ids[s_pos[:, None] + js[rows]] * tpl.src_block + src[rows]
-    dst_off = (dst_ids[pos - dst_first] * tpl.dst_block)[:, None] + dst[rows]
+    s_blk = src_ids[s_pos[:, None] + js[rows]]
+    d_blk = dst_ids[pos - dst_first]
+    src_off = s_blk * tpl.src_block + src[rows]
+    dst_off = (d_blk * tpl.dst_block)[:, None] + dst[rows]
     lens = np.broadcast_to(length[rows], dst_off.shape)
+    if s_blk.size and (s_blk.min() == ABSENT or d_blk.min() == ABSENT):
+        keep = (s_blk != ABSENT) & (d_blk != ABSENT)[:, None]  # pieces of held blocks only
+        return src_off[keep], dst_off[keep], lens[keep]
     return src_off.ravel(), dst_off.ravel(), lens.ravel()
 
 

@@ -380,6 +380,10 @@ class TransferMap:
           destination lacks, as vLLM's connectors list it (they keep the last ``len(local)``
           remote blocks). The lists must cover the copied positions; longer lists are fine.
 
+        A block id of ``-1`` (``kvplan.ABSENT``) marks a block position its side does not hold,
+        such as vLLM's null blocks outside a sliding window: no run reads or writes it, and the
+        positions it stands for are not copied (the other side's block there is untouched).
+
         A sliding-window region copies only the last ``(window // V_dst + 1) * V_dst`` of those
         positions, counted back from the end (``end``, or the covered length). State groups
         ignore ``tokens``: the ``j``-th source slot moves whole to the ``j``-th destination

@@ -145,7 +145,7 @@ def test_empty_request_is_an_empty_plan():
     [
         ([[1]], [[1], [2]], ["destination", "2 lists", "1 KV-cache group"]),
         ([[1, 8]], [[1, 2]], ["source group 0", "block id 8", "position 1", "[0, 8)", "'attn'"]),
-        ([[1]], [[-1]], ["destination group 0", "block id -1"]),
+        ([[1]], [[-2]], ["destination group 0", "block id -2"]),
         ([[1, 1]], [[1, 2]], ["source group 0", "block id 1 appears twice"]),
         ([[1.5]], [[1]], ["source group 0", "integers"]),
         ([1, 2], [[1, 2]], ["source", "2 lists"]),
@@ -213,3 +213,43 @@ def test_maps_and_plans_survive_pickle_as_read_only_values():
     assert not p2.copies().flags.writeable and not p2.dst_blocks[0].flags.writeable
     assert not m2.lanes[0].templates[0].src.flags.writeable
     assert m2.plan([[1, 2]], [[3, 4]]) == p
+
+
+def _bytes(plan):
+    """Every copied byte of a plan as rows (source rank, source offset, destination offset)."""
+    c = plan.copies()
+    n = c["length"]
+    run = np.repeat(np.arange(len(c)), n)
+    off = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    return np.stack([c["src_rank"][run], c["src_offset"][run] + off,
+                     c["dst_offset"][run] + off], axis=1)
+
+
+@pytest.mark.parametrize("stp,dtp,bs", [(1, 1, 16), (2, 4, 16), (4, 2, 16), (1, 2, 8), (2, 1, 32)])
+def test_absent_blocks_are_neither_read_nor_written(stp, dtp, bs):
+    """ABSENT (-1) drops exactly the bytes of that block position: the plan copies the full
+    plan's bytes less those read from the absent source block or written to the absent
+    destination block."""
+    from kvplan import ABSENT
+
+    src, dst = engine(stp, head_dim=8), engine(dtp, block_size=bs, head_dim=8)
+    # one stream's block (K and V are split: block b of stream s at (s * NB + b) * page)
+    s_page, d_page = 16 * (8 // stp) * 8 * 2, bs * (8 // dtp) * 8 * 2
+    s_ids, d_ids = [3, 7, 6, 2], [0, 1, 2, 5, 6, 3, 4, 7][: 64 // bs]
+    for d in range(dtp):
+        m = pull_map(src, dst, d)
+        full = _bytes(m.plan([s_ids], [d_ids]))
+        for hole_src, hole_dst in ((1, None), (None, 1), (0, 0)):
+            s2, d2 = list(s_ids), list(d_ids)
+            gone_src = gone_dst = -2
+            if hole_src is not None:
+                gone_src, s2[hole_src] = s_ids[hole_src], ABSENT
+            if hole_dst is not None:
+                gone_dst, d2[hole_dst] = d_ids[hole_dst], ABSENT
+            keep = ((full[:, 1] // s_page) % NB != gone_src) & \
+                ((full[:, 2] // d_page) % NB != gone_dst)
+            want = full[keep]
+            got = _bytes(m.plan([s2], [d2]))
+            assert 0 < len(got) < len(full)
+            order = np.lexsort(got.T[::-1])
+            np.testing.assert_array_equal(got[order], want[np.lexsort(want.T[::-1])])

@@ -286,7 +286,7 @@ def test_refusals_name_the_layer():
     with pytest.raises(SpecError, match="'XFORMERS'"):
         spec_from_vllm(kv, cfg, backend="XFORMERS")
     cfg.kv_cache_groups[0].kv_cache_spec = MambaSpec(block_size=4)
-    with pytest.raises(SpecError, match="MambaSpec is not supported"):
+    with pytest.raises(SpecError, match="a MambaSpec tensor is a byte view"):
         spec_from_vllm(kv, cfg)
 
 
@@ -333,3 +333,143 @@ def test_imports_stay_apart():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
                        env={**os.environ, "PYTHONPATH": str(root)})
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# -- hybrid engines: a page pool shared by a Mamba2 group and an attention group ------------
+
+HEADS, HEAD_DIM, STATE, TAPS = 4, 4, 2, 3  # Mamba2: 4 heads of 4, state 2, conv kernel 4
+
+
+def _mamba_channels(groups, tp, rank):
+    """Global conv channels one rank holds, in its order x | B | C, by vLLM's rule
+    (``mamba2_state_shape``: x and heads sharded; B and C by group, padded up to one group
+    per rank when there are fewer groups than ranks)."""
+    x = HEADS * HEAD_DIM
+    xs = list(range(rank * x // tp, (rank + 1) * x // tp))
+    per = max(1, groups // tp)
+    g0 = rank * groups // tp if groups < tp else rank * per
+    gs = [g for g in range(g0, g0 + per)]
+    b = [x + g * STATE + s for g in gs for s in range(STATE)]
+    c = [x + groups * STATE + g * STATE + s for g in gs for s in range(STATE)]
+    return xs + b + c
+
+
+def hybrid_engine(*, groups, tp, rank, conv_layout, num_blocks=8, seed=None):
+    """(kv_caches, kv_cache_config, pool) of one rank of a tiny Mamba2 + attention model laid
+    out as vLLM 0.32's hybrid manager does (what a real engine registered, see docs/vllm.md):
+    one pool of ``num_blocks`` pages; layer 0 (group 0) and layer 2 (group 2) Mamba2 views
+    ``[B, 1, 1, state bytes]`` of int8 (conv state then SSM state, SD or DS), layer 1 (group 1)
+    an attention view ``[B, H, N, 2D]``. With ``seed`` every value is its global identity:
+    ``layer * 1e6 + block * 1e4 + tap * 1e3 + channel`` (conv) or ``... + 500 + head * 100 +
+    index`` (SSM), so a test can compute what each rank must hold."""
+    chans = _mamba_channels(groups, tp, rank)
+    heads = list(range(rank * HEADS // tp, (rank + 1) * HEADS // tp))
+    conv = len(chans) * TAPS * 4
+    ssm = len(heads) * HEAD_DIM * STATE * 4
+    h, n, d = max(1, 2 // tp), 4, 16
+    page = h * n * 2 * d * 4  # the attention block fills the page; the state is padded to it
+    pool = np.zeros(num_blocks * page, np.uint8)
+    kv, grp, specs = {}, [], []
+    for layer in (0, 1, 2):
+        name = f"model.layers.{layer}.mixer" + (".attn" if layer == 1 else "")
+        if layer == 1:
+            v = np.lib.stride_tricks.as_strided(pool.view(np.float32), (num_blocks, h, n, 2 * d),
+                                                (page, n * 2 * d * 4, 2 * d * 4, 4))
+            spec = FullAttentionSpec(block_size=n, num_kv_heads=h, head_size=d, head_size_v=d,
+                                     dtype="float32")
+        else:
+            v = np.lib.stride_tricks.as_strided(pool, (num_blocks, 1, 1, conv + ssm),
+                                                (page, conv + ssm, conv + ssm, 1))
+            cshape = (TAPS, len(chans)) if conv_layout == "SD" else (len(chans), TAPS)
+            spec = MambaSpec(block_size=4, shapes=(cshape, (len(heads), HEAD_DIM, STATE)),
+                             dtypes=("torch.float32", "torch.float32"),
+                             mamba_type="MambaAttentionBackendEnum.MAMBA2")
+            if seed is not None:  # the slots the test reads: a page is one group's at a time
+                for b in {0: (5,), 2: (7,)}[layer]:
+                    base = layer * 1e6 + b * 1e4
+                    ident = np.array([[base + t * 1e3 + ch for ch in chans]
+                                      for t in range(TAPS)], np.float32)
+                    cv = ident if conv_layout == "SD" else ident.T
+                    sv = np.array([[[base + 500 + hh * 100 + i * STATE + s for s in range(STATE)]
+                                    for i in range(HEAD_DIM)] for hh in heads], np.float32)
+                    page_b = pool[b * page: b * page + conv + ssm]
+                    page_b[:conv] = cv.ravel().view(np.uint8)
+                    page_b[conv:] = sv.ravel().view(np.uint8)
+        kv[name] = FakeTensor(v)
+        grp.append(SimpleNamespace(layer_names=[name], kv_cache_spec=spec))
+        specs.append(SimpleNamespace(size=pool.size, layers=[name], layer_stride=pool.size,
+                                     block_stride=page, offset=0))
+    cfg = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=specs, kv_cache_groups=grp)
+    return kv, cfg, pool
+
+
+@pytest.mark.parametrize("conv_layout", ["SD", "DS"])
+@pytest.mark.parametrize("groups,stp,dtp", [(1, 1, 2), (1, 2, 1), (2, 1, 2), (2, 2, 1),
+                                             (1, 2, 2), (2, 2, 2), (4, 2, 1), (4, 1, 2)])
+def test_mamba2_state_arrives_as_vllm_shards_it(conv_layout, groups, stp, dtp):
+    src = [hybrid_engine(groups=groups, tp=stp, rank=r, conv_layout=conv_layout, seed=1)
+           for r in range(stp)]
+    dst = [hybrid_engine(groups=groups, tp=dtp, rank=r, conv_layout=conv_layout)
+           for r in range(dtp)]
+    kw = {"mamba_n_groups": groups, "conv_layout": conv_layout}
+    sspec = spec_from_vllm(src[0][0], src[0][1], tp_size=stp, **kw)
+    dspec = spec_from_vllm(dst[0][0], dst[0][1], tp_size=dtp, **kw)
+    assert sspec.buffers == ("pool.0",) and [r.kind.value for r in sspec.regions] == \
+        ["state", "attention", "state"]
+    for d in range(dtp):
+        tmap = pull_map(sspec, dspec, d)
+        # slot 5 (group 0) -> 2, attention blocks [1, 3] -> [4, 6], slot 7 (group 2) -> 0
+        plan = tmap.plan([[5], [1, 3], [7]], [[2], [4, 6], [0]])
+        out = {(d, "pool.0"): dst[d][2]}
+        simulate(plan, {(r, "pool.0"): src[r][2] for r in range(stp)}, out)
+        pool_d = dst[d][2]
+        chans = _mamba_channels(groups, dtp, d)
+        heads = list(range(d * HEADS // dtp, (d + 1) * HEADS // dtp))
+        for layer, (sb, db) in ((0, (5, 2)), (2, (7, 0))):
+            page = pool_d[db * dspec.rank_page_nbytes(0):].view(np.float32)
+            nconv = TAPS * len(chans)
+            got = page[:nconv].reshape((TAPS, -1) if conv_layout == "SD" else (-1, TAPS))
+            got = got if conv_layout == "SD" else got.T
+            want = np.array([[layer * 1e6 + sb * 1e4 + t * 1e3 + c for c in chans]
+                             for t in range(TAPS)], np.float32)
+            np.testing.assert_array_equal(got, want, err_msg=f"layer {layer} conv, rank {d}")
+            ssm = page[nconv:nconv + len(heads) * HEAD_DIM * STATE]
+            want = np.array([layer * 1e6 + sb * 1e4 + 500 + h * 100 + i
+                             for h in heads for i in range(HEAD_DIM * STATE)], np.float32)
+            np.testing.assert_array_equal(ssm, want, err_msg=f"layer {layer} ssm, rank {d}")
+
+
+def test_mamba2_groups_must_be_named_at_tp_above_1():
+    kv, cfg, _ = hybrid_engine(groups=1, tp=2, rank=0, conv_layout="SD")
+    with pytest.raises(SpecError, match="needs mamba_n_groups"):
+        spec_from_vllm(kv, cfg, tp_size=2)
+    with pytest.raises(SpecError, match="n_groups 4 at tp_size 2 means 2 B/C group"):
+        spec_from_vllm(kv, cfg, tp_size=2, mamba_n_groups=4)
+    with pytest.raises(SpecError, match="conv_layout 'XY'"):
+        spec_from_vllm(kv, cfg, conv_layout="XY")
+
+
+def test_transfer_groups_clip_and_absent_blocks():
+    from kvplan import ABSENT
+    from kvplan.adapters.vllm import TransferGroups
+
+    class SlidingWindowSpec(SimpleNamespace):
+        pass
+
+    cfg = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=MambaSpec(block_size=32, num_speculative_blocks=1)),
+        SimpleNamespace(kv_cache_spec=SlidingWindowSpec(block_size=32, sliding_window=32)),
+        SimpleNamespace(kv_cache_spec=FullAttentionSpec(block_size=32)),
+    ])
+    g = TransferGroups.from_config(cfg)
+    assert g.kinds == ("state", "window", "full") and g.has_state
+    # the prefill's blocks after 100 tokens: a state slot + a scratch slot; the window's first
+    # block null (0), and only ceil(32 / 32) + 1 = 2 blocks handed; full attention all four
+    handed, first = g.handed(([0, 0, 11, 12], [0, 21, 22, 23], [31, 32, 33, 34]))
+    assert handed == [[11], [22, 23], [31, 32, 33, 34]] and first == [2, 2, 0]
+    src = g.remote(handed, first)
+    assert [a.tolist() for a in src] == [[11], [ABSENT, ABSENT, 22, 23], [31, 32, 33, 34]]
+    dst = g.local(([0, 41, 42], [0, 51, 52, 53], [61, 62, 63, 64]))
+    assert [a.tolist() for a in dst] == [[41], [ABSENT, 51, 52, 53], [61, 62, 63, 64]]
+    with pytest.raises(Exception, match="same model"):
+        g.remote(handed[:2], first[:2])

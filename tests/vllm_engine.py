@@ -8,7 +8,8 @@ prefixed by :data:`MARK` (vLLM's own logs go to the same streams)::
     {"id": "a", "prompt": [1, 2, 3], "max_tokens": 16, "params": {...} | null}
     @@kvplan {"id": "a", "tokens": [...], "params": {...}, "finish": "length", "error": null}
 
-The engine uses ``KvplanConnector`` unless ``--no-connector``. The main guard matters: vLLM
+The engine uses ``KvplanConnector`` (``--connector kvplan``), vLLM's own ``NixlConnector``
+(``--connector nixl``, for comparison) or none. The main guard matters: vLLM
 spawns its engine processes, which re-import this file.
 """
 
@@ -23,56 +24,92 @@ import time
 MARK = "@@kvplan "
 
 
-def write_model(path: str, *, mla: bool, seed: int = 1234) -> None:
-    """A tiny model with random float32 weights (fixed seed), config.json + safetensors.
+#: The tiny models the tests write (``model DIR --kind KIND``).
+KINDS = ("llama", "mla", "nemotron-h", "gemma3")
 
-    The MLA model's latent is 512 + 64 = 576 values per token: the only size vLLM's CPU_MLA
-    backend takes (``cpu_mla.py``, ``get_supported_head_sizes``), with blocks of 16."""
+
+def model_config(kind: str, *, n_groups: int = 1) -> dict:
+    """config.json of a tiny float32 model of ``kind`` (vocab 1024, hidden 256).
+
+    - ``llama``: 2 layers, 4 heads, 2 KV heads of 64.
+    - ``mla``: DeepSeek-V2 shape, latent 512 + 64 = 576 values per token (the only size vLLM's
+      CPU_MLA backend takes, ``cpu_mla.py``, ``get_supported_head_sizes``), dense MLPs.
+    - ``nemotron-h``: a Mamba2 hybrid (NemotronH), layers mamba, attention, mamba; Mamba2 of
+      8 heads x 32 with ``n_groups`` B/C groups of state 16, conv kernel 4.
+    - ``gemma3``: Gemma 3 text, a sliding-window layer (window 32) then a full-attention layer:
+      two KV-cache groups under vLLM's hybrid manager.
+    """
+    common = {"hidden_size": 256, "vocab_size": 1024, "max_position_embeddings": 2048,
+              "torch_dtype": "float32", "tie_word_embeddings": False,
+              "bos_token_id": 0, "eos_token_id": 1}
+    if kind == "mla":
+        return {**common,
+                "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                "intermediate_size": 512, "moe_intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 32,
+                "qk_rope_head_dim": 64, "v_head_dim": 32,
+                # MoE fields must be present; first_k_dense_replace = layers makes every
+                # layer a dense MLP, so no expert is used
+                "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                "first_k_dense_replace": 2, "moe_layer_freq": 1, "topk_method": "greedy",
+                "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                "norm_topk_prob": False, "scoring_func": "softmax",
+                "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    if kind == "nemotron-h":
+        return {**common,
+                "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+                "hybrid_override_pattern": "M*M", "num_hidden_layers": 3,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                "intermediate_size": 512, "mamba_num_heads": 8, "mamba_head_dim": 32,
+                "n_groups": n_groups, "ssm_state_size": 16, "conv_kernel": 4, "expand": 1,
+                "chunk_size": 64, "mamba_ssm_cache_dtype": "float32",
+                "layer_norm_epsilon": 1e-5, "rope_theta": 10000.0, "use_bias": False,
+                "mlp_hidden_act": "relu2", "residual_in_fp32": False}
+    if kind == "gemma3":
+        return {**common,
+                "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 64, "intermediate_size": 512, "sliding_window": 32,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "query_pre_attn_scalar": 64, "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0, "rope_local_base_freq": 10000.0,
+                "hidden_activation": "gelu_pytorch_tanh"}
+    if kind == "llama":
+        return {**common,
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0, "hidden_act": "silu"}
+    raise ValueError(f"model kind {kind!r} is not one of {KINDS}")
+
+
+def write_model(path: str, kind: str = "llama", *, n_groups: int = 1, seed: int = 1234) -> None:
+    """A tiny model (see :func:`model_config`) with random float32 weights (fixed seed):
+    config.json + model.safetensors."""
     import torch
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    hidden, layers, vocab = 256, 2, 1024
-    if mla:
-        cfg = {
-            "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-            "hidden_size": hidden, "intermediate_size": 512, "moe_intermediate_size": 128,
-            "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 4,
-            "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 32,
-            "qk_rope_head_dim": 64, "v_head_dim": 32, "vocab_size": vocab,
-            # MoE fields must be present; first_k_dense_replace = layers makes every layer
-            # a dense MLP, so no expert is used
-            "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
-            "first_k_dense_replace": layers, "moe_layer_freq": 1, "topk_method": "greedy",
-            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-            "norm_topk_prob": False, "scoring_func": "softmax",
-            "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "torch_dtype": "float32", "tie_word_embeddings": False,
-            "bos_token_id": 0, "eos_token_id": 1,
-        }
-    else:
-        cfg = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": hidden, "intermediate_size": 512, "num_hidden_layers": layers,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-            "vocab_size": vocab, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0, "torch_dtype": "float32", "tie_word_embeddings": False,
-            "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu",
-        }
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
+        json.dump(model_config(kind, n_groups=n_groups), f, indent=1)
     # The weight names and shapes are the model's own: build it on the meta device and
     # fill every parameter with seeded noise (large enough that tokens depend on the KV).
     from transformers import AutoConfig, AutoModelForCausalLM
 
     conf = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(conf, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, p in model.state_dict().items():
         if name.endswith("norm.weight") or "layernorm" in name:
-            t = torch.ones(p.shape)
+            # Gemma's RMSNorm scales by (1 + weight): zeros there are the identity
+            t = torch.zeros(p.shape) if kind == "gemma3" else torch.ones(p.shape)
+        elif name.endswith("A_log"):  # Mamba's decay: A = -exp(A_log) in [-1, -e^-1]
+            t = -torch.rand(p.shape, generator=g)
+        elif name.endswith(("dt_bias", ".D")):
+            t = torch.rand(p.shape, generator=g) * 0.5
         else:
             t = torch.randn(p.shape, generator=g) * 0.08
         tensors[name] = t.contiguous()
@@ -85,15 +122,23 @@ def serve(args: argparse.Namespace) -> None:
     from vllm.inputs import TokensPrompt
 
     kw = {}
-    if not args.no_connector:
+    if args.connector == "kvplan":
         extra = {"secret": args.secret, "side_channel_port": args.side_port,
                  "transfer_timeout_s": args.transfer_timeout}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvplanConnector", kv_connector_module_path="kvplan_nixl.vllm",
             kv_role="kv_both", kv_buffer_device="cpu",
             kv_load_failure_policy=args.policy, kv_connector_extra_config=extra)
+    elif args.connector == "nixl":  # vLLM's own, for comparison (its port from the env)
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.side_port)
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
+            kv_load_failure_policy=args.policy)
+    if args.attention_backend:
+        kw["attention_config"] = {"backend": args.attention_backend}
     llm = LLM(model=args.model, skip_tokenizer_init=True, tensor_parallel_size=args.tp,
-              dtype="float32", block_size=args.block_size, max_model_len=1024,
+              dtype="float32", block_size=args.block_size or None, max_model_len=1024,
               enable_prefix_caching=True, enforce_eager=True, seed=0,
               distributed_executor_backend="mp" if args.tp > 1 else None, **kw)
     print(MARK + json.dumps({"id": "ready"}), flush=True)
@@ -105,14 +150,15 @@ def serve(args: argparse.Namespace) -> None:
             break
         extra = {"kv_transfer_params": req["params"]} if req.get("params") else None
         sp = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True,
-                            extra_args=extra)
+                            extra_args=extra, logprobs=0)
         t0 = time.monotonic()
         try:
             out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt"])], sp,
                                use_tqdm=False)[0]
             c = out.outputs[0]
+            lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]
             res = {"id": req["id"], "tokens": list(c.token_ids), "finish": c.finish_reason,
-                   "params": out.kv_transfer_params, "error": None}
+                   "logprobs": lps, "params": out.kv_transfer_params, "error": None}
         except Exception as e:  # reported to the test, which decides
             res = {"id": req["id"], "tokens": None, "error": f"{type(e).__name__}: {e}"}
         res["seconds"] = round(time.monotonic() - t0, 3)
@@ -124,19 +170,21 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("model")
     m.add_argument("path")
-    m.add_argument("--mla", action="store_true")
+    m.add_argument("--kind", default="llama", choices=KINDS)
+    m.add_argument("--n-groups", type=int, default=1, help="nemotron-h: Mamba2 B/C groups")
     s = sub.add_parser("serve")
     s.add_argument("--model", required=True)
     s.add_argument("--tp", type=int, default=1)
-    s.add_argument("--block-size", type=int, default=32)
+    s.add_argument("--block-size", type=int, default=32, help="0: vLLM's choice")
     s.add_argument("--side-port", type=int, default=0)
     s.add_argument("--secret", default="kvplan-test")
     s.add_argument("--policy", default="recompute", choices=["recompute", "fail"])
     s.add_argument("--transfer-timeout", type=float, default=20.0)
-    s.add_argument("--no-connector", action="store_true")
+    s.add_argument("--connector", default="kvplan", choices=["kvplan", "nixl", "none"])
+    s.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA")
     args = ap.parse_args()
     if args.cmd == "model":
-        write_model(args.path, mla=args.mla)
+        write_model(args.path, args.kind, n_groups=args.n_groups)
     else:
         serve(args)
 

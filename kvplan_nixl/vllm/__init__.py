@@ -1,0 +1,166 @@
+"""``KvplanConnector``: a vLLM V1 KV connector whose transfers are planned by kvplan and moved
+by kvplan_nixl (see docs/vllm.md).
+
+Load it with::
+
+    KVTransferConfig(kv_connector="KvplanConnector", kv_connector_module_path="kvplan_nixl.vllm",
+                     kv_role="kv_both", kv_buffer_device="cpu",
+                     kv_connector_extra_config={"secret": "...", "side_channel_port": 5700})
+
+This package is the only part of the project that imports vLLM (written against vLLM 0.32.0's
+``vllm/distributed/kv_transfer/kv_connector/v1/base.py``); ``import kvplan_nixl`` never loads
+it. The facade here forwards vLLM's calls to the scheduler half (:mod:`.scheduler`) or the
+worker half (:mod:`.worker`).
+
+The request flow is NixlConnector's, so a proxy needs no change: a prefill request carries
+``kv_transfer_params={"do_remote_decode": True}`` and returns ``do_remote_prefill``,
+``remote_block_ids`` (one list per KV-cache group), ``remote_block_offsets``,
+``remote_engine_id``, ``remote_request_id``, ``remote_host``, ``remote_port``, ``tp_size``,
+``remote_num_tokens``; the decode request carries those and pulls the KV before its first
+step.
+
+- **Hybrid models**: the connector supports vLLM's hybrid KV cache manager (``SupportsHMA``):
+  block ids per KV-cache group end to end, attention (full and sliding window) and Mamba-family
+  state groups (see :mod:`.scheduler`).
+- **Spec**: each worker derives its rank's :class:`kvplan.EngineSpec` from the tensors vLLM
+  registers (:func:`kvplan.adapters.vllm.spec_from_vllm`), so nothing is described by hand.
+- **Handshake**: each prefill worker rank serves its signed ``Endpoint.metadata()`` on a small
+  TCP side channel, ``remote_port + tp_rank``; a decode rank connects the prefill ranks its
+  pull map names (``Endpoint.connect``: kvplan refuses an incompatible pair there).
+- **Per request**: ``map.plan(remote lists, local lists, tokens=(held, end))`` over every
+  group moves exactly the positions decode lacks (and a state group's running slot);
+  ``Endpoint.read`` posts it with a notification and a deadline (``transfer_timeout_s``).
+- **Freeing**: the notification names the request and how many decode ranks read each
+  prefill rank; a prefill rank reports the request's send finished when the last one arrived
+  (prefill ranks no decode rank reads get a ``RELEASE`` on the side channel), or when its
+  lease (``lease_s``) ran out.
+- **Failures**: a transfer that fails or misses its deadline, or a prefill engine that cannot
+  be reached, reports the request's blocks through ``get_block_ids_with_load_errors`` (one
+  KV-cache group; with several, the request through ``failed_recving``); vLLM's
+  ``kv_load_failure_policy`` then recomputes them or fails the request.
+
+Extra config keys: ``secret`` (str, signs the metadata; the same on every engine),
+``side_channel_host`` (default ``$VLLM_HOST_IP`` or 127.0.0.1), ``side_channel_port`` (base
+port, default 5700), ``transfer_timeout_s`` (default 30), ``handshake_timeout_s`` (default 5),
+``lease_s`` (default 120).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load, Scheduler
+from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.vllm.worker import NOTIFY_PREFIX, Worker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["NOTIFY_PREFIX", "KvplanConnector", "KvplanMetadata", "Load", "Settings"]
+
+
+class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM V1 KV connector on kvplan + kvplan_nixl (the module docstring says how)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = vllm_config.kv_transfer_config
+        extra = dict(cfg.kv_connector_extra_config or {})
+        self.settings = Settings(
+            engine_id=str(cfg.engine_id),
+            host=str(extra.get("side_channel_host")
+                     or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"),
+            port=int(extra.get("side_channel_port", 5700)),
+            tp_size=vllm_config.parallel_config.tensor_parallel_size, extra=extra)
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("KvplanConnector: pipeline parallelism is not supported yet")
+        self._scheduler = Scheduler(self.settings, kv_cache_config) \
+            if role == KVConnectorRole.SCHEDULER else None
+        self._worker = Worker(self.settings, vllm_config) \
+            if role == KVConnectorRole.WORKER else None
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill request of a model with state stops one prompt token short."""
+        self._scheduler.new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """A decode request with remote prefill params loads every prompt position it lacks."""
+        return self._scheduler.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Record the pull into the blocks vLLM just allocated (every group's)."""
+        self._scheduler.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's pulls and newly finished prefill sends, for every worker."""
+        return self._scheduler.meta()
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """One KV-cache group (the hybrid manager off): as :meth:`request_finished_all_groups`."""
+        return self._scheduler.finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """A finished prefill keeps its blocks for decode and returns the params to pull them,
+        one block list per KV-cache group."""
+        return self._scheduler.finished(request, tuple(block_ids))
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Derive this rank's spec from the tensors, register them, serve the metadata."""
+        self._worker.register(kv_caches, self._kv_cache_config)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Post this step's pulls (non-blocking)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvplanMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads complete before the request is scheduled."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Nothing to save: decode pulls from the prefill's own blocks."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to save."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(prefill sends released, decode pulls finished) since the last call."""
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Sends released, pulls finished (failed ones too), pulls failed."""
+        return self._worker.results(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local blocks of pulls that failed since the last call (to recompute)."""
+        return self._worker.take_errors()
+
+    def shutdown(self) -> None:
+        """Stop the side channel and the progress thread, release every NIXL handle."""
+        if self._worker is not None:
+            self._worker.close()

@@ -1,0 +1,143 @@
+"""The scheduler half of ``KvplanConnector``: which requests pull, into which blocks of which
+KV-cache group, and the params a finished prefill hands its decode.
+
+Block lists are per KV-cache group end to end (vLLM's hybrid manager): a prefill hands each
+group's list as vLLM 0.32's NixlConnector does (full attention whole, a sliding window its
+tail, a state group its running-state slot), plus where each list starts
+(``remote_block_offsets``); the decode turns both sides' lists into kvplan's with
+:class:`kvplan.adapters.vllm.TransferGroups`. With a state group (Mamba, GDN) the prefill
+computes all but the last prompt token and the decode computes that one itself, so that the
+state it continues from is the state after ``n - 1`` tokens (as NixlConnector does:
+``_prefill_backoff`` in ``kv_connector/v1/nixl/base_scheduler.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvplan.adapters.vllm import TransferGroups
+
+if TYPE_CHECKING:
+    from kvplan_nixl.vllm.settings import Settings
+
+
+@dataclass
+class Load:
+    """One decode request's pull: what the scheduler decided, for every worker rank."""
+
+    req_id: str
+    remote_req: str
+    engine: str
+    host: str
+    port: int
+    remote_tp: int
+    remote_ids: list[list[int]]  # per transfer group, as the prefill handed them
+    remote_first: list[int]  # block position of each remote list's first element
+    local_ids: list[list[int]]  # per transfer group, every block of the request from position 0
+    start: int  # positions decode already holds (a prefix-cache hit)
+    end: int  # positions to hold after the pull (the prompt, less the token decode computes)
+    parked: bool  # the request waits for this load (False: only release the prefill's blocks)
+
+
+@dataclass
+class KvplanMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step: pulls to start and prefill sends to watch."""
+
+    loads: list[Load] = field(default_factory=list)
+    sends: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    """The scheduler half: which requests pull, into which blocks, and the returned params."""
+
+    def __init__(self, settings: Settings, kv_cache_config: Any) -> None:
+        self.c = settings
+        cfg = kv_cache_config
+        self.groups = TransferGroups.from_config(cfg) if cfg is not None else None
+        # tokens the decode computes itself: one with a state group (see the module docstring)
+        self.backoff = 1 if self.groups is not None and self.groups.has_state else 0
+        self.loads: dict[str, Load] = {}
+        self.sends: list[str] = []
+
+    def new_request(self, request: Any) -> None:
+        """A prefill request of a model with state stops one prompt token short."""
+        p = request.kv_transfer_params
+        if (not self.backoff or not p or not p.get("do_remote_decode")
+                or p.get("_kvplan_short") or request.num_prompt_tokens <= self.backoff
+                or request.prompt_token_ids is None):
+            return
+        # vLLM keeps the prompt in two lists: both lose the last token
+        del request.prompt_token_ids[-self.backoff:]
+        del request._all_token_ids[-self.backoff:]
+        request.num_prompt_tokens -= self.backoff
+        p["_kvplan_short"] = True  # once, even if the request is preempted and rescheduled
+
+    def _end(self, request: Any) -> int:
+        """Prompt positions the decode loads: all but the ones it computes itself."""
+        n = len(request.prompt_token_ids or ())
+        return n - self.backoff if n > self.backoff else n
+
+    def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill") and p.get("remote_block_ids") is not None:
+            count = self._end(request) - num_computed
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def allocated(self, request: Any, blocks: Any, num_external: int) -> None:
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_prefill"):
+            return
+        p["do_remote_prefill"] = False  # one pull per request
+        end = self._end(request)
+        local = [list(g) for g in blocks.get_block_ids()] if num_external > 0 else []
+        self.loads[request.request_id] = _load(request.request_id, p, local,
+                                               end - num_external, end, num_external > 0)
+
+    def meta(self) -> KvplanMetadata:
+        m = KvplanMetadata(loads=list(self.loads.values()), sends=self.sends)
+        self.loads, self.sends = {}, []
+        return m
+
+    def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        from vllm.v1.request import RequestStatus
+
+        p = request.kv_transfer_params
+        if not p:
+            return False, None
+        if p.get("do_remote_prefill"):  # never scheduled (aborted): free the prefill's blocks
+            p["do_remote_prefill"] = False
+            self.loads[request.request_id] = _load(request.request_id, p, [], 0, 0, False)
+            return False, None
+        if not p.get("do_remote_decode") or request.status not in (
+                RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None
+        delay = any(len(g) > 0 for g in block_ids)
+        if delay:
+            self.sends.append(request.request_id)
+        handed, first = self.groups.handed(block_ids)
+        return delay, {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": handed, "remote_block_offsets": first,
+            "remote_engine_id": self.c.engine_id,
+            "remote_request_id": request.request_id, "remote_host": self.c.host,
+            "remote_port": self.c.port, "tp_size": self.c.tp_size,
+            "remote_num_tokens": request.num_computed_tokens, "transfer_mode": "kvplan",
+        }
+
+
+def _load(req_id: str, p: dict, local: list[list[int]], start: int, end: int,
+          parked: bool) -> Load:
+    ids = p.get("remote_block_ids") or [[]]
+    if ids and not isinstance(ids[0], (list, tuple)):  # one group given flat
+        ids = [ids]
+    first = p.get("remote_block_offsets") or [0] * len(ids)
+    return Load(req_id=req_id, remote_req=str(p.get("remote_request_id")),
+                engine=str(p.get("remote_engine_id")), host=str(p.get("remote_host")),
+                port=int(p.get("remote_port") or 0), remote_tp=int(p.get("tp_size") or 1),
+                remote_ids=[list(g) for g in ids], remote_first=[int(x) for x in first],
+                local_ids=local, start=start, end=end, parked=parked)

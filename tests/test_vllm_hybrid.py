@@ -1,0 +1,99 @@
+"""KvplanConnector with vLLM's hybrid KV cache manager, in real vLLM CPU engines (0.32.0):
+several KV-cache groups sharing one page pool, Mamba2 state at heterogeneous TP, sliding
+windows, and MLA judged against vLLM's own NixlConnector.
+
+Tiny models with seeded random float32 weights (tests/vllm_engine.py ``model --kind``):
+
+- ``nemo1`` / ``nemo2``: NemotronH, layers mamba, attention, mamba; Mamba2 of 8 heads x 32 with
+  ``n_groups`` 1 (one B/C group: a TP 2 engine holds it on both ranks) or 2 (one per rank);
+- ``gemma3``: Gemma 3, a sliding-window layer (window 32) and a full-attention layer, two
+  KV-cache groups, blocks of 32 (prompts of 45-70 tokens: the prefill drops its first block);
+- ``mla``: DeepSeek-V2-shaped MLA on CPU_MLA.
+
+Decode's greedy tokens must equal the plain run (each token's logprob within 1e-4), a pull
+must have been posted and none may have failed (a recompute would also give equal tokens),
+and a decode given another prompt's KV must differ. Engines are shared through
+tests/vllm_pool.py: three per model (TP 1 prefill and decode, and a TP 2 engine that is the
+decode of TP1 -> TP2 and the prefill of TP2 -> TP1), started once per model.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import vllm_env
+from tests.vllm_pool import (
+    Pool,
+    check_equal,
+    pd,
+    pd_equals_plain,
+    prompt,
+    remove_orphan_shm,
+    shm_files,
+)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    try:
+        py = vllm_env.ensure()
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+    shm = shm_files()
+    p = Pool(py, tmp_path_factory.mktemp("vllm-hybrid"))
+    yield p
+    p.close()
+    remove_orphan_shm(shm)
+
+
+def _hetero_pairs(pool, key: str, seed: int) -> None:
+    """TP1 -> TP1 (with a negative control), TP1 -> TP2 and TP2 -> TP1 on model ``key``."""
+    p1, d1, t2 = pool.only(f"{key}-p1", f"{key}-d1", f"{key}-t2")
+    for n in (45, 65):  # mid-block, and a state handed over right at a block boundary
+        pulls = pd_equals_plain(p1, d1, prompt(seed + n, n), f"{key} P TP1 -> D TP1, {n}")
+    assert "groups=" in pulls[-1], pulls
+    ids, other = prompt(seed + 1), prompt(seed + 2)
+    plain = p1.generate(ids, 16)
+    got = pd(p1, d1, ids, prefill_ids=other)
+    assert got["tokens"] != plain["tokens"], f"{key}: decode ignored the pulled KV"
+    pulls = pd_equals_plain(p1, t2, prompt(seed + 3, 70), f"{key} P TP1 -> D TP2")
+    assert {re.search(r"rank=(\d)", x).group(1) for x in pulls[-2:]} == {"0", "1"}, pulls
+    pulls = pd_equals_plain(t2, d1, prompt(seed + 4, 70), f"{key} P TP2 -> D TP1")
+    assert "peers=[0, 1]" in pulls[-1], pulls  # one decode rank gathers both halves
+
+
+def test_mamba2_one_group_replicated_at_tp2(pool):
+    # n_groups = 1 < TP 2: both ranks of the TP 2 engine hold the one B/C group
+    _hetero_pairs(pool, "nemo1", 100)
+
+
+def test_mamba2_two_groups_sharded_at_tp2(pool):
+    _hetero_pairs(pool, "nemo2", 200)
+
+
+def test_sliding_window_and_full_attention_groups(pool):
+    p1, d1, t2 = pool.only("gemma3-p1", "gemma3-d1", "gemma3-t2")
+    for n in (45, 70):  # 70 positions: the window's first block is null on the prefill
+        pulls = pd_equals_plain(p1, d1, prompt(300 + n, n), f"gemma3 P TP1 -> D TP1, {n}")
+    assert "groups=window+full" in pulls[-1], pulls
+    ids = prompt(301)
+    plain = p1.generate(ids, 16)
+    assert pd(p1, d1, ids, prefill_ids=prompt(302))["tokens"] != plain["tokens"]
+    pd_equals_plain(p1, t2, prompt(303, 70), "gemma3 P TP1 -> D TP2")
+
+
+def test_mla_decode_equals_nixl_connectors(pool):
+    # vLLM's CPU MLA path gives other tokens after a P/D handover than a plain run, with its
+    # own connector too (docs/vllm.md): the reference is NixlConnector on the same engines
+    ids = prompt(400, 45)
+    ids2 = prompt(401, 70)
+    p1, d1, t2 = pool.only("mla-p1-nixl", "mla-d1-nixl", "mla-t2-nixl")
+    ref = [pd(p1, d1, ids, mode="pull")["tokens"], pd(t2, d1, ids2, mode="pull")["tokens"]]
+    p1, d1, t2 = pool.only("mla-p1", "mla-d1", "mla-t2")
+    got = pd(p1, d1, ids)
+    check_equal(got, {"tokens": ref[0]}, "MLA P TP1 -> D TP1 against NixlConnector")
+    got = pd(t2, d1, ids2)
+    check_equal(got, {"tokens": ref[1]}, "MLA P TP2 -> D TP1 against NixlConnector")
+    assert pd(p1, d1, ids, prefill_ids=prompt(402, 45))["tokens"] != ref[0]

@@ -1,0 +1,315 @@
+"""Real vLLM engines for the engine tests (tests/test_vllm_engine.py, tests/test_vllm_hybrid.py):
+processes of the vLLM venv's python running tests/vllm_engine.py, started on first use, shared
+across tests and files, killed as groups on teardown.
+
+Engines are named ``MODEL-ROLE`` (``llama-p1``, ``nemo1-t2``...): MODEL picks the tiny model
+(:data:`MODELS`), ROLE the TP size and cores (:data:`ROLES`), and a ``-nixl`` suffix runs vLLM's
+own NixlConnector instead of KvplanConnector. Every start of an engine keeps its own log
+(``NAME.N.log`` under the pool's directory); a failing assertion shows each live engine's last
+lines and the first error of its log (the root cause vLLM's "see stack trace" points at).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "vllm_engine.py"
+MARK = "@@kvplan "
+START_TIMEOUT = float(os.environ.get("KVPLAN_VLLM_START_TIMEOUT", 600))
+REQUEST_TIMEOUT = 240.0
+
+#: model key -> (tests/vllm_engine.py model kind, extra `model` args, engine options)
+MODELS = {
+    "llama": ("llama", [], {}),
+    "mla": ("mla", [], {"block_size": 16, "attention_backend": "CPU_MLA"}),
+    # hybrid engines take vLLM's block size: Mamba's aligned prefix caching needs blocks of
+    # whole scan chunks (blocks of 32 fail in the Mamba2 kernel with chunks of 64)
+    "nemo1": ("nemotron-h", ["--n-groups", "1"], {"block_size": 0}),
+    "nemo2": ("nemotron-h", ["--n-groups", "2"], {"block_size": 0}),
+    "gemma3": ("gemma3", [], {}),
+}
+#: role -> (TP size, cores). p1/d1 are pinned to a core each; the TP 2 engine is not pinned
+#: ("nobind"): pinned to "0|1" its workers shared a core with p1's or d1's, and a prefill worker
+#: spinning at 100% on a core (vLLM steps while a request awaits its KV read) starved the
+#: threads pinned with it, its own progress thread included (docs/vllm.md).
+ROLES = {"p1": (1, "0"), "d1": (1, "1"), "t2": (2, "nobind")}
+
+
+def free_base_port(n: int) -> int:
+    """A base port with ``n`` consecutive free ports after it (the side channel of each rank)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65000:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free ports")
+
+
+_STARTS: dict[str, int] = {}
+_LIVE: dict[str, Engine] = {}
+ERROR = re.compile(r"Traceback|Error|error:")
+
+
+class Engine:
+    """One vLLM engine process: requests on stdin, results on stdout, everything logged."""
+
+    def __init__(self, name: str, py: Path, model: Path, workdir: Path, *, tp: int, cores: str,
+                 policy: str = "recompute", block_size: int = 32, connector: str = "kvplan",
+                 attention_backend: str | None = None):
+        self.name, self.tp = name, tp
+        self.port = free_base_port(tp)
+        _STARTS[name] = _STARTS.get(name, 0) + 1
+        self.log_path = workdir / f"{name}.{_STARTS[name]}.log"  # one per start, all kept
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1",
+            UCX_NET_DEVICES="lo", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_OMP_THREADS_BIND=cores,
+            TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"),
+            VLLM_CACHE_ROOT=str(workdir / f"vllm-cache-{name}"),
+        )
+        cmd = [str(py), str(SCRIPT), "serve", "--model", str(model), "--tp", str(tp),
+               "--side-port", str(self.port), "--policy", policy,
+               "--block-size", str(block_size), "--transfer-timeout", "20",
+               "--connector", connector]
+        if attention_backend:
+            cmd += ["--attention-backend", attention_backend]
+        self.log = open(self.log_path, "w")  # closed in stop()
+        self.log.write(f"$ {' '.join(cmd)}\n")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                                     start_new_session=True)
+        self.results: queue.Queue = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.ready = False
+        self.n = 0
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.write(line)
+            self.log.flush()
+            if line.startswith(MARK):
+                self.results.put(json.loads(line[len(MARK):]))
+        self.results.put(None)  # the process closed its stdout: it died
+
+    def wait_ready(self) -> None:
+        if not self.ready:
+            r = self._get(START_TIMEOUT, "start")
+            assert r.get("id") == "ready", r
+            self.ready = True
+
+    def _get(self, timeout: float, what: str) -> dict:
+        try:
+            r = self.results.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"engine {self.name}: no answer to {what} in {timeout:.0f} s"
+                                 f"{tails()}") from None
+        if r is None:
+            raise AssertionError(f"engine {self.name} exited ({self.proc.poll()}) during "
+                                 f"{what}{tails()}")
+        return r
+
+    def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> dict:
+        self.wait_ready()
+        self.n += 1
+        rid = f"{self.name}-{self.n}"
+        req = {"id": rid, "prompt": prompt, "max_tokens": max_tokens, "params": params}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        r = self._get(REQUEST_TIMEOUT, f"request {rid}")
+        assert r["id"] == rid, r
+        return r
+
+    def log_lines(self, pattern: str) -> list[str]:
+        self.log.flush()
+        return [x for x in self.log_path.read_text().splitlines() if re.search(pattern, x)]
+
+    def tail(self, n: int = 40) -> str:
+        self.log.flush()
+        lines = self.log_path.read_text().splitlines()
+        first = next((i for i, x in enumerate(lines) if ERROR.search(x)
+                      and "Tokenizer not available" not in x), None)
+        cause = ""
+        if first is not None and first < len(lines) - n:
+            cause = "\n[first error]\n" + "\n".join(lines[max(0, first - 5):first + 25])
+        return (f"\n--- {self.name} ({self.log_path}), last {min(n, len(lines))} lines ---\n"
+                + "\n".join(lines[-n:]) + cause)
+
+    def kill(self) -> None:
+        """SIGKILL the engine and every process it started (its own session)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        # let its session (engine core, workers, resource tracker) finish cleaning up, then
+        # kill whatever is left of it by group
+        deadline = time.monotonic() + 15
+        try:
+            while time.monotonic() < deadline:
+                os.killpg(self.proc.pid, 0)
+                time.sleep(0.2)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        self.reader.join(timeout=10)
+        self.log.close()
+
+
+def tails() -> str:
+    return "".join(e.tail() for e in _LIVE.values() if not e.log.closed)
+
+
+class Pool:
+    """Engines by name (``MODEL-ROLE[-nixl]``), started on first use; ``only(...)`` stops the
+    others."""
+
+    def __init__(self, py: Path, workdir: Path) -> None:
+        self.py, self.workdir = py, workdir
+        self.models: dict[str, Path] = {}
+
+    def model(self, key: str) -> Path:
+        """The tiny model ``key`` of :data:`MODELS`, written on first use."""
+        if key not in self.models:
+            kind, args, _ = MODELS[key]
+            path = self.workdir / f"tiny-{key}"
+            cmd = [str(self.py), str(SCRIPT), "model", str(path), "--kind", kind, *args]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+            assert r.returncode == 0, f"writing {path.name} failed:\n{r.stdout}\n{r.stderr}"
+            self.models[key] = path
+        return self.models[key]
+
+    def only(self, *names: str) -> list[Engine]:
+        # stop the others, and any of these that died (a test may kill one)
+        for n in [n for n in _LIVE if n not in names or _LIVE[n].proc.poll() is not None]:
+            _LIVE.pop(n).stop()
+        for n in names:
+            if n not in _LIVE:
+                key, role, *rest = n.split("-")
+                tp, cores = ROLES[role]
+                opts = dict(MODELS[key][2])
+                if rest == ["nixl"]:
+                    opts["connector"] = "nixl"
+                _LIVE[n] = Engine(n, self.py, self.model(key), self.workdir, tp=tp,
+                                  cores=cores, **opts)
+        engines = [_LIVE[n] for n in names]
+        for e in engines:  # they start together; wait for all
+            e.wait_ready()
+        return engines
+
+    def close(self) -> None:
+        for n in list(_LIVE):
+            _LIVE.pop(n).stop()
+
+
+SHM = "/dev/shm"
+
+
+def remove_orphan_shm(before: set[str]) -> None:
+    """Remove the shared-memory files that appeared since ``before`` and no process holds.
+
+    A SIGKILLed engine (the prefill the tests kill) cannot unlink the segments its
+    multiprocessing resource tracker owned."""
+    if not os.path.isdir(SHM):
+        return
+    new = {n for n in set(os.listdir(SHM)) - before if n.startswith(("psm_", "sem.mp-"))}
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                held.update(os.path.basename(x.split()[-1]) for x in f if SHM in x)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(SHM):
+                    held.add(os.path.basename(target))
+        except OSError:
+            continue
+    for n in new - held:
+        try:
+            os.unlink(os.path.join(SHM, n))
+        except OSError:
+            pass
+
+
+def shm_files() -> set[str]:
+    return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def prompt(seed: int, n: int = 45) -> list[int]:
+    """``n`` token ids in [2, 1024) (0 and 1 are BOS/EOS), a different sequence per seed."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1024) for _ in range(n)]
+
+
+PULL = r"kvplan: pull req=\S+ remote="  # the line a decode worker logs per posted pull
+FAILED = r"kvplan: pull req=\S+ from \S+ failed"  # ... and per pull that failed
+
+
+def pd(p: Engine, d: Engine, ids: list[int], *, prefill_ids: list[int] | None = None,
+       mode: str = "kvplan") -> dict:
+    """Prefill ``prefill_ids`` (default ``ids``) on ``p``, then decode ``ids`` on ``d`` with
+    the params the prefill returned; the decode result."""
+    pre = p.generate(prefill_ids or ids, 1, {"do_remote_decode": True})
+    assert pre["error"] is None and pre["params"], f"{pre}{tails()}"
+    assert pre["params"]["do_remote_prefill"] and pre["params"]["transfer_mode"] == mode, pre
+    out = d.generate(ids, 16, dict(pre["params"]))
+    assert out["error"] is None, f"{out}{tails()}"
+    return out
+
+
+def check_equal(got: dict, plain: dict, what: str, *, atol: float = 1e-4) -> None:
+    """Greedy tokens equal, and each token's logprob within ``atol`` (float32)."""
+    assert got["tokens"] == plain["tokens"], (
+        f"{what}: decode's tokens {got['tokens']} != plain run {plain['tokens']}{tails()}")
+    if got.get("logprobs") and plain.get("logprobs"):
+        diff = max(abs(a - b) for a, b in zip(got["logprobs"], plain["logprobs"]))
+        assert diff <= atol, f"{what}: logprobs differ by {diff:.2e} (> {atol}){tails()}"
+
+
+def pd_equals_plain(p: Engine, d: Engine, ids: list[int], what: str) -> list[str]:
+    """The plain run of ``ids`` on ``p``, then P -> D: decode's tokens must equal it, and no
+    pull may have failed (equal tokens alone would follow a recompute). The decode workers'
+    pull lines so far."""
+    plain = p.generate(ids, 16)
+    assert len(plain["tokens"]) == 16, plain
+    failed = len(d.log_lines(FAILED))
+    before = len(d.log_lines(PULL))
+    check_equal(pd(p, d, ids), plain, what)
+    assert len(d.log_lines(FAILED)) == failed, f"{what}: a pull failed{tails()}"
+    assert len(d.log_lines(PULL)) > before, f"{what}: decode posted no pull{tails()}"
+    return d.log_lines(PULL)
