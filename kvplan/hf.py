@@ -35,8 +35,8 @@ Not modelled: multi-token-prediction layers (DeepSeek ``num_nextn_predict_layers
 ``mtp_num_hidden_layers``) unless passed as a draft; quantized KV-cache formats other than a
 dtype (e.g. vLLM's ``fp8_ds_mla``).
 
-Layer 4 (adapters on top): imports spec, errors and hooks; it serves
-``EngineSpec.from_hf_config`` through :mod:`kvplan.hooks`, so spec.py never imports it.
+Layer 5 (adapters on top): imports spec and errors; ``EngineSpec.from_hf_config`` is a
+classmethod that imports :func:`from_hf_config` from here inside the method and calls it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from typing import Any
 
 import attrs
 
-from kvplan import hooks
 from kvplan.errors import SpecError
 from kvplan.spec import DTYPE_SIZES, EngineSpec
 
@@ -460,7 +459,6 @@ def _dtype(r: _Reader, dtype: str | None) -> str:
     return dtype
 
 
-@hooks.provide("from_hf_config")
 def from_hf_config(
     config: Any,
     *,

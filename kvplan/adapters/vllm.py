@@ -47,7 +47,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvplan import hooks
 from kvplan.errors import SpecError
 from kvplan.layout import rank_layout
 from kvplan.regions import DTYPE_SIZES
@@ -140,7 +139,6 @@ def _order(name: str, axes: list[tuple[str, int, int]], content: str) -> str:
     return order[:-1] + "SD"
 
 
-@hooks.provide("from_vllm")
 def spec_from_vllm(
     kv_caches: Mapping[str, Any],
     kv_cache_config: Any,

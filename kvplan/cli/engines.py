@@ -4,7 +4,7 @@ Layer: the CLI (top of the core). :func:`engine_options` adds the options to a s
 :func:`engines` builds the prefill and decode :class:`~kvplan.EngineSpec` from a built-in
 example (:mod:`kvplan.examples`) or a packaged preset, and :func:`plans` plans one random
 request on every initiating rank. The NIXL package's ``demo`` imports this module (never
-:mod:`kvplan.cli.command`, which imports it: the plug-in hook must not close a circle).
+:mod:`kvplan.cli.command`, which loads ``demo``'s entry point: that would close a circle).
 """
 
 from __future__ import annotations

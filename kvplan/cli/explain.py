@@ -20,7 +20,7 @@ alike lanes at a time, never materialised as a rank's whole plan, so memory does
 the layer count or the number of ranks.
 
 Layer: the CLI (top of the core); imports kvplan's public names, views and the CLI's helpers,
-never nixl, torch or kvplan_nixl.
+never nixl, torch or the executor.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from kvplan.cli.cliargs import (
 )
 from kvplan.compat import region_pairs
 from kvplan.cp import parallel_fields, parallel_label
-from kvplan.planner import Lane, Mode
+from kvplan.lanes import Lane, Mode
 from kvplan.views import human_bytes, peer_rows, rank_share
 
 _Usage = UsageError  # the name this module used before
