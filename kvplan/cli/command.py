@@ -62,7 +62,8 @@ downloaded."""
 EPILOG = """\
 Run 'kvplan COMMAND --help' for a command's options and their defaults.
 Exit status: 0 done; 1 refused (the engines cannot talk) or a demo byte mismatch;
-2 bad input (one 'kvplan: ...' line on stderr); 3 internal error (a bug)."""
+2 bad input (one 'kvplan: ...' line on stderr, followed by indented lines
+where the error lists choices); 3 internal error (a bug)."""
 
 
 def _version() -> str:

@@ -684,7 +684,10 @@ def cmd_presets(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
-        layers = ", ".join(f"{n} {k}" for k, n in r["regions"].items())
+        kinds = [f"{n} {k}" for k, n in r["regions"].items()]
+        if r["uncached_layers"]:  # e.g. Nemotron-H's MLP layers: the counts add up
+            kinds.append(f"{r['uncached_layers']} without a cache")
+        layers = ", ".join(kinds)
         print(f"{r['name']:<22} {r['family']:<12} {r['layers']:>3} layers: {layers}  "
               f"({r['checkpoint']})")
     return 0
