@@ -123,7 +123,7 @@ def engine_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--decode-block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
                    help="tokens per block on decode (default: the example's)")
     s.add_argument("--layout", choices=["HND", "NHD"], default=None,
-                   help="attention layout on both sides (default: the example's, HND)")
+                   help="attention layout of prefill and decode (default: the example's, HND)")
     s.add_argument("--prefill-layout", type=explain_layout, default=None,
                    help="prefill's layout: HND, NHD, vLLM's BLHNC... or an order of LBSHND "
                         "(default: --layout)")

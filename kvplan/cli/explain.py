@@ -595,7 +595,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         compare = args.tokens <= COMPARE_LAYOUTS_TOKENS
     shown = 0 if args.rank is None else args.rank  # one decode rank: ranks are alike
     if compare:
-        with step(f"counting runs per layout on decode rank {shown}", log=True) as update:
+        with step(f"counting runs per layout on decode rank {shown}") as update:
             doc["runs_by_layout"] = runs_by_layout(src, dst, args.tokens, [shown],
                                                    cached=args.cached, part=args.part,
                                                    progress=update)
@@ -696,7 +696,9 @@ def cmd_presets(args: argparse.Namespace) -> int:
 # -- argparse ----------------------------------------------------------------------------------
 
 
-def _model_options(p: argparse.ArgumentParser) -> None:
+def _model_options(p: argparse.ArgumentParser, where: str = "on both sides") -> None:
+    """The options that build an engine from a model; ``where`` says which engines they set
+    (explain: both sides; spec: its one engine)."""
     p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=16,
                    help="tokens per block")
     p.add_argument("--num-blocks", type=int_in(1, MAX_BLOCKS), default=None,
@@ -705,7 +707,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="KV-cache dtype (default: the config's torch_dtype; needed when the "
                         "config has none)")
     p.add_argument("--layout", type=layout_arg, default="HND",
-                   help="layout on both sides: HND, NHD (with --kv), vLLM's LBHNC, BLHNC... "
+                   help=f"layout {where}: HND, NHD (with --kv), vLLM's LBHNC, BLHNC... "
                         "or any order of LBSHND")
     p.add_argument("--kv", choices=["split", "joint"], default="split",
                    help="K and V in two tensors (split) or one (joint)")
@@ -768,7 +770,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", dest="model_pp", type=pp, default=1, help="pipeline stages")
     context_options(p, None)
     p.add_argument("--indent", action="store_true", help="pretty-print")
-    _model_options(p)
+    _model_options(p, "of the engine")
 
     text = "list the packaged model presets"
     p = sub.add_parser("presets", help=text, description=text)
