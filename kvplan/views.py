@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import html
 import math
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
+
+from kvplan.names import name_set
 
 if TYPE_CHECKING:
     from kvplan.lanes import Lane
@@ -66,35 +67,6 @@ def kind_class(region: RegionSpec) -> str:
     if region.is_state:
         return "state"
     return "latent" if region.is_replicated else "kv"
-
-
-_NUMBERED = re.compile(r"^(.*?)(\d+)(\D.*|)$")
-
-
-def _ranges(values: Sequence[int], limit: int = 4) -> str:
-    spans: list[list[int]] = []
-    for v in sorted(values):
-        if spans and v == spans[-1][1] + 1:
-            spans[-1][1] = v
-        else:
-            spans.append([v, v])
-    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
-    if len(text) > limit:
-        text = [*text[: limit - 1], "…", text[-1]]
-    return ",".join(text)
-
-
-def name_set(names: Sequence[str]) -> str:
-    """A compact label for region names: ``layers.[0-3,5-9].attn x9``, or the one name."""
-    names = list(dict.fromkeys(names))
-    if len(names) == 1:
-        return names[0]
-    parts = [_NUMBERED.match(n) for n in names]
-    if all(parts) and len({(m.group(1), m.group(3)) for m in parts}) == 1:  # type: ignore[union-attr]
-        head, tail = parts[0].group(1), parts[0].group(3)  # type: ignore[union-attr]
-        nums = [int(m.group(2)) for m in parts]  # type: ignore[union-attr]
-        return f"{head}[{_ranges(nums)}]{tail} x{len(names)}"
-    return f"{names[0]} … {names[-1]} x{len(names)}"
 
 
 def _shape(region: RegionSpec, tp_size: int) -> tuple[str, str]:

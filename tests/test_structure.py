@@ -38,6 +38,7 @@ ROOT = ig.ROOT
 #:   7  kvplan.cli                          the command line, on the public names
 LAYERS = {
     "kvplan.errors": 0,
+    "kvplan.names": 0,
     "kvplan.spec": 1,
     "kvplan.regions": 1,
     "kvplan.engine_derive": 1,
