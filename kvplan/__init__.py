@@ -16,16 +16,12 @@ Seeing plans (notebooks, ``kvplan[view]``): ``EngineSpec.from_hf_config(config_j
 ``presets.spec("llama-3.1-70b", tp_size=8)``, ``plan.to_pandas()``, ``plan.plot()``,
 ``plot_rank_map(plans)``; specs, maps and plans render as HTML tables in Jupyter.
 
-Layer 5 (the public names): imports every module below it, which also fills the hooks the
-low layers call (kvplan/hooks.py, docs/design.md). Nothing in the core imports this package
+Layer 6 (the public names): imports the modules below it for their public names; nothing
+here is needed for a method to work (docs/design.md). Nothing in the core imports this package
 init's names back, except the CLI above it.
 """
 
-from kvplan import (
-    hf,  # noqa: F401  (serves EngineSpec.from_hf_config: kvplan/hooks.py)
-    presets,
-)
-from kvplan.adapters import vllm as _vllm  # noqa: F401  (serves EngineSpec.from_vllm)
+from kvplan import hf, presets  # noqa: F401  (kvplan.hf: the config adapter, as before)
 from kvplan.errors import (
     IncompatibleLayoutError,
     KVPlanError,
@@ -33,6 +29,7 @@ from kvplan.errors import (
     RequestError,
     SpecError,
 )
+from kvplan.lanes import Lane, Mode
 from kvplan.layout import RankLayout, rank_layout
 from kvplan.placement import (
     HeadSource,
@@ -42,8 +39,9 @@ from kvplan.placement import (
     held_heads,
     holders,
 )
-from kvplan.plan import ABSENT, COPY_DTYPE, TransferPlan
-from kvplan.planner import Lane, Mode, TransferMap, pull_map, push_map
+from kvplan.plan import COPY_DTYPE, TransferPlan
+from kvplan.planner import TransferMap, pull_map, push_map
+from kvplan.request import ABSENT
 from kvplan.simulate import simulate
 from kvplan.spec import DTYPE_SIZES, KV, EngineSpec, Kind, Layout, RegionSpec
 from kvplan.staging import STAGING, Costs, Leg, StagedPlan, prefer_staged, stage

@@ -6,13 +6,14 @@ What is refused is what would make the bytes meaningless (different heads, dims,
 windows, state parts) or what the placement rule does not define (TP sizes that do not
 divide). Block sizes need not divide: two sizes plan by their gcd (``granules.py``).
 
-Layer 1 (values): imports spec and errors only; the planner calls it at handshake.
+Layer 1 (values): imports spec, granules, names and errors; the planner calls it at handshake.
 """
 
 from __future__ import annotations
 
 from kvplan.errors import IncompatibleLayoutError
 from kvplan.granules import check_phase_budget
+from kvplan.names import compact_names
 from kvplan.spec import EngineSpec, RegionSpec
 
 # Fields that must be equal on both sides of a region pair, with how to name them in a message.
@@ -53,11 +54,13 @@ def region_pairs(src: EngineSpec, dst: EngineSpec) -> tuple[tuple[int, int], ...
     src_names = [r.name for r in src.regions]
     dst_names = [r.name for r in dst.regions]
     if set(src_names) != set(dst_names):
-        only_src = sorted(set(src_names) - set(dst_names))
-        only_dst = sorted(set(dst_names) - set(src_names))
+        # in the compact notation (layers.[0-60].mla x61): a list of 141 names is unreadable
+        only_src = [n for n in src_names if n not in set(dst_names)]
+        only_dst = [n for n in dst_names if n not in set(src_names)]
         raise IncompatibleLayoutError(
             f"region names differ: source has {len(src_names)} regions, destination "
-            f"{len(dst_names)}; only on source: {only_src}; only on destination: {only_dst}"
+            f"{len(dst_names)}; only on source: {compact_names(only_src) or 'none'}; only on "
+            f"destination: {compact_names(only_dst) or 'none'}"
         )
     pairs = []
     for j, d in enumerate(dst.regions):

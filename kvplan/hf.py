@@ -35,21 +35,21 @@ Not modelled: multi-token-prediction layers (DeepSeek ``num_nextn_predict_layers
 ``mtp_num_hidden_layers``) unless passed as a draft; quantized KV-cache formats other than a
 dtype (e.g. vLLM's ``fp8_ds_mla``).
 
-Layer 4 (adapters on top): imports spec, errors and hooks; it serves
-``EngineSpec.from_hf_config`` through :mod:`kvplan.hooks`, so spec.py never imports it.
+Layer 5 (adapters on top): imports spec and errors; ``EngineSpec.from_hf_config`` is a
+classmethod that imports :func:`from_hf_config` from here inside the method and calls it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from kvplan import hooks
 from kvplan.errors import SpecError
 from kvplan.spec import DTYPE_SIZES, EngineSpec
 
@@ -103,7 +103,8 @@ _MODEL_TYPES = {
 #: The families :func:`from_hf_config` reads, with the fields each needs.
 FAMILIES = {
     "gqa": "num_hidden_layers, num_key_value_heads, head_dim (or hidden_size and "
-           "num_attention_heads)",
+           "num_attention_heads); sliding windows: Mistral's sliding_window, Qwen2/Qwen3's "
+           "use_sliding_window, sliding_window, max_window_layers (or layer_types)",
     "mla": "num_hidden_layers, kv_lora_rank, qk_rope_head_dim",
     "mla_indexer": "num_hidden_layers, kv_lora_rank, qk_rope_head_dim, index_head_dim",
     "sliding": "num_hidden_layers, num_key_value_heads, head_dim, sliding_window, layer_types "
@@ -232,11 +233,18 @@ def _family(r: _Reader, family: str | None, allowed=tuple(FAMILIES)) -> str:
     found = _ARCHITECTURES.get(r.arch) if r.arch else None
     found = found or _MODEL_TYPES.get(r.model_type)
     if found is None:
+        # in lines: the first says what and what to do; the lists follow, wrapped and indented
+        known = textwrap.fill(", ".join(sorted(_ARCHITECTURES)), 96,
+                              initial_indent="    ", subsequent_indent="    ")
+        fams = "\n".join(textwrap.fill(f"{k}: {v}", 96, initial_indent="    ",
+                                       subsequent_indent="      ")
+                         for k, v in FAMILIES.items() if k in allowed)
         raise SpecError(
-            f"{r.what}: unknown architecture {r.arch!r} (model_type {r.model_type!r}); kvplan "
-            f"reads {', '.join(sorted(_ARCHITECTURES))}. To read it as one of the families "
-            f"({'; '.join(f'{k}: {v}' for k, v in FAMILIES.items() if k in allowed)}), "
-            "pass family=NAME"
+            f"{r.what}: unknown architecture {r.arch!r} (model_type {r.model_type!r}); "
+            "pass family=NAME (below) to read it\n"
+            "  (nothing is guessed: a config that looks like GQA may hide state layers)\n"
+            f"  architectures kvplan reads:\n{known}\n"
+            f"  families, with the fields each reads:\n{fams}"
         )
     if found not in allowed:
         raise SpecError(f"{r.name}: a {found} model cannot be a draft; drafts are "
@@ -252,10 +260,72 @@ def _mla(r: _Reader) -> tuple[tuple[str, Any], ...]:
     return (("dim", r.positive("kv_lora_rank") + r.positive("qk_rope_head_dim")),)
 
 
+#: How GQA families publish sliding windows, as transformers' configuration files read them:
+#: ``mistral``: ``sliding_window`` (null: none) on every layer; ``qwen`` (Qwen2, Qwen3,
+#: Qwen3-MoE): ``use_sliding_window`` turns ``sliding_window`` on for the layers
+#: ``i >= max_window_layers`` (``layer_types``, where given, names them instead).
+_WINDOW_STYLE = {"MistralForCausalLM": "mistral", "mistral": "mistral",
+                 "Qwen2ForCausalLM": "qwen", "Qwen3ForCausalLM": "qwen",
+                 "Qwen3MoeForCausalLM": "qwen", "qwen2": "qwen", "qwen3": "qwen",
+                 "qwen3_moe": "qwen"}
+_SLIDING = "sliding_attention"
+
+
+def _gqa_windows(r: _Reader, n: int) -> list[int | None]:
+    """Each layer's sliding window (None: full attention) from the fields the family publishes;
+    a window field of a family whose rule we do not know is refused by name, never dropped."""
+    f = r.fields
+    types = r.layer_types(n)
+    marked = [t == _SLIDING for t in types] if types is not None else None
+    style = _WINDOW_STYLE.get(r.arch or "") or _WINDOW_STYLE.get(r.model_type or "")
+    if style == "qwen":
+        use = f.get("use_sliding_window", False)
+        if not isinstance(use, bool):
+            raise SpecError(f"{r.name}: use_sliding_window must be true or false, got {use!r}")
+        if not use:  # transformers then drops sliding_window: every layer attends fully
+            if marked and any(marked):
+                raise SpecError(f"{r.name}: layer_types marks {sum(marked)} layer(s) "
+                                f"{_SLIDING} but use_sliding_window is false; fix one of them")
+            return [None] * n
+        window = r.positive("sliding_window")
+        if marked is None:
+            m = f.get("max_window_layers")
+            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+                raise SpecError(
+                    f"{r.name}: use_sliding_window is true, so config.json needs "
+                    f"max_window_layers (layers i >= it use the window of {window}) or "
+                    f"layer_types; got max_window_layers {m!r}")
+            marked = [i >= m for i in range(n)]
+        return [window if s else None for s in marked]
+    if style == "mistral":
+        if f.get("sliding_window") is None:
+            if marked and any(marked):
+                raise SpecError(f"{r.name}: layer_types marks {sum(marked)} layer(s) "
+                                f"{_SLIDING} but sliding_window is null")
+            return [None] * n
+        window = r.positive("sliding_window")
+        return [window if s else None for s in (marked or [True] * n)]
+    published = [k for k in ("sliding_window", "use_sliding_window") if f.get(k)]
+    published += ["layer_types"] if marked and any(marked) else []
+    if published:
+        shown = ", ".join(f"{k} {f[k]!r}" for k in published if k != "layer_types")
+        shown = ", ".join(x for x in (shown, "layer_types with sliding_attention"
+                                      if "layer_types" in published else "") if x)
+        raise SpecError(
+            f"{r.name}: config.json sets {shown}, but kvplan does not know how this family "
+            "applies a sliding window to its layers (it reads the windows of Mistral, Qwen2, "
+            "Qwen3 and Qwen3-MoE configs, and of the sliding family: Gemma 3, gpt-oss); pass "
+            "family='sliding' to read layer_types / sliding_window_pattern, or remove the "
+            "field if every layer attends fully")
+    return [None] * n
+
+
 def _layers_gqa(r: _Reader) -> list[_Layer]:
     r.need("num_hidden_layers", ("head_dim", "hidden_size"))
     f = _attn(r)
-    return [_Layer(i, "attn", 0, f) for i in range(r.positive("num_hidden_layers"))]
+    n = r.positive("num_hidden_layers")
+    return [_Layer(i, "attn", 1, (*f, ("window", w))) if w else _Layer(i, "attn", 0, f)
+            for i, w in enumerate(_gqa_windows(r, n))]
 
 
 def _layers_mla(r: _Reader, indexer: bool = False) -> list[_Layer]:
@@ -460,7 +530,6 @@ def _dtype(r: _Reader, dtype: str | None) -> str:
     return dtype
 
 
-@hooks.provide("from_hf_config")
 def from_hf_config(
     config: Any,
     *,
@@ -547,8 +616,9 @@ def _context(dcp_size: int, dcp_interleave: int, pcp_size: int) -> dict[str, int
 
 
 def describe(config: Any) -> dict[str, Any]:
-    """What :func:`from_hf_config` reads from a config: architecture, family, layer count and
-    the count of each kind of cache layer (attn, swa, mla, indexer, gdn, mamba, kda)."""
+    """What :func:`from_hf_config` reads from a config: architecture, family, layer count, the
+    count of each kind of cache layer (attn, swa, mla, indexer, gdn, mamba, kda; a layer may
+    hold two: mla and indexer) and of the layers that hold no cache (``uncached_layers``)."""
     r = _Reader(_load(config, "model config"), "model")
     fam = _family(r, None)
     layers = _layers(r, fam, "bfloat16", None, 1)
@@ -556,5 +626,9 @@ def describe(config: Any) -> dict[str, Any]:
     for x in layers:
         kind = "swa" if dict(x.fields).get("window") else x.kind
         counts[kind] = counts.get(kind, 0) + 1
+    total = _count(r, layers)
     return {"architecture": r.arch, "model_type": r.model_type, "family": fam,
-            "layers": _count(r, layers), "regions": counts}
+            "layers": total, "regions": counts,
+            # layers that keep nothing between steps (Nemotron-H's MLP layers): named, so the
+            # counts add up to the layer count
+            "uncached_layers": total - len({x.index for x in layers})}

@@ -1,14 +1,15 @@
 """Engine specs: the validated, immutable description of one engine's KV cache.
 
 Layer 1 (values): imports :mod:`kvplan.regions` (one region), :mod:`kvplan.engine_derive` (the
-checks across regions and the derived stages, pages and buffers), :mod:`kvplan.errors` and
-:mod:`kvplan.hooks`, nothing above. A spec is what two engines exchange at handshake. It enters
+checks across regions and the derived stages, pages and buffers) and :mod:`kvplan.errors`,
+nothing above at import time. A spec is what two engines exchange at handshake. It enters
 through ``from_dict`` (the JSON-able form), is checked on construction, and leaves through
 ``to_dict``. Per-rank facts (which regions a pipeline stage holds, block and page sizes,
 allocation sizes) are answered here; byte layouts, placements and plans live in other modules.
-Methods served from above go through :mod:`kvplan.hooks`: ``from_hf_config`` (by
-:mod:`kvplan.hf`), ``from_vllm`` (by :mod:`kvplan.adapters.vllm`), ``_repr_html_`` and
-``to_pandas`` (by :mod:`kvplan.views`).
+Four methods delegate to modules above by an import inside the method (a reader follows it;
+importing this module does not import them): ``from_hf_config`` to
+:func:`kvplan.hf.from_hf_config`, ``from_vllm`` to :func:`kvplan.adapters.vllm.spec_from_vllm`,
+``_repr_html_`` and ``to_pandas`` to :mod:`kvplan.views`.
 
 Every public name of :mod:`kvplan.regions` is re-exported here, as it was defined here before.
 """
@@ -21,7 +22,6 @@ from typing import Any
 import attrs
 
 from kvplan import engine_derive as derive
-from kvplan import hooks
 from kvplan.engine_derive import Buffers
 from kvplan.errors import SpecError
 from kvplan.regions import (
@@ -296,7 +296,9 @@ class EngineSpec:
         Families, fields read, ``draft`` and the other options (``layout``, ``kv``,
         ``state_dtype``, ``family``): :func:`kvplan.hf.from_hf_config`.
         """
-        return hooks.call("from_hf_config", config, tp_size=tp_size, block_size=block_size,
+        from kvplan.hf import from_hf_config  # the adapter lives above the value it builds
+
+        return from_hf_config(config, tp_size=tp_size, block_size=block_size,
                               num_blocks=num_blocks, dtype=dtype, pp_size=pp_size, draft=draft,
                               **kwargs)
 
@@ -305,7 +307,9 @@ class EngineSpec:
         """A spec from vLLM's own KV cache: the tensors ``register_kv_caches`` receives and
         the ``KVCacheConfig``; options and refusals: :func:`kvplan.adapters.vllm.spec_from_vllm`.
         """
-        return hooks.call("from_vllm", kv_caches, kv_cache_config, **kwargs)
+        from kvplan.adapters.vllm import spec_from_vllm  # the adapter lives above
+
+        return spec_from_vllm(kv_caches, kv_cache_config, **kwargs)
 
     def with_layout(self, layout: str, kv: str = "split") -> EngineSpec:
         """This engine with every region laid out by ``layout``.
@@ -342,8 +346,12 @@ class EngineSpec:
 
     def _repr_html_(self) -> str:
         """The regions as an HTML table for notebooks (layers alike on one row)."""
-        return hooks.call("spec_html", self)
+        from kvplan.views import spec_html  # presentation: imported when shown
+
+        return spec_html(self)
 
     def to_pandas(self):
         """One row per region as a pandas DataFrame (needs pandas: ``kvplan[view]``)."""
-        return hooks.call("spec_frame", self)
+        from kvplan.views import spec_frame
+
+        return spec_frame(self)

@@ -18,10 +18,11 @@ cut at every multiple of ``chunk_bytes``, so chunk ``k`` of a peer is one bulk r
 staging slot of ``chunk_bytes`` bytes. Post-condition (tested against the oracle): gather, then
 bulk, then scatter writes exactly the bytes the direct plan writes.
 
-Everything here is numpy over the runs, no Python loop per run; the executor
-(``kvplan_nixl.staged``) runs the local legs as index copies and the bulk leg with NIXL.
+Everything here is numpy over the runs, no Python loop per run; an executor (the NIXL
+package's staged transfers) runs the local legs as index copies and the bulk leg over its
+transport.
 
-Layer 4 (built on plans): imports plan, planner and errors; the executor reads its legs.
+Layer 5 (built on plans): imports lanes, plan, planner and errors; an executor reads its legs.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import attrs
 import numpy as np
 
 from kvplan.errors import RequestError
+from kvplan.lanes import Mode, ReadOnlyArrays
 from kvplan.plan import COPY_DTYPE, TransferPlan
-from kvplan.planner import Mode, ReadOnlyArrays, TransferMap
+from kvplan.planner import TransferMap
 
 #: Region index that names a staging area in a leg's rows (engine regions are >= 0).
 STAGING = -1

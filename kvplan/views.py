@@ -1,9 +1,9 @@
 """Views for people: HTML tables for notebooks, pandas frames, and the rank map as a picture.
 
-Nothing in the planning core imports this module: ``EngineSpec``, ``TransferMap`` and
-``TransferPlan`` reach ``_repr_html_``, ``to_pandas``, ``summary`` and ``plot`` through
-:mod:`kvplan.hooks`, which the functions here fill when ``import kvplan`` imports them; pandas
-and matplotlib are imported only by the functions that need them (the ``view`` extra:
+No module below imports this one at import time: the presentation methods of ``EngineSpec``,
+``TransferMap`` and ``TransferPlan`` (``_repr_html_``, ``to_pandas``, ``summary``, ``plot``)
+import the function they show themselves with from here inside the method; pandas and
+matplotlib are imported only by the functions that need them (the ``view`` extra:
 ``pip install 'kvplan[view]'``).
 
 Layers of identical geometry are shown as one row (``layers.[0-79].attn x80``), so an 80-layer
@@ -12,28 +12,26 @@ the set of edges ``source rank -> destination rank`` of one or more plans (or ma
 its bytes, runs and *flows*: what crosses the edge per kind of region (K+V head ranges of SPLIT
 attention, REPLICATE latents, state parts).
 
-Layer 4 (views on top): may import every layer below (lazily, for type names), and
-registers its functions as the hooks the values call (:mod:`kvplan.hooks`); pandas and
-matplotlib stay optional.
+Layer 5 (views on top): may import every layer below; pandas and matplotlib stay optional.
 """
 
 from __future__ import annotations
 
 import html
 import math
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
-from kvplan import hooks
+from kvplan.names import name_set
 
 if TYPE_CHECKING:
+    from kvplan.lanes import Lane
     from kvplan.plan import TransferPlan
-    from kvplan.planner import Lane, TransferMap
+    from kvplan.planner import TransferMap
     from kvplan.spec import EngineSpec, RegionSpec
 
 #: Colours of the three kinds of flow in :func:`plot_rank_map` (matplotlib's tab10).
@@ -69,35 +67,6 @@ def kind_class(region: RegionSpec) -> str:
     if region.is_state:
         return "state"
     return "latent" if region.is_replicated else "kv"
-
-
-_NUMBERED = re.compile(r"^(.*?)(\d+)(\D.*|)$")
-
-
-def _ranges(values: Sequence[int], limit: int = 4) -> str:
-    spans: list[list[int]] = []
-    for v in sorted(values):
-        if spans and v == spans[-1][1] + 1:
-            spans[-1][1] = v
-        else:
-            spans.append([v, v])
-    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
-    if len(text) > limit:
-        text = [*text[: limit - 1], "…", text[-1]]
-    return ",".join(text)
-
-
-def name_set(names: Sequence[str]) -> str:
-    """A compact label for region names: ``layers.[0-3,5-9].attn x9``, or the one name."""
-    names = list(dict.fromkeys(names))
-    if len(names) == 1:
-        return names[0]
-    parts = [_NUMBERED.match(n) for n in names]
-    if all(parts) and len({(m.group(1), m.group(3)) for m in parts}) == 1:  # type: ignore[union-attr]
-        head, tail = parts[0].group(1), parts[0].group(3)  # type: ignore[union-attr]
-        nums = [int(m.group(2)) for m in parts]  # type: ignore[union-attr]
-        return f"{head}[{_ranges(nums)}]{tail} x{len(names)}"
-    return f"{names[0]} … {names[-1]} x{len(names)}"
 
 
 def _shape(region: RegionSpec, tp_size: int) -> tuple[str, str]:
@@ -197,7 +166,6 @@ def _table(rows: list[dict[str, Any]], caption: str = "", drop: Iterable[str] = 
     return "".join(out)
 
 
-@hooks.provide("spec_html")
 def spec_html(spec: EngineSpec) -> str:
     """The spec as one HTML table, layers of identical geometry on one row."""
     rows = _spec_rows(spec)
@@ -208,7 +176,6 @@ def spec_html(spec: EngineSpec) -> str:
     return _CSS + _table(rows, title, drop)
 
 
-@hooks.provide("spec_frame")
 def spec_frame(spec: EngineSpec):
     """One row per region: its JSON fields, stage and bytes per block on one rank."""
     pd = _require("pandas", "EngineSpec.to_pandas()")
@@ -390,7 +357,6 @@ def _map_header(m: TransferMap) -> str:
             f"{m.dst.tp_size}, {len(m.dst.regions)} regions, peers {list(m.peers)}")
 
 
-@hooks.provide("map_html")
 def map_html(m: TransferMap) -> str:
     """Per peer rank, a table of what this rank copies per destination block, layers merged."""
     other = "p" if m.mode.value == "pull" else "d"
@@ -413,7 +379,7 @@ def blocks_written(plan: TransferPlan) -> tuple[int, int]:
     ones holding positions ``1024..3000``; a sliding window writes its last blocks only. Per
     group, the blocks from the lowest first position any of its lanes copies to the end.
     """
-    from kvplan.plan import _span
+    from kvplan.request import _span
 
     m = plan.map
     keep = None if plan.regions is None else set(plan.regions)
@@ -444,7 +410,6 @@ def _blocks_text(plan: TransferPlan) -> str:
     return f"{written} of {listed} listed destination blocks written"
 
 
-@hooks.provide("plan_html")
 def plan_html(plan: TransferPlan) -> str:
     """Per peer rank, a table of bytes and runs of this request, layers merged."""
     m = plan.map
@@ -461,7 +426,6 @@ def plan_html(plan: TransferPlan) -> str:
     return "".join(parts)
 
 
-@hooks.provide("plan_summary")
 def plan_summary(plan: TransferPlan) -> str:
     """:meth:`TransferPlan.summary`: per peer rank its bytes and runs, then one line per set of
     alike lanes (``layers.[0-79].attn x80: S(heads 0:4) K+V, 40.0 MiB in 10240 runs``)."""
@@ -485,7 +449,6 @@ def plan_summary(plan: TransferPlan) -> str:
     return "\n".join(lines)
 
 
-@hooks.provide("map_frame")
 def map_frame(m: TransferMap):
     """One row per lane: ranks, region, placement, streams, bytes and runs per block."""
     pd = _require("pandas", "TransferMap.to_pandas()")
@@ -507,7 +470,6 @@ FRAME_COLUMNS = {"src_offset": "src_offset_bytes", "dst_offset": "dst_offset_byt
                  "length": "length_bytes"}
 
 
-@hooks.provide("plan_frame")
 def plan_frame(plan: TransferPlan):
     """The plan's copies as a DataFrame (the columns of ``copies()``, the byte ones named with
     their unit: :data:`FRAME_COLUMNS`) plus region names."""
@@ -571,7 +533,6 @@ def _total_scope(item) -> str:
     return f"for tokens {item.tokens[0]}:{item.tokens[1]} of this request"
 
 
-@hooks.provide("plot_rank_map")
 def plot_rank_map(items: Any, ax: Any = None, title: str | None = None):
     """Draw the rank map of one or more plans (or maps) with matplotlib; returns the Figure.
 

@@ -1,7 +1,8 @@
 """``kvplan demo``: plan one request and move it for real over NIXL (the NIXL package's commands).
 
-Layer: the executor's command line. :func:`register` is the plug-in hook the core CLI
-(:mod:`kvplan.cli.command`) calls to add the commands that move bytes; it imports neither nixl nor
+Layer: the executor's command line. :func:`register` is the entry point
+(``[project.entry-points."kvplan.commands"] demo``, pyproject.toml) through which the core CLI
+(:mod:`kvplan.cli.command`) adds the commands that move bytes; it imports neither nixl nor
 torch, so registering costs nothing and ``kvplan explain`` stays fast. nixl is imported when
 ``demo`` runs (:func:`_import_endpoint`), with one ``kvplan: ...`` line naming the install
 command where it is missing.
@@ -45,7 +46,8 @@ DEMO_MAX_BYTES = 4 << 30
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``demo`` to the ``kvplan`` command (called by :func:`kvplan.cli.command._plugins`)."""
+    """Add ``demo`` to the ``kvplan`` command: the ``kvplan.commands`` entry point ``demo``,
+    loaded by :func:`kvplan.cli.command._plugins`."""
     text = "plan one request and move it for real over NIXL, then verify it"
     s = sub.add_parser("demo", help=text, description=text, formatter_class=HelpFormatter)
     s.set_defaults(fn=cmd_demo)

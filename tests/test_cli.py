@@ -290,8 +290,10 @@ def test_any_file_gives_an_answer_or_one_line_never_a_traceback(capsys, tmp_path
         rc = cli.main(argv)
         out, err = capsys.readouterr()
         assert rc in (0, 1, 2, 3), (argv, rc)
-        if rc:
-            assert len(err.strip().splitlines()) == 1 and err.startswith("kvplan: "), err
+        if rc:  # one error: a "kvplan: " line, then only indented detail lines (lists)
+            first, *more = err.strip().splitlines()
+            assert first.startswith("kvplan: ") and err.startswith("kvplan: "), err
+            assert all(line.startswith("  ") for line in more), err
             assert "Traceback" not in err + out
 
 

@@ -210,3 +210,14 @@ def test_the_kvplan_command_has_the_subcommands():
     if missing:
         pytest.skip(f"kvplan.cli does not register {sorted(missing)} yet")
     assert cli.main(["presets", "--json"]) == 0
+
+
+def test_spec_help_describes_one_engine(capsys):
+    """``kvplan spec`` builds one engine: its --layout is that engine's, not "both sides"."""
+    from kvplan.cli import main
+
+    assert main(["spec", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "layout of the engine" in out and "both sides" not in out
+    assert main(["explain", "--help"]) == 0
+    assert "layout on both sides" in " ".join(capsys.readouterr().out.split())

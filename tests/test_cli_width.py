@@ -9,7 +9,6 @@ import re
 
 import pytest
 
-import kvplan.cli.progress as progress
 from kvplan.cli import main
 
 LLAMA = ["explain", "--prefill", "llama-3.1-70b", "--prefill-tp", "8", "--decode",
@@ -95,20 +94,8 @@ def test_layout_comparison_counts_the_request_shown(capsys, monkeypatch):
     assert f"HND {doc['runs_by_layout']['HND']:,}" in out
 
 
-def test_a_long_layout_comparison_reports_progress_on_a_pipe(capsys, monkeypatch):
-    monkeypatch.setattr(progress, "LOG_AFTER", 0.0)  # every comparison counts as long here
+def test_a_long_layout_comparison_prints_no_progress_on_a_pipe(capsys, monkeypatch):
     monkeypatch.delenv("KVPLAN_PROGRESS", raising=False)
-    _, err = run(capsys, monkeypatch, [*LLAMA, "--compare-layouts"], 80)
-    lines = err.splitlines()
-    assert len(lines) == 7 and all(ln.startswith("counting runs per layout on decode rank 0: ")
-                                   for ln in lines)
-    assert "HND (1 of 7 layouts)" in lines[0] and "BHLNC (7 of 7 layouts)" in lines[-1]
-    assert all(re.search(r"\(\d+\.\d s\)$", ln) for ln in lines)
-    _, err = run(capsys, monkeypatch, [*LLAMA, "--compare-layouts"], 80,
-                 env={"KVPLAN_PROGRESS": "0"})
-    assert err == ""
-    monkeypatch.setattr(progress, "LOG_AFTER", 3600.0)  # a short one stays quiet
-    monkeypatch.delenv("KVPLAN_PROGRESS")
     _, err = run(capsys, monkeypatch, [*LLAMA, "--compare-layouts"], 80)
     assert err == ""
 

@@ -70,3 +70,26 @@ def test_rank_out_of_range():
         pull_map(s, s, 2)
     with pytest.raises(SpecError, match=r"source rank -1"):
         push_map(s, s, -1)
+
+
+def test_differing_region_names_are_named_compactly():
+    """Two different models: the refusal names the regions as families
+    (``layers.[0-60].mla x61``), not a list of 141 names sorted as text."""
+    from kvplan import presets
+
+    a = presets.spec("deepseek-v3.2", tp_size=1, num_blocks=8)
+    b = presets.spec("llama-3.1-8b", tp_size=1, num_blocks=8)
+    with pytest.raises(IncompatibleLayoutError) as err:
+        pull_map(a, b, 0)
+    msg = str(err.value)
+    assert ("only on source: layers.[0-60].mla x61, layers.[0-60].indexer x61; "
+            "only on destination: layers.[0-31].attn x32") in msg
+    assert len(msg) < 250
+
+
+def test_compact_names_keep_every_family_and_odd_names():
+    from kvplan.names import compact_names
+
+    names = ["layers.0.attn", "layers.2.attn", "layers.1.attn", "lm_head", "draft.0.attn"]
+    assert compact_names(names) == "layers.[0-2].attn x3, lm_head, draft.0.attn"
+    assert compact_names([]) == ""

@@ -1,6 +1,7 @@
 """EngineSpec.from_hf_config on each family: small configs, files, drafts, stages and refusals."""
 
 import json
+import re
 
 import pytest
 
@@ -227,4 +228,72 @@ def test_tp_that_does_not_divide_the_heads_is_refused_by_the_spec():
 def test_describe_counts_cache_layers():
     d = describe(presets.load("gemma-3-1b"))
     assert d == {"architecture": "Gemma3ForCausalLM", "model_type": "gemma3_text",
-                 "family": "sliding", "layers": 26, "regions": {"swa": 22, "attn": 4}}
+                 "family": "sliding", "layers": 26, "regions": {"swa": 22, "attn": 4},
+                 "uncached_layers": 0}
+
+
+# -- sliding windows of GQA families (issue 26): read as transformers reads them, or refused --
+
+GQA = {"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 8,
+       "torch_dtype": "bfloat16"}
+
+
+def _windows(**cfg) -> list:
+    return [r.window for r in from_hf_config({**GQA, **cfg}, tp_size=1).regions]
+
+
+def test_mistral_sliding_window_applies_to_every_layer():
+    assert _windows(architectures=["MistralForCausalLM"], sliding_window=4096) == [4096] * 4
+    assert _windows(architectures=["MistralForCausalLM"], sliding_window=None) == [None] * 4
+    spec = from_hf_config({**GQA, "architectures": ["MistralForCausalLM"],
+                           "sliding_window": 4096}, tp_size=1)
+    assert spec.num_groups == 1  # one group of windowed layers
+
+
+def test_qwen_windows_follow_use_sliding_window_and_max_window_layers():
+    on = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert _windows(architectures=[arch], **on) == [None, None, 64, 64], arch
+    # Qwen2.5's published configs: sliding_window set but switched off
+    assert _windows(architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+                    sliding_window=131072, max_window_layers=2) == [None] * 4
+    types = ["sliding_attention", "full_attention"] * 2
+    assert _windows(model_type="qwen2", use_sliding_window=True, sliding_window=32,
+                    layer_types=types) == [32, None, 32, None]
+    spec = from_hf_config({**GQA, "architectures": ["Qwen2ForCausalLM"], **on}, tp_size=1)
+    assert spec.num_groups == 2  # full and windowed layers in groups of their own
+
+
+@pytest.mark.parametrize(("cfg", "says"), [
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64},
+     "needs max_window_layers"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+      "max_window_layers": 1}, "sliding_window must be a positive integer, got None"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": "yes"},
+     "use_sliding_window must be true or false"),
+    ({"architectures": ["LlamaForCausalLM"], "sliding_window": 4096},
+     "sets sliding_window 4096, but kvplan does not know how"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": None,
+      "layer_types": ["sliding_attention"] * 4}, "but sliding_window is null"),
+])
+def test_a_window_field_is_read_or_refused_by_name(cfg, says):
+    with pytest.raises(SpecError, match=re.escape(says)):
+        from_hf_config({**GQA, **cfg}, tp_size=1)
+
+
+def test_unknown_architecture_error_is_in_short_lines():
+    cfg = {"architectures": ["FalconForCausalLM"], "model_type": "falcon",
+           "num_hidden_layers": 2}
+    with pytest.raises(SpecError) as err:
+        from_hf_config(cfg, tp_size=1)
+    lines = str(err.value).splitlines()
+    assert "family=NAME" in lines[0] and len(lines) > 5
+    assert max(map(len, lines)) <= 120
+    assert any(line.strip().startswith("gqa: ") for line in lines)
+
+
+def test_describe_counts_the_layers_without_a_cache():
+    d = describe(presets.load("nemotron-h-8b"))
+    assert d["layers"] == 52 and d["regions"] == {"mamba": 24, "attn": 4}
+    assert d["uncached_layers"] == 24
+    assert describe(presets.load("deepseek-v3.2"))["uncached_layers"] == 0

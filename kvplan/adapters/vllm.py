@@ -59,8 +59,8 @@ groups in one multi-layer ``KVCacheTensor`` slot scheme other than the page pool
 padded attention pages, ``head_size_v`` different from ``head_size``, pipeline stages, other
 state kinds than Mamba1, Mamba2 and GDN (``mamba_type``).
 
-Layer 4 (adapters, beside hf): imports spec, regions, layout, errors and hooks; serves
-``EngineSpec.from_vllm`` through :mod:`kvplan.hooks`.
+Layer 4 (adapters, beside hf): imports spec, regions, layout, request (for ``ABSENT``) and
+errors; ``EngineSpec.from_vllm`` delegates here by a lazy import.
 """
 
 from __future__ import annotations
@@ -71,11 +71,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvplan import hooks
 from kvplan.errors import RequestError, SpecError
 from kvplan.layout import rank_layout
-from kvplan.plan import ABSENT
 from kvplan.regions import DTYPE_SIZES
+from kvplan.request import ABSENT
 from kvplan.spec import EngineSpec
 
 #: Backends whose content ``C`` is K then V of one token (vLLM's definition).
@@ -172,7 +171,6 @@ def _order(name: str, axes: list[tuple[str, int, int]], content: str) -> str:
 CONV_LAYOUTS = ("SD", "DS")
 
 
-@hooks.provide("from_vllm")
 def spec_from_vllm(
     kv_caches: Mapping[str, Any],
     kv_cache_config: Any,
@@ -475,7 +473,7 @@ def vllm_buffers(
 ) -> dict[str, tuple[int, int]]:
     """``{buffer name: (address, nbytes)}`` of every buffer of ``spec`` (made by
     :func:`spec_from_vllm` from these ``kv_caches``) on flat rank ``rank``: what
-    ``kvplan_nixl.Endpoint`` registers.
+    an executor registers with its transport.
 
     A buffer starts at its first layer slot's tensor. Every other layer's tensor must start
     where the spec's layout puts its slot; a :class:`~kvplan.SpecError` names the layer and

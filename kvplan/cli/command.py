@@ -1,12 +1,14 @@
-"""The ``kvplan`` command: the offline commands, and the door through which NIXL adds its own.
+"""The ``kvplan`` command: the offline commands, and the door through which other packages add
+theirs.
 
-Layer: the top of the core (``kvplan.cli``). It may import any ``kvplan`` module and rich
-(optional); it never imports nixl, torch or ``kvplan_nixl`` at module level. ``plan`` prints
+Layer 7: the top of the core (``kvplan.cli``). It may import any ``kvplan`` module and rich
+(optional); it never imports nixl, torch or the executor. ``plan`` prints
 the plans of one request of a built-in example or a preset; ``explain``, ``check``, ``spec`` and
-``presets`` live in :mod:`kvplan.cli.explain`. Commands that move bytes belong to the NIXL
-package: :func:`_plugins` is the one place the core reaches for it (``kvplan_nixl.cli``, inside
-``try/except ImportError``), and without it ``kvplan demo`` prints one line naming the extra to
-install (tests/test_structure.py checks this is the only such import).
+``presets`` live in :mod:`kvplan.cli.explain`. Commands of other packages (the commands that
+move bytes: ``demo`` of the NIXL executor; a third-party transport's) come in through the
+packaging entry-point group :data:`COMMANDS_GROUP` (``kvplan.commands``, read with
+``importlib.metadata.entry_points``): the core names no such package. Without one, ``kvplan
+demo`` still prints one line naming the extra to install (:data:`EXTRA_COMMANDS`).
 
 Errors: :func:`main` prints one ``kvplan: ...`` line and returns the exit status (EPILOG);
 options are typed with bounds (:mod:`kvplan.cli.cliargs`), so a user's value is used or
@@ -19,17 +21,26 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 import kvplan
 from kvplan.cli.cliargs import HelpFormatter, Parser, UsageError, columns, fitted, legend
 from kvplan.cli.engines import engine_options, engines, plans
 from kvplan.cli.progress import step
 
-#: The commands the NIXL package adds (``kvplan_nixl.cli.register``), named here so that
-#: ``kvplan demo`` without it says what to install instead of "invalid choice".
-NIXL_COMMANDS = ("demo",)
-NIXL_HINT = ('moves bytes over NIXL, which is not installed: pip install "kvplan[nixl]" '
-             '(in a checkout: pip install -e ".[nixl]"; README.md: install torch first)')
+#: The entry-point group through which other packages add ``kvplan`` commands. An entry
+#: point's name is the command it adds and its object a ``register(sub)`` function that adds
+#: that command to the subparsers ``sub`` (argparse's ``add_subparsers()`` result), e.g.
+#: ``[project.entry-points."kvplan.commands"] NAME = "your_package.cli:register"``
+#: (pyproject.toml adds ``demo`` so).
+COMMANDS_GROUP = "kvplan.commands"
+#: Commands that kvplan's own extras add through :data:`COMMANDS_GROUP`, and the extra each
+#: needs: named here (a command name and an extra, not a package) so that ``kvplan demo``
+#: without the extra says what to install instead of argparse's "invalid choice".
+EXTRA_COMMANDS = {"demo": "nixl"}
+EXTRA_HINT = ('moves bytes over NIXL, which is not installed: pip install "kvplan[{extra}]" '
+              '(in a checkout: pip install -e ".[{extra}]", which also installs the entry point '
+              'that adds the command; README.md: install torch first)')
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -51,7 +62,8 @@ downloaded."""
 EPILOG = """\
 Run 'kvplan COMMAND --help' for a command's options and their defaults.
 Exit status: 0 done; 1 refused (the engines cannot talk) or a demo byte mismatch;
-2 bad input (one 'kvplan: ...' line on stderr); 3 internal error (a bug)."""
+2 bad input (one 'kvplan: ...' line on stderr, followed by indented lines
+where the error lists choices); 3 internal error (a bug)."""
 
 
 def _version() -> str:
@@ -80,30 +92,46 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plugins(sub: argparse._SubParsersAction) -> None:
-    """The plug-in hook: the NIXL package's commands, or a one-line hint in their place.
+    """The commands other packages add through :data:`COMMANDS_GROUP`, or a one-line hint in
+    their place.
 
-    ``kvplan_nixl.cli`` imports neither nixl nor torch until one of its commands runs, so
-    registering costs nothing; where the package is absent, each command it would add says
-    which extra to install (exit 2) instead of argparse's "invalid choice".
+    A plug-in's ``register`` must not import heavy modules (nixl, torch) until its command
+    runs: every ``kvplan`` call registers every plug-in. One that cannot be loaded (its package
+    or a dependency is missing, or it raises) becomes a command that says so, so that a broken
+    plug-in never breaks the offline commands; a command of :data:`EXTRA_COMMANDS` that nothing
+    added says which extra to install (exit 2 either way).
     """
-    try:
-        from kvplan_nixl.cli import register
-    except ImportError:
-        for name in NIXL_COMMANDS:
-            # no option is parsed (prefix_chars matches none): any argument reaches the hint
-            s = sub.add_parser(name, help="(needs the nixl extra)", add_help=False,
-                               prefix_chars="\0")
-            s.add_argument("rest", nargs="*")
-            s.set_defaults(fn=_missing(name))
+    added = set(sub.choices)
+    for ep in entry_points(group=COMMANDS_GROUP):
+        if ep.name in added:  # the same distribution seen twice on the path, or a clash
+            continue
+        try:
+            register = ep.load()
+            register(sub)
+        except Exception as exc:
+            extra = EXTRA_COMMANDS.get(ep.name)
+            why = EXTRA_HINT.format(extra=extra) if extra else "is not available"
+            _placeholder(sub, ep.name, f"{ep.name} {why} (its entry point {ep.value!r} "
+                                       f"failed: {type(exc).__name__}: {exc})")
+        added.add(ep.name)
+    for name, extra in EXTRA_COMMANDS.items():
+        if name not in added:
+            _placeholder(sub, name, f"{name} {EXTRA_HINT.format(extra=extra)}")
+
+
+def _placeholder(sub: argparse._SubParsersAction, name: str, message: str) -> None:
+    """A command ``name`` that accepts any arguments and fails with ``message`` (exit 2)."""
+    if name in sub.choices:  # a plug-in that failed halfway through registering
         return
-    register(sub)
+    # no option is parsed (prefix_chars matches none): any argument reaches the message
+    s = sub.add_parser(name, help="(not installed: kvplan NAME says what to install)",
+                       add_help=False, prefix_chars="\0")
+    s.add_argument("rest", nargs="*")
 
-
-def _missing(name: str):
     def refuse(args: argparse.Namespace) -> int:
-        raise UsageError(f"{name} {NIXL_HINT}")
+        raise UsageError(message)
 
-    return refuse
+    s.set_defaults(fn=refuse)
 
 
 def _broken_pipe() -> int:

@@ -4,7 +4,7 @@ Layer: the CLI (top of the core). :func:`engine_options` adds the options to a s
 :func:`engines` builds the prefill and decode :class:`~kvplan.EngineSpec` from a built-in
 example (:mod:`kvplan.examples`) or a packaged preset, and :func:`plans` plans one random
 request on every initiating rank. The NIXL package's ``demo`` imports this module (never
-:mod:`kvplan.cli.command`, which imports it: the plug-in hook must not close a circle).
+:mod:`kvplan.cli.command`, which loads ``demo``'s entry point: that would close a circle).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def engine_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--decode-block-size", type=int_in(1, MAX_BLOCK_SIZE), default=None,
                    help="tokens per block on decode (default: the example's)")
     s.add_argument("--layout", choices=["HND", "NHD"], default=None,
-                   help="attention layout on both sides (default: the example's, HND)")
+                   help="attention layout of prefill and decode (default: the example's, HND)")
     s.add_argument("--prefill-layout", type=explain_layout, default=None,
                    help="prefill's layout: HND, NHD, vLLM's BLHNC... or an order of LBSHND "
                         "(default: --layout)")

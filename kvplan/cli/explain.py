@@ -20,7 +20,7 @@ alike lanes at a time, never materialised as a rank's whole plan, so memory does
 the layer count or the number of ranks.
 
 Layer: the CLI (top of the core); imports kvplan's public names, views and the CLI's helpers,
-never nixl, torch or kvplan_nixl.
+never nixl, torch or the executor.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from kvplan.cli.cliargs import (
 )
 from kvplan.compat import region_pairs
 from kvplan.cp import parallel_fields, parallel_label
-from kvplan.planner import Lane, Mode
+from kvplan.lanes import Lane, Mode
 from kvplan.views import human_bytes, peer_rows, rank_share
 
 _Usage = UsageError  # the name this module used before
@@ -595,7 +595,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         compare = args.tokens <= COMPARE_LAYOUTS_TOKENS
     shown = 0 if args.rank is None else args.rank  # one decode rank: ranks are alike
     if compare:
-        with step(f"counting runs per layout on decode rank {shown}", log=True) as update:
+        with step(f"counting runs per layout on decode rank {shown}") as update:
             doc["runs_by_layout"] = runs_by_layout(src, dst, args.tokens, [shown],
                                                    cached=args.cached, part=args.part,
                                                    progress=update)
@@ -684,7 +684,10 @@ def cmd_presets(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
-        layers = ", ".join(f"{n} {k}" for k, n in r["regions"].items())
+        kinds = [f"{n} {k}" for k, n in r["regions"].items()]
+        if r["uncached_layers"]:  # e.g. Nemotron-H's MLP layers: the counts add up
+            kinds.append(f"{r['uncached_layers']} without a cache")
+        layers = ", ".join(kinds)
         print(f"{r['name']:<22} {r['family']:<12} {r['layers']:>3} layers: {layers}  "
               f"({r['checkpoint']})")
     return 0
@@ -693,7 +696,9 @@ def cmd_presets(args: argparse.Namespace) -> int:
 # -- argparse ----------------------------------------------------------------------------------
 
 
-def _model_options(p: argparse.ArgumentParser) -> None:
+def _model_options(p: argparse.ArgumentParser, where: str = "on both sides") -> None:
+    """The options that build an engine from a model; ``where`` says which engines they set
+    (explain: both sides; spec: its one engine)."""
     p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=16,
                    help="tokens per block")
     p.add_argument("--num-blocks", type=int_in(1, MAX_BLOCKS), default=None,
@@ -702,7 +707,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="KV-cache dtype (default: the config's torch_dtype; needed when the "
                         "config has none)")
     p.add_argument("--layout", type=layout_arg, default="HND",
-                   help="layout on both sides: HND, NHD (with --kv), vLLM's LBHNC, BLHNC... "
+                   help=f"layout {where}: HND, NHD (with --kv), vLLM's LBHNC, BLHNC... "
                         "or any order of LBSHND")
     p.add_argument("--kv", choices=["split", "joint"], default="split",
                    help="K and V in two tensors (split) or one (joint)")
@@ -765,7 +770,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", dest="model_pp", type=pp, default=1, help="pipeline stages")
     context_options(p, None)
     p.add_argument("--indent", action="store_true", help="pretty-print")
-    _model_options(p)
+    _model_options(p, "of the engine")
 
     text = "list the packaged model presets"
     p = sub.add_parser("presets", help=text, description=text)

@@ -6,11 +6,9 @@ and a pipe or a log file never sees escape codes. Environment ``KVPLAN_PROGRESS=
 the display (a CI log that wants to see the steps), ``KVPLAN_PROGRESS=0`` turns it off. Uses
 ``rich`` (the ``cli`` extra); without it a terminal gets one plain line per step.
 
-A step made of parts (``with step("counting", log=True) as update: ... update("part 2 of 7")``)
-changes the spinner's text on a terminal; on a pipe or a log file, where no spinner is drawn,
-``log=True`` prints each part as one plain line on stderr once the step has run for
-:data:`LOG_AFTER` seconds, so a long run is never silent and a short one stays quiet (not in a
-Jupyter cell, whose saved output would keep them).
+A step made of parts (``with step("counting") as update: ... update("part 2 of 7")``) changes
+the spinner's text. Without a terminal nothing is printed at all (unless ``KVPLAN_PROGRESS=1``):
+progress lines in a log file start midway and mean nothing there.
 
 Layer: the CLI (top of the core); imports only rich (optional).
 """
@@ -23,10 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["LOG_AFTER", "enabled", "step"]
-
-#: Seconds after which a ``log=True`` step prints its parts as lines when stderr is no terminal.
-LOG_AFTER = 1.0
+__all__ = ["enabled", "step"]
 
 
 def enabled() -> bool:
@@ -37,30 +32,14 @@ def enabled() -> bool:
     return sys.stderr.isatty()
 
 
-def _notebook() -> bool:
-    """Whether stderr is a Jupyter cell's output (lines there would stay in the notebook)."""
-    return type(sys.stderr).__module__.startswith("ipykernel")
-
-
 @contextmanager
-def step(text: str, *, log: bool = False) -> Iterator[Callable[[str], None]]:
-    """Show ``text`` with a spinner and the elapsed time on stderr while the block runs.
-
-    Yields ``update(part)``, which shows ``text: part`` instead; with ``log=True`` and no
-    spinner (stderr not a terminal, ``KVPLAN_PROGRESS`` unset), each update after
-    :data:`LOG_AFTER` seconds prints as a line ``text: part (12.3 s)``.
-    """
+def step(text: str) -> Iterator[Callable[[str], None]]:
+    """Show ``text`` with a spinner and the elapsed time on stderr while the block runs (only
+    where :func:`enabled`). Yields ``update(part)``, which shows ``text: part`` instead."""
     start = time.monotonic()
     shown = [text]
-
-    def log_line(part: str) -> None:
-        if time.monotonic() - start >= LOG_AFTER and not _notebook():
-            print(f"{text}: {part} ({time.monotonic() - start:.1f} s)", file=sys.stderr,
-                  flush=True)
-
-    if not enabled():
-        quiet = os.environ.get("KVPLAN_PROGRESS") is not None  # set, and off
-        yield log_line if log and not quiet else (lambda part: None)
+    if not enabled():  # a pipe or a log file: nothing, not lines starting midway
+        yield lambda part: None
         return
     try:
         from rich.console import Console
