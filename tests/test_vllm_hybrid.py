@@ -27,6 +27,7 @@ from tests import vllm_env
 from tests.vllm_pool import (
     Pool,
     check_equal,
+    free_base_port,
     pd,
     pd_equals_plain,
     prompt,
@@ -67,6 +68,20 @@ def _hetero_pairs(pool, key: str, seed: int) -> None:
 def test_mamba2_one_group_replicated_at_tp2(pool):
     # n_groups = 1 < TP 2: both ranks of the TP 2 engine hold the one B/C group
     _hetero_pairs(pool, "nemo1", 100)
+
+
+def test_hybrid_pull_that_fails_is_recomputed_per_request(pool):
+    # block ids are per group, so a failed pull reports the request (failed_recving): vLLM
+    # recomputes it from position 0 under the recompute policy, and the decode keeps serving
+    p1, d1 = pool.only("nemo1-p1", "nemo1-d1")
+    ids = prompt(150, 50)
+    plain = p1.generate(ids, 16)
+    pre = p1.generate(ids, 1, {"do_remote_decode": True})
+    params = dict(pre["params"], remote_engine_id="gone", remote_port=free_base_port(1))
+    got = d1.generate(ids, 16, params)
+    assert got["error"] is None, got
+    check_equal(got, plain, "hybrid decode after a failed handshake (policy recompute)")
+    assert d1.log_lines(r"kvplan: pull req=\S+ from gone failed")
 
 
 def test_mamba2_two_groups_sharded_at_tp2(pool):

@@ -192,7 +192,9 @@ class Worker:
         plan = tmap.plan(src, dst, tokens=(start, end))
         msg = NOTIFY_PREFIX + f"{load.remote_req}|{','.join(map(str, counts))}".encode()
         t = self.ep.read(plan, load.engine, notify=msg, timeout=self.timeout)
-        blocks = len(_lacking(self.groups, dst, start, end)[0]) if dst else 0
+        written = _lacking(self.groups, dst, start, end)
+        blocks = max((len(w) for w, k in zip(written, self.groups.kinds) if k != "state"),
+                     default=0)
         logger.info("kvplan: pull req=%s remote=%s rank=%d blocks=%d tokens=[%d,%d) bytes=%d "
                     "runs=%d peers=%s prompt=%d groups=%s", load.req_id, load.remote_req,
                     self.rank, blocks, start, end, plan.nbytes, len(plan), list(tmap.peers),
