@@ -115,6 +115,7 @@ class Stager:
         #: staged messages dropped, by why (see :meth:`stats`)
         self._dropped = {"malformed": 0, "stray": 0}
         endpoint._peers.on_unload(self._peer_gone)
+        endpoint._peers.on_drop(self._peer_dropped)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -284,6 +285,7 @@ class Stager:
     def close(self) -> None:
         """Fail every request (telling peers), release lists, deregister the pool."""
         self.ep._peers.off_unload(self._peer_gone)
+        self.ep._peers.off_drop(self._peer_dropped)
         self._initiator.close()
         self._server.close()
         self.channel.close()
@@ -336,6 +338,11 @@ class Stager:
         self._initiator.peer_gone(agent_name)
         self._server.peer_gone(agent_name)
         self._pool.forget(agent_name)
+
+    def _peer_dropped(self, peer: Any, _why: str, _errors: list[BaseException]) -> None:
+        """Our route to ``peer`` went: our requests with it fail, its pool's list goes."""
+        self._initiator.peer_gone(peer.agent)
+        self._pool.forget(peer.agent)
 
     def _hello(self, agent_name: str) -> str | None:
         """Ask ``agent_name`` where its pool is (HELLO); the nonce, in ``_asking`` until the
