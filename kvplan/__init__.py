@@ -10,6 +10,7 @@ The whole public API::
     plan.part(["layers.3.attn"])                      # one layer's slice (layer-wise posting)
     plan.copies()                                     # read-only structured array of byte runs
     simulate(plan, src_buffers, dst_buffers)          # reference executor over numpy buffers
+    check_plan(plan)                                  # its checks, on the plan alone (PlanError)
     staged = stage(plan, chunk_bytes)                 # gather / bulk / scatter legs (staging)
 
 Seeing plans (notebooks, ``kvplan[view]``): ``EngineSpec.from_hf_config(config_json, tp_size=8)``,
@@ -42,7 +43,7 @@ from kvplan.placement import (
 from kvplan.plan import COPY_DTYPE, TransferPlan
 from kvplan.planner import TransferMap, pull_map, push_map
 from kvplan.request import ABSENT
-from kvplan.simulate import simulate
+from kvplan.simulate import check_plan, simulate
 from kvplan.spec import DTYPE_SIZES, KV, EngineSpec, Kind, Layout, RegionSpec
 from kvplan.staging import STAGING, Costs, Leg, StagedPlan, prefer_staged, stage
 from kvplan.views import plot_rank_map, rank_map
@@ -73,6 +74,7 @@ __all__ = [
     "TokenSharding",
     "TransferMap",
     "TransferPlan",
+    "check_plan",
     "head_sources",
     "held_heads",
     "holders",

@@ -138,6 +138,8 @@ class TransferMap:
     region_lanes: dict[int, tuple[int, ...]] = attrs.field(init=False, eq=False, repr=False)
     #: region name -> destination region index (names pair the two engines' regions)
     region_ids: dict[str, int] = attrs.field(init=False, eq=False, repr=False)
+    #: destination region index -> :meth:`granule` (computed once: the request path reads it)
+    region_granules: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         by_region: dict[int, list[int]] = {}
@@ -145,6 +147,10 @@ class TransferMap:
             by_region.setdefault(lane.dst_region, []).append(k)
         object.__setattr__(self, "region_lanes", {j: tuple(v) for j, v in by_region.items()})
         object.__setattr__(self, "region_ids", {r.name: j for j, r in enumerate(self.dst.regions)})
+        lanes = self.lanes
+        object.__setattr__(self, "region_granules", tuple(
+            math.gcd(*(t.granule for k in self.region_lanes.get(j, ()) for t in lanes[k].templates))
+            for j in range(len(self.dst.regions))))
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -158,10 +164,7 @@ class TransferMap:
         Lets an executor describe a region once as equal granules (NIXL's strided descriptors)
         and address every run by granule indices. 0 when this map copies nothing of the region.
         """
-        j = self.dst.region_index(name)
-        return math.gcd(
-            *(t.granule for lane in self.lanes if lane.dst_region == j for t in lane.templates)
-        )
+        return self.region_granules[self.dst.region_index(name)]
 
     def plan(
         self,

@@ -1,6 +1,8 @@
 """The reference executor: apply a plan to numpy byte buffers, for tests and notebooks.
 
 Layer 4 (built on plans): imports plan and staging; nothing in the core imports it.
+:func:`check_plan` is its validation on its own (a plan against its map's geometry), which
+executors apply before posting.
 """
 
 from __future__ import annotations
@@ -54,12 +56,9 @@ def simulate(
     rows = plan.copies()
     if len(rows) == 0:
         return
-    col = {c: np.ascontiguousarray(rows[c]) for c in rows.dtype.names}  # strided: slow to read
+    col = _columns(rows)  # strided: slow to read
+    _check_columns(plan, col)  # the plan against its map's geometry (as executors check it)
     length = col["length"]
-    if (length <= 0).any():
-        k = int(np.flatnonzero(length <= 0)[0])
-        raise PlanError(f"run {k} copies {int(length[k])} bytes (source offset "
-                        f"{int(col['src_offset'][k])}): every run copies at least one byte")
     m = plan.map
     # one int64 key per (rank, buffer) on each side (STAGING = -1 becomes 0), then per pair
     src_key = col["src_rank"] * (len(m.src.buffers) + 1) + col["src_buffer"] + 1
@@ -76,13 +75,168 @@ def simulate(
                                        ("destination", dst_buffers, m.dst, "dst")):
             rank, name = int(col[f"{c}_rank"][f]), _name(spec, int(col[f"{c}_buffer"][f]))
             buf = _lookup(buffers, side, rank, name, int(col[f"{c}_region"][f]))
-            _check_inside(col[f"{c}_offset"][sel], length[sel], buf,
+            _check_inside(col[f"{c}_offset"][sel], length[sel], buf.size,
                           f"{side} buffer {name!r} of rank {rank}")
             bufs.append(buf)
         jobs.append((*bufs, sel))
-    _check_disjoint(col["dst_offset"], length, dst_key)
     for src, dst, sel in jobs:
         _copy(src, dst, col["src_offset"][sel], col["dst_offset"][sel], length[sel])
+
+
+def check_plan(plan: TransferPlan | Leg) -> None:
+    """Raise :class:`~kvplan.PlanError` unless every run of ``plan`` fits its map's geometry.
+
+    The checks :func:`simulate` applies before copying a byte, on the plan alone (no
+    buffers), so that an executor can apply exactly them before posting (``kvplan_nixl``
+    does, once per plan): a plan is a value that can be edited, serialised and handed
+    around, and its arrays are trusted no more than this. Refused, naming the run and the
+    numbers: a run of no bytes; a rank outside its engine; a buffer or region index outside
+    its spec (a staged leg's staging side, :data:`~kvplan.staging.STAGING`, excepted); a region
+    of another pipeline stage than the run's rank, or not living in the run's buffer; a run
+    outside its buffer (``EngineSpec.rank_buffer_nbytes``); two runs writing one destination
+    byte; and for a :class:`~kvplan.TransferPlan`, a local rank other than the map's or a peer
+    rank the map does not name (``map.peers``).
+
+    Cost: numpy over the runs (no Python step per run): a few element-wise passes and one
+    sort of the destination keys when the runs are not already in order
+    (docs/performance.md, "Checking plans").
+    """
+    rows = plan.copies()
+    if len(rows):
+        _check_columns(plan, _columns(rows))
+
+
+def _columns(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The plan's columns as contiguous int64 arrays: one transposed copy when the rows are
+    packed int64 records (COPY_DTYPE; a third of the time of a strided copy per field)."""
+    names = rows.dtype.names
+    dt = rows.dtype
+    if dt.itemsize == 8 * len(names) and all(dt[n] == np.int64 for n in names) and \
+            rows.flags.c_contiguous:
+        flat = rows.view(np.int64).reshape(len(rows), len(names)).T.copy()
+        return {n: flat[dt.fields[n][1] // 8] for n in names}
+    return {c: np.ascontiguousarray(rows[c]) for c in names}
+
+
+def _check_columns(plan: TransferPlan | Leg, col: Mapping[str, np.ndarray]) -> None:
+    """:func:`check_plan` on the plan's columns (contiguous copies)."""
+    length = col["length"]
+    if (length <= 0).any():
+        k = int(np.flatnonzero(length <= 0)[0])
+        raise PlanError(f"run {k} copies {int(length[k])} bytes (source offset "
+                        f"{int(col['src_offset'][k])}): every run copies at least one byte")
+    m = plan.map
+    for side, spec, c in (("source", m.src, "src"), ("destination", m.dst, "dst")):
+        _check_side(side, spec, col[f"{c}_rank"], col[f"{c}_buffer"], col[f"{c}_region"],
+                    col[f"{c}_offset"], length)
+    nbuf = len(m.dst.buffers) + 1
+    _check_disjoint(col["dst_offset"], length, col["dst_rank"] * nbuf + col["dst_buffer"] + 1)
+    if isinstance(plan, TransferPlan):
+        _check_ranks(plan, col)
+
+
+def _geometry(spec) -> tuple[np.ndarray, ...]:
+    """Per region: its pipeline stage, its (K) buffer, its V buffer (-2 when K and V share
+    one); per buffer: its bytes on a rank. Not cached: a loop over regions, not runs (tens of
+    microseconds), and the core keeps no state between calls."""
+    n = len(spec.regions)
+    stage = np.array([spec.stage_of(i) for i in range(n)], dtype=np.int64)
+    kbuf = np.array([spec.buffer_of(i) for i in range(n)], dtype=np.int64)
+    vbuf = np.array([spec.buffer_of(i, 1) if spec.regions[i].separate_kv else -2
+                     for i in range(n)], dtype=np.int64)
+    size = np.array([spec.rank_buffer_nbytes(b) for b in range(len(spec.buffers))],
+                    dtype=np.int64)
+    return stage, kbuf, vbuf, size
+
+
+def _check_side(side: str, spec, rank: np.ndarray, buffer: np.ndarray, region: np.ndarray,
+                offset: np.ndarray, length: np.ndarray) -> None:
+    """One side's columns against ``spec`` (a staging side, buffer STAGING, is not the
+    spec's: its runs are skipped here, checked against the staging area by simulate)."""
+    real = buffer != STAGING
+    if not real.all():
+        rank, buffer, region, offset, length = (a[real] for a in
+                                                (rank, buffer, region, offset, length))
+    if not len(rank):
+        return
+    stage, kbuf, vbuf, size = _geometry(spec)
+    _first_bad(side, "rank", rank, (rank < 0) | (rank >= spec.num_ranks),
+               f"the engine has ranks 0..{spec.num_ranks - 1}")
+    nb, nr = len(size), len(stage)
+    bad = (buffer < 0) | (buffer >= nb)
+    if bad.any():
+        b = int(buffer[np.flatnonzero(bad)[0]])
+        raise PlanError(f"a run names {side} buffer {b}, but the engine has {nb} buffers: the "
+                        f"plan was made for another spec ({int(bad.sum())} runs do)")
+    _first_bad(side, "region", region, (region < 0) | (region >= nr),
+               f"the engine has regions 0..{nr - 1}")
+    bad = stage[region] != rank // (spec.tp_size * spec.pcp_size)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise PlanError(
+            f"a run names {side} rank {int(rank[k])} region {int(region[k])}, but that rank "
+            f"holds no region {spec.regions[int(region[k])].name!r} (another pipeline stage: "
+            f"{int(stage[region[k]])}; {int(bad.sum())} runs do)")
+    bad = (kbuf[region] != buffer) & (vbuf[region] != buffer)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise PlanError(
+            f"a run names {side} rank {int(rank[k])} region {int(region[k])} in buffer "
+            f"{int(buffer[k])}, but that region lives in buffer {int(kbuf[region[k]])} "
+            f"({int(bad.sum())} runs disagree so)")
+    _check_inside(offset, length, size[buffer], f"{side} buffer", names=spec.buffers,
+                  buffer=buffer, rank=rank)
+
+
+def _first_bad(side: str, what: str, values: np.ndarray, bad: np.ndarray, have: str) -> None:
+    if bad.any():
+        raise PlanError(f"a run names {side} {what} {int(values[np.flatnonzero(bad)[0]])}, "
+                        f"but {have} ({int(bad.sum())} runs do)")
+
+
+def _pairing(m) -> tuple[np.ndarray, np.ndarray]:
+    """Per source region the destination region of its name (-1: none); per destination
+    region the map's granule (0: the map copies nothing of it)."""
+    ids = m.region_ids
+    pair = np.array([ids.get(r.name, -1) for r in m.src.regions], dtype=np.int64)
+    gran = np.array(m.region_granules, dtype=np.int64)
+    return pair, gran
+
+
+def _check_ranks(plan: TransferPlan, col: Mapping[str, np.ndarray]) -> None:
+    """The local side is the map's rank, the other side a rank the map reads or writes; each
+    run pairs a region with its namesake, in whole granules of the map's (the units an executor
+    describes a region in)."""
+    m = plan.map
+    pair, gran = _pairing(m)
+    sr, dr = col["src_region"], col["dst_region"]
+    bad = pair[sr] != dr
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise PlanError(f"run {k} pairs source region {m.src.regions[int(sr[k])].name!r} with "
+                        f"destination region {m.dst.regions[int(dr[k])].name!r}: the map pairs "
+                        f"regions by name ({int(bad.sum())} runs do)")
+    g = gran[dr]
+    safe = np.maximum(g, 1)
+    bad = (g == 0) | ((col["src_offset"] % safe) | (col["dst_offset"] % safe)
+                      | (col["length"] % safe) != 0)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise PlanError(
+            f"run {k} (source offset {int(col['src_offset'][k])}, destination offset "
+            f"{int(col['dst_offset'][k])}, {int(col['length'][k])} bytes) is not in whole "
+            f"{int(g[k])}-byte granules of region {m.dst.regions[int(dr[k])].name!r} "
+            f"(0: the map copies nothing of it; {int(bad.sum())} runs do)")
+    pull = m.mode.value == "pull"
+    local, other = ("dst", "src") if pull else ("src", "dst")
+    mine = col[f"{local}_rank"]
+    _first_bad("destination" if pull else "source", "rank", mine, mine != m.rank,
+               f"the plan's map is {m.mode.value} rank {m.rank}'s")
+    theirs = col[f"{other}_rank"]  # in range: checked with its side
+    named = np.zeros((m.src if pull else m.dst).num_ranks, dtype=bool)
+    named[list(m.peers)] = True
+    _first_bad("source" if pull else "destination", "rank", theirs,
+               ~named[theirs], f"the map names ranks {list(m.peers)}")
 
 
 def _copy(src: np.ndarray, dst: np.ndarray, so: np.ndarray, do: np.ndarray,
@@ -117,20 +271,34 @@ def _index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return starts + np.arange(total, dtype=np.int64)
 
 
-def _check_inside(offset: np.ndarray, length: np.ndarray, buf: np.ndarray, what: str) -> None:
-    end = offset + length
-    bad = (offset < 0) | (end > buf.size)
+def _check_inside(offset: np.ndarray, length: np.ndarray, size, what: str, *,
+                  names=None, buffer=None, rank=None) -> None:
+    """Every run inside its buffer: ``size`` (one number, or per run) bytes. Written as
+    ``offset > size - length`` (lengths are positive), which no int64 offset overflows."""
+    bad = (offset < 0) | (offset > size - length)
     if bad.any():
         k = int(np.flatnonzero(bad)[0])
+        n = int(size if np.isscalar(size) else size[k])
+        if names is not None:
+            what = f"{what} {names[int(buffer[k])]!r} of rank {int(rank[k])}"
         raise PlanError(
-            f"a run at bytes {int(offset[k])}:{int(end[k])} lies outside the {buf.size}-byte "
-            f"{what} ({int(bad.sum())} of {len(bad)} runs do)"
+            f"a run at bytes {int(offset[k])}:{int(offset[k]) + int(length[k])} lies outside "
+            f"the {n}-byte {what} ({int(bad.sum())} of {len(bad)} runs do)"
         )
 
 
 def _check_disjoint(offset: np.ndarray, length: np.ndarray, key: np.ndarray) -> None:
-    """No destination byte is written by two runs (``key``: the run's rank and buffer)."""
-    order = np.lexsort((offset, key))
+    """No destination byte is written by two runs (``key``: the run's rank and buffer).
+    Plans list a lane's runs by destination offset, so the sort is often skipped."""
+    span = int(offset.max()) + 1
+    if int(key.max()) * span < 1 << 62 and int(key.min()) >= 0 and int(offset.min()) >= 0:
+        whole = key * span + offset  # one int64 sort key: faster than a lexsort
+        if (whole[1:] >= whole[:-1]).all():  # plans list a lane's runs by offset
+            order = np.arange(len(key))
+        else:
+            order = np.argsort(whole, kind="stable")
+    else:
+        order = np.lexsort((offset, key))
     o, n, k = offset[order], length[order], key[order]
     clash = (k[1:] == k[:-1]) & (o[1:] < o[:-1] + n[:-1])
     if clash.any():

@@ -6,7 +6,8 @@ public method, before anything is allocated or posted, so that a wrong type or a
 number never surfaces later as a ``TypeError`` of NIXL or torch, an ``OverflowError`` or a wait
 that never ends (a ``nan`` deadline compares false with every clock reading).
 
-A bottom-layer module: it may import only :mod:`kvplan_nixl.errors` and kvplan.
+A bottom-layer module: it may import only :mod:`kvplan_nixl.errors`,
+:mod:`kvplan_nixl.reserved` and kvplan.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from typing import Any
 
 from kvplan import Mode
 from kvplan_nixl.errors import ArgumentError
+from kvplan_nixl.reserved import CTRL, STAGED, is_reserved
 
 __all__ = ["check_choice", "check_int", "check_mode", "check_names", "check_notify",
            "check_progress", "check_request", "check_str", "check_timeout"]
+
+
+RESERVED_TEXT = f"{CTRL!r}, {STAGED!r}"
 
 
 def _shown(value: Any) -> str:
@@ -54,15 +59,21 @@ def check_int(name: str, value: Any, *, low: int = 0, high: int | None = None) -
 def check_notify(value: Any) -> bytes | None:
     """A notification message: bytes (or bytearray / memoryview) as given, a str as its UTF-8
     bytes, or None (no notification). Anything else (a list of ints, a number) is refused:
-    ``bytes([1, 2])`` would silently make a message of it."""
+    ``bytes([1, 2])`` would silently make a message of it. A message starting with a reserved
+    prefix (``kvplan_nixl.reserved``: the control notices', the staged protocol's) is refused:
+    the receiver never hands those to ``notifications()``."""
     if value is None:
         return None
     if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
-    raise ArgumentError(f"notify must be bytes or str (or None), got "
-                        f"{type(value).__name__} {_shown(value)}")
+        value = value.encode()
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise ArgumentError(f"notify must be bytes or str (or None), got "
+                            f"{type(value).__name__} {_shown(value)}")
+    value = bytes(value)
+    if is_reserved(value):  # the receiver would route it to a protocol, never to the user
+        raise ArgumentError(f"notify {_shown(value)} starts with a prefix reserved for the "
+                            f"executor's own messages ({RESERVED_TEXT})")
+    return value
 
 
 def check_str(name: str, value: Any) -> str:

@@ -51,6 +51,7 @@ from kvplan_nixl.notifications import Notification, NotificationRouter
 from kvplan_nixl.parts import RequestTransfer
 from kvplan_nixl.peers import Peer, PeerTable
 from kvplan_nixl.posting import Poster
+from kvplan_nixl.reserved import STAGED, unserved_answer
 from kvplan_nixl.routes import Route, RouteTable
 from kvplan_nixl.transfer import Transfer
 
@@ -183,7 +184,7 @@ class Endpoint:
         return self._peers.sorted()
 
     def disconnect(self, remote: str, rank: int) -> None:
-        """Forget one peer rank: its transfers in flight fail, its descriptor lists are released."""
+        """Forget one peer rank: its transfers fail, its lists go (its hello keeps it known)."""
         agent = self._require()
         peer = self._peers.peers.get((check_str("remote", remote), check_int("rank", rank)))
         if peer is None:
@@ -192,18 +193,18 @@ class Endpoint:
 
     @property
     def ignored_notices(self) -> int:
-        """Notifications ignored: dropped by the envelope (unknown sender, unsigned, forged,
-        replayed) and control notices that made no sense (see :meth:`stats`)."""
-        return self._handshake.ignored + sum(self._envelope.dropped.values())
+        """Notifications ignored, all reasons of :meth:`stats` together."""
+        return sum(self.stats().values())
 
     def stats(self) -> dict[str, int]:
         """Notifications dropped since construction, by why: ``unknown`` (from an agent that
         is neither a connected peer nor a verified initiator), ``unsigned``, ``forged`` (its
         tag does not verify under the secret), ``replayed`` (a counter seen before, or of an
         older connection), ``control`` (a control notice that made no sense: a hello carrying
-        another agent's metadata, a close from an agent not loaded). See docs/executor.md,
-        "Trust boundary"."""
-        return {**self._envelope.dropped, "control": self._handshake.ignored}
+        another agent's metadata, a close from an agent not loaded), ``unserved`` (staged
+        messages no Stager serves here; an OPEN is answered with a FAIL). See docs/executor.md."""
+        return {**self._envelope.dropped, "control": self._handshake.ignored,
+                "unserved": self._unserved_count}
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -272,10 +273,10 @@ class Endpoint:
         self.progress()
         return self._router.drain()
 
-    def _hook(self, prefix: bytes, fn: Callable[[str, bytes], None]) -> None:
+    def _hook(self, prefix: bytes, fn: Callable[[str, bytes], None] | None) -> None:
         """Internal: hand messages starting with ``prefix`` (5 bytes) to ``fn(agent_name,
         message)`` instead of :meth:`notifications` (a protocol layered on this endpoint: the
-        staged executor's ``kvs1``)."""
+        staged executor's ``kvs1``; None: its owner closed, a reserved prefix is dropped)."""
         self._router.hooks[prefix] = fn
 
     def _deliver(self, agent_name: str, message: bytes) -> None:
@@ -363,6 +364,7 @@ def _wire(ep: Endpoint, label: str, spread_pcp: bool) -> None:
     """Build ``ep``'s collaborators and wire them together (see the module doc): every message
     leaves through the envelope's ``seal`` and arrives through its ``open``."""
     ep._handles = handles = Handles()
+    ep._unserved_count = 0
     ep._peers = peers = PeerTable(handles)
     ep._routes_table = routes = RouteTable(
         ep.engine, ep.spec, ep.rank, handles, bases=ep._bases, nbytes=ep._nbytes,
@@ -374,11 +376,28 @@ def _wire(ep: Endpoint, label: str, spread_pcp: bool) -> None:
     ep._handshake = Handshake(ep.agent_name, ep._secret, peers, routes, ep.metadata,
                               ep.progress, env.seal)
     ep._router = NotificationRouter(
-        CTRL, lambda name, m: ep._handshake.on_control(ep._agent, name, m), env.open)
+        CTRL, lambda name, m: ep._handshake.on_control(ep._agent, name, m), env.open,
+        reserved={STAGED: lambda name, m: _unserved(ep, name, m)})
     ep._poster = Poster(label, ep.rank, routes, peers, handles, lambda: ep._agent, ep.progress,
                         ep.telemetry, env.seal)
     peers.on_drop(ep._poster.drop_peer)  # transfers with a dropped peer fail,
     peers.on_drop(routes.drop_peer)  # then its lists are released
+
+
+def _unserved(ep: Endpoint, agent_name: str, message: bytes) -> None:
+    """A staged message with no Stager on ``ep`` to serve it: dropped, counted (``unserved``),
+    never a user notification; an OPEN is answered with a FAIL at once so that its initiator
+    fails now, naming this endpoint (best effort: a peer gone learns nothing)."""
+    ep._unserved_count += 1
+    answer = unserved_answer(message, f"engine {ep.engine!r} rank {ep.rank}")
+    agent = ep._agent
+    if answer is None or agent is None:
+        return
+    try:
+        with nixl_call("send_notif", agent_name):
+            agent.send_notif(agent_name, ep._envelope.seal(agent_name, answer))
+    except NixlError:
+        pass
 
 
 def _layout(spec: EngineSpec, rank: int, allocs: Mapping[int, Any]) -> tuple[tuple[int, ...], ...]:

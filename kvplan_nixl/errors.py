@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from kvplan import KVPlanError
+from kvplan import KVPlanError, PlanError
 
 __all__ = [
     "ArgumentError",
@@ -61,8 +61,9 @@ class PlanMismatchError(ExecutorError, ValueError):
     """A plan was made for another engine pair, rank or direction than the call implies."""
 
 
-class BoundsError(ExecutorError, ValueError):
-    """A run lies outside the registered bytes of a region (or off its granule); nothing posted."""
+class BoundsError(ExecutorError, PlanError):
+    """A run lies outside the registered bytes of a region (or off its granule); nothing posted.
+    A :class:`kvplan.PlanError`: what `kvplan.check_plan` refuses, the executor refuses too."""
 
 
 class BusyError(ExecutorError, RuntimeError):

@@ -21,6 +21,7 @@ from kvplan import Mode
 from kvplan_nixl import metadata as md
 from kvplan_nixl.errors import MetadataError, NixlError, is_nixl_error, nixl_call
 from kvplan_nixl.peers import Peer, PeerTable
+from kvplan_nixl.reserved import CTRL
 from kvplan_nixl.routes import RouteTable
 
 __all__ = ["CLOSE", "CTRL", "HELLO", "Handshake"]
@@ -29,7 +30,6 @@ __all__ = ["CLOSE", "CTRL", "HELLO", "Handshake"]
 #: ``notifications()``): ``hello`` carries the connecting endpoint's metadata so that the target
 #: can reach it, ``close`` says the sender closed. With a secret, both are sealed (as every
 #: message) by the envelope.
-CTRL = b"\x00kvplan_nixl\x00"
 HELLO = CTRL + b"hello"
 CLOSE = CTRL + b"close"
 #: How long close() keeps progressing so that its notices leave: rounds x sleep (~5 ms).
@@ -138,13 +138,15 @@ class Handshake:
             return
         peers = self.peers
         if msg.startswith(HELLO):
-            if sender in peers.loaded:
-                return  # a peer already: close notices reach it anyway
+            # checked even from a connected peer: a hello marks a route *from* the sender,
+            # which keeps its agent known after our route to it is disconnected
             try:
                 info = md.decode(msg[len(HELLO):], self.secret)
                 if info.agent != sender or md.nixl_agent_name(info.agent_metadata) != sender:
                     raise MetadataError(f"hello from {sender!r} carries another agent's metadata")
-                peers.load(agent, info, f"engine {info.engine!r} rank {info.rank}")
+                if sender not in peers.loaded:
+                    peers.load(agent, info, f"engine {info.engine!r} rank {info.rank}")
+                peers.hellos.add(sender)
             except (MetadataError, NixlError):
                 self.ignored += 1
             return

@@ -5,7 +5,8 @@ drains NIXL's new notifications, opens each (``open``: the endpoint's
 :class:`~kvplan_nixl.envelope.Envelope`, which drops what an unknown, forging or replaying sender
 sent) and routes the message by its prefix: the endpoints' control
 notices (hello, close) to the handshake, a protocol layered on the endpoint (the staged
-executor's ``kvs1``) to the hook it registered, everything else to the user's queue, which
+executor's ``kvs1``) to the hook it registered (a reserved prefix nobody hooked to its
+fallback handler, never to the user), everything else to the user's queue, which
 ``Endpoint.notifications()`` drains. It parses no message body and may not import the
 endpoint, the handshake or any protocol: they are handed in as callbacks.
 """
@@ -44,14 +45,19 @@ def sender(agent_name: str) -> tuple[str, int]:
 
 class NotificationRouter:
     """Routes received notifications: ``control_prefix`` to ``control``, hooks by their
-    5-byte prefix, the rest to the user's queue."""
+    5-byte prefix (``reserved``: handlers of prefixes no hook serves), the rest to the
+    user's queue."""
 
     def __init__(self, control_prefix: bytes, control: Handler,
-                 open_: Callable[[str, bytes], bytes | None]) -> None:
+                 open_: Callable[[str, bytes], bytes | None],
+                 reserved: dict[bytes, Handler] | None = None) -> None:
         self._control_prefix = control_prefix
         self._open = open_
         self._control = control
-        self.hooks: dict[bytes, Handler] = {}
+        self.hooks: dict[bytes, Handler | None] = {}
+        #: per reserved 5-byte prefix, its handler while no hook serves it: a protocol's
+        #: message never reaches the user's queue, served or not
+        self.reserved: dict[bytes, Handler] = dict(reserved or {})
         self.queue: collections.deque[Notification] = collections.deque()
 
     def progress(self, agent: Any) -> int:
@@ -69,7 +75,7 @@ class NotificationRouter:
                 if m.startswith(self._control_prefix):
                     self._control(name, m)
                     continue
-                hook = self.hooks.get(m[:5])
+                hook = self.hooks.get(m[:5]) or self.reserved.get(m[:5])
                 if hook is not None:
                     hook(name, m)
                     continue

@@ -57,6 +57,9 @@ class PeerTable:
         self.handles = handles
         self.peers: dict[tuple[str, int], Peer] = {}
         self.loaded: dict[str, tuple[str, int]] = {}  # remote agents loaded: peers, listeners
+        #: loaded agents whose hello verified: they hold a route to this endpoint, so they stay
+        #: loaded (and known to the envelope) when our own route to them is disconnected
+        self.hellos: set[str] = set()
         self._listeners: list[DropListener] = []
         self._unload_listeners: list[UnloadListener] = []
         #: agents disconnected but still loaded in NIXL: name -> their NIXL metadata
@@ -71,6 +74,11 @@ class PeerTable:
         """Call ``listener(name)`` whenever remote agent ``name`` is unloaded, before NIXL
         removes it."""
         self._unload_listeners.append(listener)
+
+    def off_drop(self, listener: DropListener) -> None:
+        """Stop calling drop ``listener`` (its owner closed)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     def off_unload(self, listener: UnloadListener) -> None:
         """Stop calling ``listener`` (its owner closed)."""
@@ -113,6 +121,7 @@ class PeerTable:
         """Remove a loaded remote agent (``quiet``: a NIXL refusal is ignored); ``park``: keep
         it loaded in NIXL for a reconnect instead (see the module doc)."""
         self.loaded.pop(name, None)
+        self.hellos.discard(name)
         nixl_md = self._nixl_md.pop(name, None)
         for listener in list(self._unload_listeners):
             listener(name)
@@ -141,11 +150,18 @@ class PeerTable:
              park: bool = False) -> None:
         """Forget ``peer``: every listener releases what it holds for it, then its agent is
         unloaded (``park``: kept loaded in NIXL, a live peer disconnected: see the module doc).
-        Raises the first failure once everything was attempted."""
+        A peer disconnected (``park``) whose hello verified keeps its agent loaded: its own
+        route to this endpoint still lives (its notifications, its staged requests), and goes
+        only with its close notice, a restart or our close. Raises the first failure once
+        everything was attempted."""
         errors: list[BaseException] = []
-        for listener in self._listeners:
+        for listener in list(self._listeners):
             listener(peer, why, errors)
         del self.peers[(peer.engine, peer.rank)]
+        if park and peer.agent in self.hellos:
+            if errors:
+                raise errors[0]
+            return
         try:
             self.unload(agent, peer.agent, park=park)
         except Exception as exc:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvplan import EngineSpec, Mode, TransferMap, TransferPlan, pull_map, push_map
+from kvplan import EngineSpec, Mode, TransferMap, TransferPlan, check_plan, pull_map, push_map
 from kvplan_nixl import metadata as md
 from kvplan_nixl._nixl import NIXL_LOCAL
 from kvplan_nixl.descriptors import Ladder, Lowered, kind_shifts, lower, run_text, split_kinds
@@ -137,12 +137,17 @@ class RouteTable:
         return route
 
     def check_plan(self, plan: TransferPlan, route: Route, remote: str, mode: Mode) -> None:
-        """Raise unless ``plan`` was made by ``route``'s map (or an equal one)."""
+        """Raise unless ``plan`` was made by ``route``'s map (or an equal one) and its runs fit
+        the map's geometry: ``kvplan.check_plan``, the checks ``kvplan.simulate`` applies,
+        with its :class:`~kvplan.PlanError` (a plan's arrays may have been edited)."""
         if not isinstance(plan, TransferPlan):
             raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
+        if plan.map is not route.map:
+            self._check_map(plan, route, remote, mode)
+        check_plan(plan)
+
+    def _check_map(self, plan: TransferPlan, route: Route, remote: str, mode: Mode) -> None:
         m = plan.map
-        if m is route.map:
-            return
         verb = "read" if mode is Mode.PULL else "write"
         if m.mode is not mode:
             raise PlanMismatchError(

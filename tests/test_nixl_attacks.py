@@ -448,3 +448,53 @@ def test_two_thousand_connect_disconnect_cycles_stay_flat():
         took = time.perf_counter() - t0
         assert (_fds(), d.handles(), p.handles(), sd.handles()) == base
         assert took < 120, took
+
+
+# -- issue 28: a tampered plan through the staged path, a disconnect of one direction ----------
+
+
+def test_tampered_plan_is_refused_by_the_staged_path_before_any_open(monkeypatch):
+    """The staged initiator applies kvplan.check_plan too: an edited plan (a run naming buffer
+    -64, two runs on one destination byte) is refused with simulate's PlanError before an OPEN
+    leaves; nothing is held on either side."""
+    import attrs
+    import numpy as np
+
+    from kvplan import PlanError
+
+    with staged() as pr:
+        d = pr.d[0]
+        sd = pr.stagers[d]
+        cap = _Capture(monkeypatch, d)
+        plan = d.map("prefill").plan(SB, DB)
+        for edit in ({"dst_buffer": -64}, {"dst_offset": int(plan.copies()["dst_offset"][1])}):
+            rows = plan.copies().copy()
+            for k, v in edit.items():
+                rows[k][0] = v
+            rows.flags.writeable = False
+            bad = attrs.evolve(plan, rows=rows)
+            for how in ("staged", "auto", "direct"):
+                with pytest.raises(PlanError):
+                    sd.post(bad, "prefill", how=how, timeout=5)
+        assert not [m for _, m in cap.sent if b"kvs1 OPEN" in m]
+        assert _idle(sd) == IDLE and d.handles()["xfer"] == 0
+        assert np.array_equal(pr.dst_bufs[(0, 0)], pr.before[(0, 0)])
+        _settled(pr)
+
+
+def test_prefill_dropping_its_push_route_keeps_decodes_pull_notifications():
+    """The held-out escape of issue 28: prefill disconnects its push route; decode, still
+    pulling, reads with notify, direct and staged; nothing of decode's is dropped as unknown."""
+    with staged() as pr:
+        p = pr.p[0]
+        p.disconnect("decode", 0)
+        for how in ("direct", "staged"):
+            if how == "direct":
+                pr.run("pull", SB, DB, notify=b"n-direct")
+            else:
+                _staged_run(pr, "pull", notify=b"n-staged")
+            pr.check(SB, DB)
+            assert _until(lambda: p._router.queue, list(pr.stagers.values()))
+            assert [n.message for n in p.notifications()] == [f"n-{how}".encode()]
+        assert p.stats()["unknown"] == 0
+        _settled(pr)

@@ -7,9 +7,8 @@ import attrs
 import numpy as np
 import pytest
 
-from kvplan import IncompatibleLayoutError, push_map
+from kvplan import IncompatibleLayoutError, PlanError, check_plan, push_map, simulate
 from kvplan_nixl import (
-    BoundsError,
     BufferSizeError,
     ClosedError,
     Endpoint,
@@ -18,7 +17,7 @@ from kvplan_nixl import (
     PlanMismatchError,
 )
 from kvplan_nixl import metadata as md
-from tests.nixl_util import ZERO, attn, mla, pair, spec
+from tests.nixl_util import ZERO, attn, mla, pair, shared_copy, spec
 
 SRC = spec(2, attn(heads=4), mla())
 DST = spec(1, attn(heads=4), mla())
@@ -114,23 +113,32 @@ def test_plan_naming_an_unconnected_peer_posts_nothing():
 @pytest.mark.parametrize(
     ("change", "msg"),
     [
-        ({"src_offset": 10**9}, r"remote run \[\d+:\d+\) is outside the \d+ registered bytes"),
-        ({"dst_offset": -4096}, r"local run \[-4096:.*outside"),
+        ({"src_offset": 10**9}, r"bytes 1000000000:\d+ lies outside the \d+-byte source buffer "
+                                r"'layers.0.attn' of rank 0"),
+        ({"dst_offset": -4096}, r"bytes -4096:.*outside the \d+-byte destination buffer"),
         ({"length": 10**9}, "outside"),
-        ({"length": 0}, "length 0 is not positive"),
-        ({"dst_offset": 8}, "not all multiples of the"),
-        ({"dst_region": 7}, "local region 7 does not exist"),
-        ({"src_region": 1}, "paired with remote region 'draft.0.mla'"),
+        ({"length": 0}, "run 0 copies 0 bytes"),
+        ({"dst_offset": 8}, "not in whole 128-byte granules of region 'layers.0.attn'"),
+        ({"dst_region": 7}, "destination region 7, but the engine has regions 0..1"),
+        ({"src_region": 1}, "source rank 0 region 1 in buffer 0, but that region lives in "
+                            "buffer 1"),
+        ({"src_region": 1, "src_buffer": 1, "src_offset": 0},
+         "pairs source region 'draft.0.mla' with destination region 'layers.0.attn'"),
+        ({"dst_buffer": -64}, "names destination buffer -64, but the engine has 2 buffers"),
+        ({"src_buffer": 2**31}, "names source buffer 2147483648"),
+        ({"src_rank": 5}, "names source rank 5, but the engine has ranks 0..1"),
     ],
 )
 def test_run_outside_registered_bounds_posts_nothing(change, msg):
+    """Refused by ``kvplan.check_plan`` (what ``simulate`` refuses, with its PlanError)."""
     with pair(SRC, DST) as pr:
         pr.connect("pull")
         d = pr.d[0]
         plan = _forged(d.map("prefill").plan([[1, 2, 3]], [[4, 5, 6]]), **change)
-        with pytest.raises(BoundsError, match=msg) as info:
+        with pytest.raises(PlanError, match=msg):
             d.read(plan, "prefill")
-        assert "run p0 L" in str(info.value)  # the run, in the project's notation
+        with pytest.raises(PlanError, match=msg):
+            check_plan(plan)
         assert d.handles()["xfer"] == 0 and d.handles()["transfers"] == 0
         assert _untouched(pr)
 
@@ -181,3 +189,73 @@ def test_metadata_roundtrip_is_exact():
         assert (info.engine, info.rank, info.spec) == ("prefill", 1, SRC)
         assert info.nbytes == tuple(SRC.rank_region_nbytes(i) for i in range(2))
         assert info.bases == tuple(pr.src_bufs[(1, i)].ctypes.data for i in range(2))
+
+
+# -- tampered plans: the executor refuses exactly what kvplan.simulate refuses (issue 28) -------
+
+_COLUMNS = ("src_rank", "src_region", "src_offset", "dst_rank", "dst_region", "dst_offset",
+            "length", "src_buffer", "dst_buffer")
+
+
+def _tamper(rng, plan):
+    """``plan`` with 1-2 edits of its arrays: nasty values, a neighbour's value, lengths that
+    make two runs overlap."""
+    rows = plan.copies().copy()
+    for _ in range(int(rng.integers(1, 3))):
+        k = int(rng.integers(len(rows)))
+        c = _COLUMNS[int(rng.integers(len(_COLUMNS)))]
+        v = int(rows[c][k])
+        j = int(rng.integers(len(rows)))
+        choice = int(rng.integers(8))
+        if choice == 0:
+            new = [-64, -1, 2**31, 2**62, 0, 1][int(rng.integers(6))]
+        elif choice == 1:
+            new = v + [-1, 1][int(rng.integers(2))]  # a neighbour rank, region, byte
+        elif choice == 2:
+            new = int(rows[c][j])  # another run's value (two runs on one destination...)
+        elif choice == 3 and c == "length":
+            new = v + int(rows["length"][j])  # runs into the next one
+        elif choice == 4:
+            c, new = "dst_offset", int(rows["dst_offset"][j])  # overlap another run
+        else:
+            new = v + 128 * int(rng.integers(-4, 5))  # off by whole granules
+        rows[c][k] = new
+    rows.flags.writeable = False
+    return attrs.evolve(plan, rows=rows)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_tampered_plans_are_refused_exactly_when_simulate_refuses_them(mode):
+    rng = np.random.default_rng(28 if mode == "pull" else 29)
+    with pair(SRC, DST, secret=b"s" * 16) as pr:
+        pr.connect(mode)
+        ini = pr.d[0] if mode == "pull" else pr.p[0]
+        remote = "prefill" if mode == "pull" else "decode"
+        post = ini.read if mode == "pull" else ini.write
+        genuine = ini.map(remote, mode).plan([[1, 2, 3, 9]], [[4, 5, 6, 7]])
+        refused = accepted = 0
+        for _ in range(120):
+            plan = _tamper(rng, genuine)
+            want = shared_copy(pr.before)
+            try:
+                simulate(plan, pr.src_bufs, want)
+                sim_error = None
+            except PlanError as exc:
+                sim_error = exc
+            try:
+                t = post(plan, remote, timeout=10)
+            except PlanError as exc:
+                assert sim_error is not None, f"executor refused what simulate takes: {exc}"
+                assert ini.handles()["xfer"] == 0 and ini.handles()["transfers"] == 0
+                assert _untouched(pr)
+                refused += 1
+                continue
+            assert sim_error is None, f"executor posted what simulate refuses: {sim_error}"
+            t.wait(10, progress=pr.endpoints)
+            for k, v in want.items():
+                assert np.array_equal(pr.dst_bufs[k], v), k
+                pr.dst_bufs[k][...] = pr.before[k]
+            accepted += 1
+        assert refused > 60 and accepted > 5, (refused, accepted)
+        for ep in pr.endpoints:
+            assert ep.handles()["xfer"] == 0

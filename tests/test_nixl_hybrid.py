@@ -8,9 +8,9 @@ import attrs
 import numpy as np
 import pytest
 
-from kvplan import EngineSpec, pull_map
+from kvplan import EngineSpec, PlanError, pull_map
 from kvplan.examples import kimi_linear_like
-from kvplan_nixl import BoundsError, BufferSizeError, Endpoint, State
+from kvplan_nixl import BufferSizeError, Endpoint, State
 from tests import oracle
 from tests.nixl_util import hybrid_blocks, notifications, pair
 
@@ -179,8 +179,8 @@ def test_run_on_a_region_of_another_stage_posts_nothing():
         assert rows["src_rank"][0] == 0 and src.stage_of(3) == 1
         rows["src_region"][0] = rows["dst_region"][0] = 3  # a stage-1 region, read from rank 0
         rows.flags.writeable = False
-        with pytest.raises(BoundsError, match="the peer rank holds no region 'layers.3.attn' "
-                           r"\(another pipeline stage\)"):
+        with pytest.raises(PlanError, match="source rank 0 region 3, but that rank holds no "
+                           r"region 'layers.3.attn' \(another pipeline stage"):
             d.read(attrs.evolve(plan, rows=rows), "prefill")
         assert d.handles()["xfer"] == 0 and d.handles()["transfers"] == 0
         assert all(np.array_equal(pr.dst_bufs[k], v) for k, v in pr.before.items())

@@ -356,7 +356,11 @@ def test_auto_splits_a_request_by_peer_when_the_model_says_so(monkeypatch):
     with staged_pair(SRC, DST) as pr:
         d = pr.d[0]
         st = pr.stagers[d]
-        monkeypatch.setattr(st, "staged_peers", lambda plan, remote: (1,))
+        from kvplan_nixl.staged import stager as stager_mod
+
+        real = stager_mod._peer_choices  # the cost model's per-peer verdicts: peer 1 staged
+        monkeypatch.setattr(stager_mod, "_peer_choices", lambda *a: [
+            (p, r, b, c, p == 1) for p, r, b, c, _ in real(*a)])
         plan = d.map("prefill").plan(sb, db)
         t = st.post(plan, "prefill", timeout=30)
         assert isinstance(t, MixedTransfer)
@@ -529,8 +533,8 @@ def test_post_carries_notify_direct_staged_and_mixed(mode, monkeypatch):
         for how in ("direct", "staged", "mixed"):
             if how == "mixed":
                 for ep, st in pr.stagers.items():
-                    pick = ((lambda plan, remote: (1,)) if mode == "pull" else
-                            (lambda plan, remote, r=ep.rank: tuple(plan.peers) if r else ()))
+                    pick = ((lambda plan, remote, *_: (1,)) if mode == "pull" else
+                            (lambda plan, remote, *_, r=ep.rank: tuple(plan.peers) if r else ()))
                     monkeypatch.setattr(st, "staged_peers", pick)
                     st.measured.rate.clear()  # else auto follows the two modes just timed
 

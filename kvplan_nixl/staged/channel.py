@@ -57,11 +57,9 @@ class Channel:
         return True
 
     def close(self) -> None:
-        """From now on drop staged messages: peers may still send about requests this side
-        dropped (a DONE, a HELLO), and they are protocol, never the user's notifications."""
-        self.ep._hook(TAG, _ignore)
+        """From now on the endpoint serves staged messages itself: peers may still send about
+        requests this side dropped (a DONE, a HELLO), and they are protocol, never the user's
+        notifications: the endpoint drops them and answers a new OPEN with a FAIL
+        (``kvplan_nixl.reserved``)."""
+        self.ep._hook(TAG, None)
         self.inbox.clear()
-
-
-def _ignore(_agent_name: str, _msg: bytes) -> None:
-    """The hook of a closed channel: drops late staged messages."""

@@ -21,12 +21,14 @@ import attrs
 import numpy as np
 
 from kvplan import Mode
+from kvplan_nixl.reserved import STAGED
 
 __all__ = ["PROBE_S", "TAG", "Message", "Open", "PoolInfo", "Refuse", "decode", "decode_open",
            "encode", "open_messages"]
 
-#: Protocol tag: the first five bytes of every staged message.
-TAG = b"kvs1 "
+#: Protocol tag: the first five bytes of every staged message (reserved on every endpoint,
+#: Stager or not: :mod:`kvplan_nixl.reserved`).
+TAG = STAGED
 #: Seconds either side of a request may go without hearing from the other before it sends a
 #: ``PING`` (answered by nothing). A peer whose process died had its sockets closed by its
 #: kernel: NIXL reports it disconnected, the probe cannot leave, and the request fails at

@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvplan import Mode, TransferPlan
+from kvplan import Mode, TransferPlan, check_plan
 from kvplan.staging import Costs, prefer_staged
 from kvplan_nixl.arguments import (
     check_choice,
@@ -115,6 +115,7 @@ class Stager:
         #: staged messages dropped, by why (see :meth:`stats`)
         self._dropped = {"malformed": 0, "stray": 0}
         endpoint._peers.on_unload(self._peer_gone)
+        endpoint._peers.on_drop(self._peer_dropped)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -160,26 +161,31 @@ class Stager:
         if not isinstance(plan, TransferPlan):
             raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
         key = Measured.shape(remote, plan.map.mode.value, len(plan), plan.nbytes)
-        if how == "auto":
-            how, self.last_choice = self._auto(plan, remote, key)
-        t = _post(self, plan, remote, how, notify, timeout)
+        choices = None
+        if how == "auto":  # the cost model evaluated once per request (not per decision step)
+            choices = self._choices(plan, remote)
+            how, self.last_choice = self._auto(plan, remote, key, choices)
+        t = _post(self, plan, remote, how, notify, timeout, choices)
         self.measured.watch(t, key, how, plan.nbytes)
         return t
 
-    def _auto(self, plan: TransferPlan, remote: str, key: tuple) -> tuple[str, str]:
+    def _auto(self, plan: TransferPlan, remote: str, key: tuple,
+              shapes: list) -> tuple[str, str]:
         """(mode, why) of an auto request: the cost model's choice until both modes were
         measured for requests of its shape, then the one measured faster (``measured``)."""
-        shapes = self._choices(plan, remote)
         if not any(runs > max(chunks, 1) for _, runs, _, chunks, _ in shapes):
             return "direct", "at most one run per chunk: nothing to gather"
-        staged = set(self.staged_peers(plan, remote))
+        staged = set(self.staged_peers(plan, remote, shapes))
         model = "direct" if not staged else "staged" if staged == set(plan.peers) else "mixed"
         return self.measured.pick(key, model)
 
-    def staged_peers(self, plan: TransferPlan, remote: str) -> tuple[int, ...]:
+    def staged_peers(self, plan: TransferPlan, remote: str,
+                     choices: list | None = None) -> tuple[int, ...]:
         """The peer ranks of ``plan`` for which the cost model predicts staging beats direct
-        posting (``kvplan.staging.prefer_staged`` with that peer's runs, bytes and chunks)."""
-        return tuple(peer for peer, *_, wins in self._choices(plan, remote) if wins)
+        posting (``kvplan.staging.prefer_staged`` with that peer's runs, bytes and chunks;
+        ``choices``: those verdicts, when the caller computed them already)."""
+        choices = self._choices(plan, remote) if choices is None else choices
+        return tuple(peer for peer, *_, wins in choices if wins)
 
     def prefer(self, plan: TransferPlan, remote: str) -> bool:
         """True when the cost model predicts staging ``plan`` beats posting it directly.
@@ -199,17 +205,8 @@ class Stager:
         """Per peer rank of ``plan``: (rank, runs, bytes, chunks, whether staging wins)."""
         if not isinstance(plan, TransferPlan):
             raise ArgumentError(f"plan must be a kvplan.TransferPlan, got {type(plan).__name__}")
-        costs = self.costs.get(remote, DEFAULT_COSTS)
-        rows = plan.copies()
-        col = "src_rank" if plan.map.mode is Mode.PULL else "dst_rank"
-        out = []
-        for peer in np.unique(rows[col]).tolist():
-            sel = rows["length"][rows[col] == peer]
-            nbytes = int(sel.sum())
-            chunks = -(-nbytes // self.slot_bytes)
-            out.append((int(peer), len(sel), nbytes, chunks, prefer_staged(
-                len(sel), nbytes, chunks, costs, overlap=self.pool.tensor.is_cuda)))
-        return out
+        return _peer_choices(plan, self.costs.get(remote, DEFAULT_COSTS), self.slot_bytes,
+                             self.pool.tensor.is_cuda)
 
     def calibrate(self, remote: str, *, progress: Iterable[Any] = (), timeout: float = 10.0
                   ) -> Costs:
@@ -284,6 +281,7 @@ class Stager:
     def close(self) -> None:
         """Fail every request (telling peers), release lists, deregister the pool."""
         self.ep._peers.off_unload(self._peer_gone)
+        self.ep._peers.off_drop(self._peer_dropped)
         self._initiator.close()
         self._server.close()
         self.channel.close()
@@ -337,6 +335,11 @@ class Stager:
         self._server.peer_gone(agent_name)
         self._pool.forget(agent_name)
 
+    def _peer_dropped(self, peer: Any, _why: str, _errors: list[BaseException]) -> None:
+        """Our route to ``peer`` went: our requests with it fail, its pool's list goes."""
+        self._initiator.peer_gone(peer.agent)
+        self._pool.forget(peer.agent)
+
     def _hello(self, agent_name: str) -> str | None:
         """Ask ``agent_name`` where its pool is (HELLO); the nonce, in ``_asking`` until the
         POOL comes (None: not sent)."""
@@ -348,11 +351,12 @@ class Stager:
 
 
 def _post(st: Stager, plan: TransferPlan, remote: str, how: str, notify: bytes | None,
-          timeout: float | None):
+          timeout: float | None, choices: list | None = None):
     """Post ``plan`` ``how`` (``direct``, ``staged`` or ``mixed``: the peers the cost model
-    stages staged, the others direct) through ``st``."""
+    stages staged, the others direct; ``choices``: its per-peer verdicts already computed)
+    through ``st``."""
     post = st.ep.read if plan.map.mode is Mode.PULL else st.ep.write
-    staged = st.staged_peers(plan, remote) if how == "mixed" else ()
+    staged = st.staged_peers(plan, remote, choices) if how == "mixed" else ()
     if how == "mixed" and not staged:  # the costs changed since the mix was measured
         how = "direct"
     elif how == "mixed" and set(staged) == set(plan.peers):
@@ -370,6 +374,28 @@ def _post(st: Stager, plan: TransferPlan, remote: str, how: str, notify: bytes |
     if how == "direct":
         return post(plan, remote, notify=notify, timeout=timeout)
     return st._initiator.start(plan, remote, plan.map.mode, timeout, notify)
+
+
+def _peer_choices(plan: TransferPlan, costs: Costs, slot_bytes: int, overlap: bool
+                  ) -> list[tuple[int, int, int, int, bool]]:
+    """:meth:`Stager._choices`: one pass per column (bincount), not a mask per peer, since it
+    runs on every auto request."""
+    rows = plan.copies()
+    m = plan.map
+    pull = m.mode is Mode.PULL
+    peer = np.ascontiguousarray(rows["src_rank" if pull else "dst_rank"])
+    n = (m.src if pull else m.dst).num_ranks
+    if len(peer) and not 0 <= int(peer.min()) <= int(peer.max()) < n:
+        check_plan(plan)  # an edited plan: refused with simulate's PlanError, naming the rank
+    runs = np.bincount(peer, minlength=n)
+    nbytes = np.bincount(peer, weights=np.ascontiguousarray(rows["length"]), minlength=n)
+    out = []
+    for p in np.flatnonzero(runs).tolist():
+        b = int(nbytes[p])
+        chunks = -(-b // slot_bytes)
+        out.append((p, int(runs[p]), b, chunks,
+                    prefer_staged(int(runs[p]), b, chunks, costs, overlap=overlap)))
+    return out
 
 
 def _buffer_tensors(endpoint: Endpoint) -> dict[int, torch.Tensor]:
