@@ -97,6 +97,13 @@ def test_sliding_window_and_full_attention_groups(pool):
     plain = p1.generate(ids, 16)
     assert pd(p1, d1, ids, prefill_ids=prompt(302))["tokens"] != plain["tokens"]
     pd_equals_plain(p1, t2, prompt(303, 70), "gemma3 P TP1 -> D TP2")
+    # a prefix-cache hit on decode, in both groups: the second request pulls only its third
+    # block of 32 (positions [64, 96)), and still equals its plain run
+    shared = prompt(304, 64)
+    a, b = shared + prompt(305, 20), shared + prompt(306, 25)
+    pd_equals_plain(p1, d1, a, "gemma3 first request")
+    pulls = pd_equals_plain(p1, d1, b, "gemma3 second request, sharing 64 positions")
+    assert "tokens=[64,96)" in pulls[-1], pulls
 
 
 def test_mla_decode_equals_nixl_connectors(pool):
@@ -105,10 +112,8 @@ def test_mla_decode_equals_nixl_connectors(pool):
     ids = prompt(400, 45)
     ids2 = prompt(401, 70)
     p1, d1, t2 = pool.only("mla-p1-nixl", "mla-d1-nixl", "mla-t2-nixl")
-    ref = [pd(p1, d1, ids, mode="pull")["tokens"], pd(t2, d1, ids2, mode="pull")["tokens"]]
+    ref = [pd(p1, d1, ids, mode="pull"), pd(t2, d1, ids2, mode="pull")]
     p1, d1, t2 = pool.only("mla-p1", "mla-d1", "mla-t2")
-    got = pd(p1, d1, ids)
-    check_equal(got, {"tokens": ref[0]}, "MLA P TP1 -> D TP1 against NixlConnector")
-    got = pd(t2, d1, ids2)
-    check_equal(got, {"tokens": ref[1]}, "MLA P TP2 -> D TP1 against NixlConnector")
-    assert pd(p1, d1, ids, prefill_ids=prompt(402, 45))["tokens"] != ref[0]
+    check_equal(pd(p1, d1, ids), ref[0], "MLA P TP1 -> D TP1 against NixlConnector")
+    check_equal(pd(t2, d1, ids2), ref[1], "MLA P TP2 -> D TP1 against NixlConnector")
+    assert pd(p1, d1, ids, prefill_ids=prompt(402, 45))["tokens"] != ref[0]["tokens"]
