@@ -473,3 +473,32 @@ def test_transfer_groups_clip_and_absent_blocks():
     assert [a.tolist() for a in dst] == [[41], [ABSENT, 51, 52, 53], [61, 62, 63, 64]]
     with pytest.raises(Exception, match="same model"):
         g.remote(handed[:2], first[:2])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gdn_and_mamba1_state_parts(tp):
+    """GDN (q | k | v conv channels, temporal (v_heads, v_dim, k_dim)) and Mamba1 (x only,
+    temporal (channels, state)) pages become parts sharded on their own units."""
+    k, v, hv, dv, dk = 8 // tp, 16 // tp, 4 // tp, 4, 2
+    cases = {
+        "MambaAttentionBackendEnum.GDN_ATTN": (((3, 2 * k + v), (hv, dv, dk)),
+                                               {"q_conv.0": 8, "k_conv.0": 8, "v_conv.0": 16,
+                                                "ssm": 4}),
+        "MambaAttentionBackendEnum.MAMBA1": (((3, 8 // tp), (8 // tp, 4)),
+                                             {"x_conv.0": 8, "ssm": 8}),
+    }
+    for mtype, ((conv, temporal), units) in cases.items():
+        nbytes = (int(np.prod(conv)) + int(np.prod(temporal))) * 4
+        pool = np.zeros(4 * 256, np.uint8)
+        t = FakeTensor(np.lib.stride_tricks.as_strided(pool, (4, 1, 1, nbytes),
+                                                       (256, nbytes, nbytes, 1)))
+        spec = MambaSpec(block_size=16, shapes=(conv, temporal), mamba_type=mtype,
+                         dtypes=("torch.float32", "torch.float32"))
+        cfg = SimpleNamespace(num_blocks=4, kv_cache_groups=[
+            SimpleNamespace(layer_names=["m"], kv_cache_spec=spec)], kv_cache_tensors=[
+            SimpleNamespace(size=pool.size, layers=["m"], layer_stride=pool.size,
+                            block_stride=256, offset=0)])
+        r = spec_from_vllm({"m": t}, cfg, tp_size=tp).regions[0]
+        got = {p.name: p.units for p in r.parts}
+        assert {n: got[n] for n in units} == units, (mtype, got)
+        assert sum(p.unit_bytes * max(1, p.units // tp) for p in r.parts) == nbytes

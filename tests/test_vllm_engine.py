@@ -23,32 +23,22 @@ import time
 
 import pytest
 
-from tests import vllm_env
 from tests.vllm_pool import (
     PULL,
-    Pool,
     check_equal,
+    engine_pool,
     free_base_port,
     pd,
     pd_equals_plain,
     prompt,
-    remove_orphan_shm,
-    shm_files,
     tails,
 )
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    try:
-        py = vllm_env.ensure()
-    except vllm_env.EnvUnavailable as e:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
-    shm = shm_files()
-    p = Pool(py, tmp_path_factory.mktemp("vllm"))
-    yield p
-    p.close()
-    remove_orphan_shm(shm)
+    with engine_pool(tmp_path_factory, "vllm") as p:
+        yield p
 
 
 def test_tp1_to_tp1_equals_plain_run(pool):

@@ -23,30 +23,20 @@ import re
 
 import pytest
 
-from tests import vllm_env
 from tests.vllm_pool import (
-    Pool,
     check_equal,
+    engine_pool,
     free_base_port,
     pd,
     pd_equals_plain,
     prompt,
-    remove_orphan_shm,
-    shm_files,
 )
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    try:
-        py = vllm_env.ensure()
-    except vllm_env.EnvUnavailable as e:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
-    shm = shm_files()
-    p = Pool(py, tmp_path_factory.mktemp("vllm-hybrid"))
-    yield p
-    p.close()
-    remove_orphan_shm(shm)
+    with engine_pool(tmp_path_factory, "vllm-hybrid") as p:
+        yield p
 
 
 def _hetero_pairs(pool, key: str, seed: int) -> None:

@@ -11,6 +11,7 @@ lines and the first error of its log (the root cause vLLM's "see stack trace" po
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -313,3 +314,24 @@ def pd_equals_plain(p: Engine, d: Engine, ids: list[int], what: str) -> list[str
     assert len(d.log_lines(FAILED)) == failed, f"{what}: a pull failed{tails()}"
     assert len(d.log_lines(PULL)) > before, f"{what}: decode posted no pull{tails()}"
     return d.log_lines(PULL)
+
+
+@contextlib.contextmanager
+def engine_pool(tmp_path_factory, name: str):
+    """A :class:`Pool` for one test module (its fixture): skips, saying why, where the vLLM
+    venv cannot be built; stops every engine and removes orphaned shared memory after."""
+    import pytest
+
+    from tests import vllm_env
+
+    try:
+        py = vllm_env.ensure()
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+    shm = shm_files()
+    pool = Pool(py, tmp_path_factory.mktemp(name))
+    try:
+        yield pool
+    finally:
+        pool.close()
+        remove_orphan_shm(shm)
