@@ -12,6 +12,7 @@ tests/vllm_pool.py (``MODELS``). Takes 5-10 minutes per model and connector on t
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--connectors", nargs="+", default=["kvplan", "nixl"])
     ap.add_argument("--lengths", type=int, nargs="+", default=[45, 70])
     args = ap.parse_args()
+    # a timeout or kill -TERM still stops the engines (each runs in its own session)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     pool = Pool(vllm_env.ensure(), Path(tempfile.mkdtemp(prefix="kvplan-matrix-")))
     print("| model | connector | pair | prompts | equal | first differing token "
           "| max logprob diff |")
