@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,10 +43,12 @@ from kvplan.cli.cliargs import (
     MAX_BLOCKS,
     MAX_TOKENS,
     MAX_TP,
+    LegendEntry,
     UsageError,
     columns,
     int_in,
-    legend,
+    print_legend,
+    recorded,
     wrap,
 )
 from kvplan.compat import region_pairs
@@ -464,8 +467,10 @@ def _shape(spec: EngineSpec) -> str:
     return f"{parallel_label(spec)} {layouts(spec)}"
 
 
-OFFSETS = ("where the first run starts, in bytes from the block's start, in the source block (+a) "
-           "and in the destination block (+b)")
+#: The legend's entry for explain's offsets column.
+OFFSETS = LegendEntry("offsets +a -> +b", "where the first run starts, in bytes from the block's "
+                      "start, in the source block (+a) and in the destination block (+b)",
+                      r"\+\d+ -> \+\d+")
 _COLUMNS = ("from", "regions", "placement", "streams", "offsets", "bytes", "runs")
 
 
@@ -501,9 +506,11 @@ def _rank_title(r: dict[str, Any]) -> str:
             f"{', '.join(f'p{p}' for p in r['peers'])}")
 
 
-def _fit(console, table, cells: list[list[str]], width: int) -> bool:
-    """Size ``table``'s columns so it fits ``width`` with cells wrapped between words only;
-    False when even its longest words do not fit (the caller prints one block per row)."""
+def _widths(console, table, cells: list[list[str]], width: int) -> list[int] | None:
+    """Column widths for ``table`` (whose columns are those of ``cells``, a header line and the
+    rows of every rank) that fit ``width`` with cells wrapped between words only; None when even
+    the longest words do not fit (the caller prints one block per row). Every rank's table
+    gets these widths, so the tables of one output are one width."""
     from rich.measure import Measurement
 
     n = len(cells[0])
@@ -514,60 +521,86 @@ def _fit(console, table, cells: list[list[str]], width: int) -> bool:
     wide = console.options.update_width(1 << 16)  # measured unclamped: borders and padding
     extra = Measurement.get(console, wide, table).maximum - sum(longest)
     if sum(longest) + extra <= width:
-        return True
+        return longest
     if sum(words) + extra > width:
-        return False
+        return None
     sizes, spare = list(words), width - extra - sum(words)
     for i in sorted(range(n), key=lambda i: longest[i] - words[i]):  # narrowest needs first
         grow = min(spare, longest[i] - words[i])
         sizes[i] += grow
         spare -= grow
-    for col, size in zip(table.columns, sizes):
-        col.width = size
-    return True
+    return sizes
+
+
+#: Trailing blanks of a line, with any terminal escapes among them (rich pads every line of a
+#: table to its width, and styles the padding).
+_TRAILING = re.compile(r"(?:[ \t]|\x1b\[[0-9;]*m)+$", re.M)
+_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _emit(console, *objects: Any, **kw: Any) -> None:
+    """``console.print(*objects, **kw)`` with no trailing spaces on any line (the escapes that
+    end a style are kept)."""
+    with console.capture() as cap:
+        console.print(*objects, **kw)
+    sys.stdout.write(_TRAILING.sub(lambda m: "".join(_ESCAPE.findall(m.group())), cap.get()))
 
 
 def _print_text(doc: dict[str, Any], title: str) -> None:
+    with recorded() as shown:
+        _print_tables(doc, title)
+    print_legend(shown.text, (OFFSETS,))
+
+
+def _print_tables(doc: dict[str, Any], title: str) -> None:
     width = columns()
     console = _console()
-    notes = legend(width, [("offsets +a -> +b", OFFSETS)])
+    cells = [list(_COLUMNS)] + [[_cell(row, c) for c in _COLUMNS]
+                                for r in doc["ranks"] for row in _rows(r)]
     if console is None:
         print(wrap(title, width))
+        widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
+        fits = 2 + sum(widths) + 2 * (len(widths) - 1) <= width
         for r in doc["ranks"]:
             print(f"\n{_rank_title(r)}")
-            table = [list(_COLUMNS)] + [[_cell(row, c) for c in _COLUMNS] for row in _rows(r)]
-            widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
-            if 2 + sum(widths) + 2 * (len(widths) - 1) > width:
+            if not fits:  # one layout for every rank: blocks everywhere
                 print("\n".join(_records(r, width)))
                 continue
-            for line in table:
+            mine = [list(_COLUMNS)] + [[_cell(row, c) for c in _COLUMNS] for row in _rows(r)]
+            for line in mine:
                 print("  " + "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
         for w in doc["warnings"]:
             print(wrap(f"warning: {w}", width))
-        print(f"\n{notes}")
         return
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
-    console.print(escape(wrap(title, width)), style="bold", soft_wrap=True)
-    for r in doc["ranks"]:
-        cells = [list(_COLUMNS)] + [[_cell(row, c) for c in _COLUMNS] for row in _rows(r)]
-        table = Table(title=_rank_title(r), title_justify="left", box=box.SIMPLE_HEAD,
-                      pad_edge=False)
+    def table() -> Table:
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         for c in _COLUMNS:
-            table.add_column(c, justify="right" if c in ("bytes", "runs") else "left",
-                             no_wrap=c in ("from", "bytes", "runs"))
-        for line in cells[1:]:
-            table.add_row(*map(escape, line))
-        if _fit(console, table, cells, width):
-            console.print(table)
-        else:  # too narrow for the table: one block per row
-            console.print(f"\n{escape(_rank_title(r))}")
-            console.print(escape("\n".join(_records(r, width))), soft_wrap=True)
+            t.add_column(c, justify="right" if c in ("bytes", "runs") else "left",
+                         no_wrap=c in ("from", "bytes", "runs"))
+        return t
+
+    probe = table()  # every rank's rows in one table, measured
+    for line in cells[1:]:
+        probe.add_row(*map(escape, line))
+    sizes = _widths(console, probe, cells, width)
+    _emit(console, escape(wrap(title, width)), style="bold", soft_wrap=True)
+    for r in doc["ranks"]:
+        _emit(console, f"\n{escape(_rank_title(r))}", soft_wrap=True)
+        if sizes is None:  # too narrow for the table: one block per row
+            _emit(console, escape("\n".join(_records(r, width))), soft_wrap=True)
+            continue
+        t = table()
+        for col, size in zip(t.columns, sizes):
+            col.width = size
+        for row in _rows(r):
+            t.add_row(*(escape(_cell(row, c)) for c in _COLUMNS))
+        _emit(console, t)
     for w in doc["warnings"]:
-        console.print(escape(wrap(f"warning: {w}", width)), style="yellow", soft_wrap=True)
-    console.print(f"\n{escape(notes)}", style="dim", soft_wrap=True)
+        _emit(console, escape(wrap(f"warning: {w}", width)), style="yellow", soft_wrap=True)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
