@@ -58,6 +58,7 @@ LAYERS = {
     "kvplan.staging": 5,
     "kvplan.simulate": 5,
     "kvplan.hf": 5,
+    "kvplan.hf_families": 5,
     "kvplan.presets": 5,
     "kvplan.examples": 5,
     "kvplan.strategies": 5,

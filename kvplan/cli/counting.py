@@ -36,6 +36,7 @@ COMPARED_LAYOUTS = ("HND", *kvplan.spec.VLLM_ORDERS)
 
 
 def blocks_needed(tokens: int, block_size: int) -> int:
+    """Blocks a region needs for ``tokens`` tokens with non-adjacent ids (every other id)."""
     return 2 * -(-tokens // block_size) + 1  # room for non-adjacent ids
 
 
