@@ -62,6 +62,7 @@ LAYERS = {
     "kvplan.presets": 5,
     "kvplan.examples": 5,
     "kvplan.strategies": 5,
+    "kvplan.strategies_requests": 5,
     "kvplan.adapters": 5,
     "kvplan.adapters.vllm": 5,
     "kvplan.cli": 7,
