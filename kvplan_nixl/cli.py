@@ -31,7 +31,7 @@ import numpy as np
 
 import kvplan
 from kvplan import EngineSpec
-from kvplan.cli.cliargs import HelpFormatter, UsageError, columns, fitted, legend
+from kvplan.cli.cliargs import HelpFormatter, UsageError, fitted, print_legend, recorded
 from kvplan.cli.engines import engine_options, engines
 from kvplan.cli.engines import plans as make_plans
 from kvplan.cli.progress import step
@@ -120,6 +120,15 @@ def _import_endpoint():
 
 
 def cmd_demo(args) -> int:
+    """``kvplan demo``: :func:`_demo`, then the legend of the notation its output used."""
+    with recorded() as shown:
+        code = _demo(args)
+    if code == 0:
+        print_legend(shown.text)
+    return code
+
+
+def _demo(args) -> int:
     src, dst = engines(args)
     with step("planning"):
         plans = make_plans(args, src, dst)  # refuses incompatible engines before any agent exists
@@ -248,5 +257,4 @@ def cmd_demo(args) -> int:
     print(f"verified: all {human_bytes(checked)} ({checked} bytes) of the decode ranks' "
           f"buffers match kvplan.simulate: the {human_bytes(total)} moved landed where the plan "
           "says, and every other byte is untouched")
-    print(f"\n{legend(columns())}")
     return 0

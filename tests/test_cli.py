@@ -152,8 +152,46 @@ def test_plan_output_folds_alike_layers_and_explains_its_notation(capsys):
     lines = out.splitlines()
     assert len(lines) < 40, out  # was one line per layer per peer: 326 lines
     assert sum("layers.[0-79].attn x80: S(heads" in ln for ln in lines) == 4
-    assert "legend:\n" in out and "  S(heads a:b) = SPLIT" in out and "R = REPLICATE" in out
+    assert "legend:\n" in out and "  S(heads a:b) = SPLIT" in out
     assert "run = one contiguous byte copy" in out and "GB/s = 10^9" in out
+    # a plain GQA model: no MLA, no state, no DCP or PCP, no layout named above the legend
+    notes = out[out.index("legend:"):]
+    for absent in ("R = REPLICATE", "S(x a:b", "DCP2", "PCP2", "HND, NHD", "replica 2/4"):
+        assert absent not in notes, absent
+
+
+def test_the_legend_lists_the_notation_a_hybrid_plan_uses(capsys):
+    """MLA (R, K) and KDA state parts appear above, so their entries appear below; a legend
+    entry no output line uses (SPLIT heads: the example has no GQA layer) does not."""
+    assert cli.main(["plan", "--example", "kimi-linear", "--prefill-tp", "2", "--decode-tp",
+                     "1", "--tokens", "128", "--num-blocks", "8"]) == 0
+    out = capsys.readouterr().out
+    body, notes = out.split("legend:\n")
+    assert "R K" in body and "S(q_conv 0:256" in body and "S(heads" not in body
+    assert "  R = REPLICATE" in notes and "  S(x a:b, B c:d, ...) = slices" in notes
+    assert "  K+V = key and value" in notes and "group = KV-cache group" in notes
+    assert "S(heads a:b)" not in notes and "DCP" not in notes
+
+
+def test_every_legend_entry_is_recognised_where_an_output_uses_it():
+    """Each entry's pattern matches the notation it explains, as the outputs write it, and
+    not the rest of a plain plan's lines."""
+    from kvplan.cli.cliargs import LEGEND_ENTRIES
+
+    used = {"p0, d1": "  p3: 20.0 MiB", "S(heads a:b)": "S(heads 0:2) K+V", "R": ": R K, 72",
+            "S(x a:b, B c:d, ...)": "S(x 0:128, B 0:8)", "TP8 PP2": "TP4 PP2 HND",
+            "DCP2, DCP 1/2": "d1 (heads 0:4, DCP slice 2/2)",
+            "PCP2, PCP replica 1/2": "S(heads 0:1) PCP replica 1/2",
+            "HND, NHD, BLHNC": "TP8 BLHNC ->", "K+V": "S(heads 0:1) K+V,",
+            "run": "in 4 runs", "group": "in 1 group(s)", "layers.[0-79].attn x80":
+            "layers.[0-3].attn x4", "B, KiB, MiB, GiB": "576 B", "d0 (heads 0:4)":
+            "d0 (heads 0:2): 1.0 MiB", "replica 2/4": "d3 (heads 1:2, replica 2/2)"}
+    assert sorted(used) == sorted(e.term for e in LEGEND_ENTRIES)
+    plain = "TransferPlan pull: something of nothing"
+    for e in LEGEND_ENTRIES:
+        assert e.used_in(used[e.term]), e.term
+        assert not e.used_in(plain), e.term
+    assert not next(e for e in LEGEND_ENTRIES if e.term == "R").used_in("RDMA KiB REPLICATE")
 
 
 # -- pipes, interrupts, missing NIXL --------------------------------------------------------

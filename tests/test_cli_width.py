@@ -109,3 +109,57 @@ def test_plan_summaries_wrap_to_the_terminal_between_words(capsys, monkeypatch):
     summary = wide[:wide.index("legend:")]
     # the same words, whole: only the line breaks differ
     assert " ".join(narrow[:narrow.index("legend:")].split()) == " ".join(summary.split())
+
+
+#: Every decode rank of a hybrid whose ranks read different cells (offsets, heads, peers).
+ALL_RANKS = ["explain", "--prefill", "qwen3-next-80b-a3b", "--prefill-tp", "2", "--decode",
+             "qwen3-next-80b-a3b", "--decode-tp", "4", "--tokens", "1024",
+             "--no-compare-layouts"]
+
+
+@pytest.mark.parametrize("columns", [None, 120, 200], ids=["pipe", "120", "200"])
+@pytest.mark.parametrize("argv", [PLAIN, ALL_RANKS,
+                                  [*PLAIN[:-1], "--compare-layouts", "--tokens", "512"],
+                                  ["plan", "--example", "kimi-linear", "--tokens", "128",
+                                   "--num-blocks", "8"]],
+                         ids=["llama-70b", "qwen3-next-all-ranks", "compared", "plan"])
+def test_no_line_ends_in_spaces(capsys, monkeypatch, argv, columns):
+    """rich pads every line of a table (and its title) to the table's width: stripped."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)  # capsys: not a terminal, a pipe
+    out, _ = run(capsys, monkeypatch, argv, columns)
+    assert [line for line in out.splitlines() if line != line.rstrip()] == []
+
+
+@pytest.mark.parametrize("columns", [None, 120, 200], ids=["pipe", "120", "200"])
+def test_every_rank_table_of_one_output_is_one_width(capsys, monkeypatch, columns):
+    """Column widths are those of every rank's cells together: each table's rule under its
+    header is as long as every other's, and its cells start in the same columns."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    out, _ = run(capsys, monkeypatch, ALL_RANKS, columns)
+    lines = out.splitlines()
+    rules = [len(line) for line in lines if line and set(line) <= {"─", " "}]
+    headers = [line for line in lines if line.startswith("from ")]
+    assert len(rules) == len(headers) == 4
+    assert len(set(rules)) == 1 and len(set(headers)) == 1, (rules, headers)
+
+
+def test_a_pipe_gets_the_legend_unwrapped(capsys, monkeypatch):
+    """No terminal and no COLUMNS: each legend entry on one line, however long (a pager or an
+    editor wraps at its own width); the tables still fit the 160 columns of a pipe."""
+    from kvplan.cli.cliargs import LegendEntry, print_legend
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out, _ = run(capsys, monkeypatch, ALL_RANKS)
+    notes = out[out.index("legend:\n"):].split("\n\n")[0].splitlines()[1:]
+    assert len(notes) > 5 and all(line.startswith("  ") and not line.startswith("   ")
+                                  for line in notes), notes  # no continuation line
+    assert max(map(len, out[:out.index("legend:")].splitlines())) <= 160
+    long = LegendEntry("zz", "word " * 60, "zz")  # 300 columns: wrapped at 160 before
+    print_legend("a zz b", (long,))
+    assert capsys.readouterr().out == f"\nlegend:\n  zz = {('word ' * 60).strip()}\n"
+    monkeypatch.setenv("COLUMNS", "100")
+    print_legend("a zz b", (long,))
+    lines = capsys.readouterr().out.splitlines()[2:]
+    assert len(lines) == 4 and max(map(len, lines)) <= 100 and lines[1].startswith("      w")

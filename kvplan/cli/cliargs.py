@@ -10,8 +10,12 @@ Layer: the CLI (top of the core); imports kvplan.spec's limits only.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any
+import contextlib
+import io
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import kvplan.spec as spec_limits
 
@@ -23,12 +27,16 @@ __all__ = [
     "MAX_TOKENS",
     "MAX_TP",
     "HelpFormatter",
+    "LegendEntry",
     "Parser",
     "UsageError",
     "columns",
     "fitted",
     "int_in",
     "legend",
+    "print_legend",
+    "recorded",
+    "terminal_columns",
     "wrap",
 ]
 
@@ -40,30 +48,67 @@ MAX_TP = spec_limits.MAX_TP_SIZE  # TP and PP sizes: the spec's own limits (both
 MAX_BLOCKS = 1 << 31  # blocks or slots per region
 MAX_BLOCK_SIZE = spec_limits.MAX_BLOCK_SIZE  # tokens per block
 
-#: What the outputs' notation means: (term, meaning), printed under ``explain``, ``plan`` and
-#: ``demo`` output by :func:`legend`, wrapped to the terminal.
+class LegendEntry(NamedTuple):
+    """One ``term = meaning`` line of the legend, and how to tell that an output uses it."""
+
+    term: str
+    meaning: str
+    #: A regular expression matching the notation where an output uses it (``S\(heads `` for
+    #: ``S(heads a:b)``): the legend under an output lists only the entries it matches.
+    pattern: str
+
+    def used_in(self, text: str) -> bool:
+        """Whether ``text`` (an output, plain: no terminal escapes) uses this notation; runs of
+        whitespace count as one space (a table cell wrapped ``S(heads`` / ``0:1)`` still
+        uses ``S(heads a:b)``)."""
+        return re.search(self.pattern, " ".join(text.split())) is not None
+
+
+#: What the outputs' notation means, printed under ``explain``, ``plan`` and ``demo`` output by
+#: :func:`legend`: only the entries the output above uses (a plain GQA model's plan gets no
+#: DCP or state notation), each wrapped to the terminal.
 LEGEND_ENTRIES = (
-    ("p0, d1", "prefill rank 0, decode rank 1 (flat ranks: PP stage x TP size + TP rank)"),
-    ("S(heads a:b)", "SPLIT placement: the pair copies KV heads a..b-1"),
-    ("R", "REPLICATE: the whole block (every rank holds it: MLA, indexer)"),
-    ("S(x a:b, B c:d, ...)", "slices of a recurrent state's parts x, B, ... (units a..b-1)"),
-    ("TP8 PP2 DCP2", "tensor-, pipeline- and decode-context-parallel sizes: under DCP n, each "
-                     "rank of a DCP group holds every n-th token slice of a block's positions"),
-    ("HND, NHD, BLHNC", "a cache layout: the order of the axes of a region's (or an "
-                        "allocation's) buffer, outermost first (docs/concepts.md)"),
-    ("K+V", "key and value streams; K = one stream (a latent)"),
-    ("run", "one contiguous byte copy (one NIXL descriptor)"),
-    ("group", "KV-cache group (layers sharing one block table)"),
-    ("layers.[0-79].attn x80", "80 alike layers on one line"),
-    ("B, KiB, MiB, GiB", "bytes, and 2^10, 2^20, 2^30 bytes; GB/s = 10^9 bytes per second"),
-    ("d0 (heads 0:4, replica 2/4, DCP slice 1/2)", "what a rank holds of a sharded engine: KV "
-     "heads 0..3, the second of 4 ranks holding them, the first of 2 DCP token slices"),
+    LegendEntry("p0, d1", "prefill rank 0, decode rank 1 (flat ranks: PP stage x TP size + TP "
+                "rank)", r"\b[pd]\d+\b"),
+    LegendEntry("S(heads a:b)", "SPLIT placement: the pair copies KV heads a..b-1",
+                r"\bS\(heads "),
+    LegendEntry("R", "REPLICATE: the whole block (every rank holds it: MLA, indexer)",
+                r"(?<![\w(])R(?![\w)])"),
+    LegendEntry("S(x a:b, B c:d, ...)", "slices of a recurrent state's parts x, B, ... (units "
+                "a..b-1)", r"\bS\((?!heads\b)[A-Za-z_]\w* "),
+    LegendEntry("TP8 PP2", "tensor- and pipeline-parallel sizes", r"\b(TP|PP)\d+\b"),
+    LegendEntry("DCP2, DCP 1/2", "decode context parallelism: under DCP n, each rank of a DCP "
+                "group holds every n-th token slice of a block's positions; DCP 1/2 (or DCP "
+                "slice 1/2) is the first of 2 slices", r"\bDCP( ?[\d/]| slice)"),
+    LegendEntry("PCP2, PCP replica 1/2", "prefill context parallelism: every PCP rank holds a "
+                "replica of its stage's cache (PCP shard 1/2: with TP 1 and as many DCP ranks, "
+                "PCP rank q holds DCP slice q)", r"\bPCP ?[\d/a-z]"),
+    LegendEntry("HND, NHD, BLHNC", "a cache layout: the order of the axes of a region's (or an "
+                "allocation's) buffer, outermost first (docs/concepts.md)",
+                r"\b(HND|NHD|[LBSHNDC]{5,6})\b"),
+    LegendEntry("K+V", "key and value streams; K = one stream (a latent)",
+                r"(?<![\w+])K(\+V)?(?![\w+])"),
+    LegendEntry("run", "one contiguous byte copy (one NIXL descriptor)", r"\bruns?\b"),
+    LegendEntry("group", "KV-cache group (layers sharing one block table)", r"\bgroups?\b"),
+    LegendEntry("layers.[0-79].attn x80", "80 alike layers on one line", r"\[\d+[-,]\d"),
+    LegendEntry("B, KiB, MiB, GiB", "bytes, and 2^10, 2^20, 2^30 bytes; GB/s = 10^9 bytes per "
+                "second", r"\d (B|KiB|MiB|GiB|TiB)\b|\bGB/s\b"),
+    LegendEntry("d0 (heads 0:4)", "what a rank holds of a sharded engine: KV heads 0..3",
+                r"\b[pd]\d+ \(heads\b"),
+    LegendEntry("replica 2/4", "the second of 4 ranks holding the same KV heads (fewer heads "
+                "than TP ranks)", r"(?<!PCP )\breplica \d+/\d+"),
 )
 
 
 def columns() -> int:
     """Columns the output should fit: ``COLUMNS`` if set, else the terminal's; a pipe or a file
     gets 160 (long enough for the tables, short enough to read)."""
+    return terminal_columns() or 160
+
+
+def terminal_columns() -> int | None:
+    """``COLUMNS`` if set, else the terminal's width; None on a pipe or a file, where prose (the
+    legend) is printed unwrapped: a reader's pager or editor wraps it, at its own width."""
     import os
     import shutil
     import sys
@@ -71,14 +116,16 @@ def columns() -> int:
     cols = os.environ.get("COLUMNS", "")
     if cols.isdigit() and int(cols) > 0:
         return int(cols)
-    return shutil.get_terminal_size().columns if sys.stdout.isatty() else 160
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
-def wrap(text: str, width: int, first: str = "", rest: str = "  ") -> str:
+def wrap(text: str, width: int | None, first: str = "", rest: str = "  ") -> str:
     """``text`` wrapped at ``width`` between words only (a word longer than a line stays whole),
-    the first line indented by ``first``, the others by ``rest``."""
+    the first line indented by ``first``, the others by ``rest``; ``width`` None: one line."""
     import textwrap
 
+    if width is None:
+        return first + " ".join(text.split())
     return textwrap.fill(text, max(width, 30), initial_indent=first, subsequent_indent=rest,
                          break_long_words=False, break_on_hyphens=False)
 
@@ -91,17 +138,70 @@ def fitted(text: str) -> str:
                      if len(line) > width else line for line in text.splitlines())
 
 
-def legend(width: int = 96, extra: tuple[tuple[str, str], ...] = ()) -> str:
+def legend(width: int | None = 96, extra: tuple[LegendEntry, ...] = (),
+           used_in: str | None = None) -> str:
     """The legend, one ``term = meaning`` per line, each wrapped between words at ``width``
-    with a hanging indent (so a narrow terminal never cuts a word or mixes entries)."""
+    with a hanging indent (so a narrow terminal never cuts a word or mixes entries); ``width``
+    None prints each entry on one line. ``used_in``: an output; only the entries it uses
+    (:meth:`LegendEntry.used_in`), or every entry when None."""
     lines = ["legend:"]
-    for term, meaning in (*extra, *LEGEND_ENTRIES):
-        lines.append(wrap(f"{term} = {meaning}", width, "  ", "      "))
+    for e in (*extra, *LEGEND_ENTRIES):
+        if used_in is None or e.used_in(used_in):
+            lines.append(wrap(f"{e.term} = {e.meaning}", width, "  ", "      "))
     return "\n".join(lines)
 
 
-#: The legend at 96 columns (as docs/concepts.md shows it).
+#: The whole legend at 96 columns (as docs/concepts.md shows it).
 LEGEND = legend()
+
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class _Tee(io.TextIOBase):
+    """A text stream writing to ``out`` and keeping a copy (what :func:`recorded` yields)."""
+
+    def __init__(self, out: Any) -> None:
+        self.out, self.parts = out, []
+
+    def write(self, s: str) -> int:
+        self.parts.append(s)
+        return self.out.write(s)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def isatty(self) -> bool:  # columns() and rich ask the real stream
+        return self.out.isatty()
+
+    def fileno(self) -> int:
+        return self.out.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.out, "encoding", "utf-8")
+
+    @property
+    def text(self) -> str:
+        """What was written so far, terminal escapes (rich's styles) removed."""
+        return _ESCAPES.sub("", "".join(self.parts))
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[_Tee]:
+    """``sys.stdout`` kept while printing, so that :func:`print_legend` can list only the
+    notation the output used: ``with recorded() as out: ...; print_legend(out.text)``."""
+    tee = _Tee(sys.stdout)
+    sys.stdout = tee
+    try:
+        yield tee
+    finally:
+        sys.stdout = tee.out
+
+
+def print_legend(output: str, extra: tuple[LegendEntry, ...] = ()) -> None:
+    """Print, after a blank line, the legend entries ``output`` uses, wrapped to the terminal
+    (:func:`terminal_columns`; unwrapped on a pipe)."""
+    print(f"\n{legend(terminal_columns(), extra, output)}")
 
 
 class UsageError(Exception):

@@ -24,7 +24,14 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 
 import kvplan
-from kvplan.cli.cliargs import HelpFormatter, Parser, UsageError, columns, fitted, legend
+from kvplan.cli.cliargs import (
+    HelpFormatter,
+    Parser,
+    UsageError,
+    fitted,
+    print_legend,
+    recorded,
+)
 from kvplan.cli.engines import engine_options, engines, plans
 from kvplan.cli.progress import step
 
@@ -48,9 +55,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     src, dst = engines(args)
     with step("planning"):
         made = plans(args, src, dst)
-    for plan in made:
-        print(fitted(plan.summary()))
-    print(f"\n{legend(columns())}")
+    with recorded() as shown:
+        for plan in made:
+            print(fitted(plan.summary()))
+    print_legend(shown.text)
     return 0
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import kvplan
 from kvplan import EngineSpec, TransferPlan, presets
 from kvplan.cli.cliargs import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_TOKENS, MAX_TP, UsageError, int_in
-from kvplan.cli.explain import context_options, context_sizes
-from kvplan.cli.explain import layout_arg as explain_layout
+from kvplan.cli.models import context_options, context_sizes
+from kvplan.cli.models import layout_arg as explain_layout
 from kvplan.examples import EXAMPLES, request_blocks
 
 #: Choices of ``--example``: the small built-in examples, then every packaged preset.
