@@ -232,7 +232,7 @@ def test_maps(make):
 def test_plan_arguments():
     m = pull_map(SRC, DST, 0)
     ok = [list(range(4))]
-    for bad in (None, 3, [None], [[NAN]], [[-1]], [[HUGE]], [["1"]], [[1.5]], [ok[0], ok[0]]):
+    for bad in (None, 3, [None], [[NAN]], [[-2]], [[HUGE]], [["1"]], [[1.5]], [ok[0], ok[0]]):
         refused(lambda bad=bad: m.plan(bad, ok), "source", cls=RequestError)
         refused(lambda bad=bad: m.plan(ok, bad), "destination", cls=RequestError)
     for bad in (None, 5, (NAN, 2), (0, INF), (-1, 4), (3, 1), (0, HUGE), ("0", "4"), [0]):
