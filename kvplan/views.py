@@ -8,11 +8,11 @@ matplotlib are imported only by the functions that need them (the ``view`` extra
 
 Layers of identical geometry are shown as one row (``layers.[0-79].attn x80``), so an 80-layer
 model is a few rows per peer rank, not a wall of numbers. The rank map (edges ``source rank ->
-destination rank`` with their flows) and its picture live in :mod:`kvplan.rank_map`, re-exported
+destination rank`` with their flows) and its picture live in :mod:`kvplan.rank_picture`, re-exported
 here (``rank_map``, ``plot_rank_map``, ``Flow``, ``Edge``, ``PLOT_NOTES``, ...); that module also
 holds the helpers both need (``human_bytes``, ``rank_share``, ``_lane_stats``), imported from it.
 
-Layer 5 (views on top): may import every layer below and :mod:`kvplan.rank_map` beside it
+Layer 5 (views on top): may import every layer below and :mod:`kvplan.rank_picture` beside it
 (which never imports this one); pandas and matplotlib stay optional.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvplan.names import name_set
-from kvplan.rank_map import (
+from kvplan.rank_picture import (
     KIND_COLORS,
     KIND_LABELS,
     PLOT_NOTES,
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from kvplan.spec import EngineSpec, RegionSpec
 
 #: The names of this module: its own views and, re-exported, the rank map's and the helpers
-#: it shares with kvplan.rank_map (``kvplan.views.rank_map`` is the function).
+#: it shares with kvplan.rank_picture (``kvplan.views.rank_map`` is the function).
 __all__ = [
     "FRAME_COLUMNS",
     "KIND_COLORS",

@@ -33,7 +33,7 @@ ROOT = ig.ROOT
 #:   2  lanes, allocations                  the handshake's values: lanes, templates
 #:   3  plan, request                       the request: block ids -> runs (TransferPlan)
 #:   4  planner                             the handshake: TransferMap, pull_map, push_map
-#:   5  views, rank_map, staging, simulate, hf, presets, examples, strategies, adapters
+#:   5  views, rank_picture, staging, simulate, hf, presets, examples, strategies, adapters
 #:   6  kvplan (the package's __init__)     the public names
 #:   7  kvplan.cli                          the command line, on the public names
 LAYERS = {
@@ -55,7 +55,7 @@ LAYERS = {
     "kvplan.request": 3,
     "kvplan.planner": 4,
     "kvplan.views": 5,
-    "kvplan.rank_map": 5,
+    "kvplan.rank_picture": 5,
     "kvplan.staging": 5,
     "kvplan.simulate": 5,
     "kvplan.hf": 5,

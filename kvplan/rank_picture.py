@@ -9,8 +9,8 @@ drawing: the ``view`` extra), :data:`PLOT_NOTES` says what its abbreviations mea
 It also holds the helpers the notebook views need too (:func:`human_bytes`, :func:`rank_share`,
 ``_lane_stats``, ``_map_of``, ``_require``): this module is the lower of the two,
 :mod:`kvplan.views` imports them from here and re-exports the rank map's public names
-(``kvplan.views.rank_map`` and ``kvplan.rank_map`` are the function). Import from the module
-with ``from kvplan.rank_map import ...``: ``kvplan.rank_map`` as an attribute is the function.
+(``kvplan.views.rank_map`` and ``kvplan.rank_map`` are the function; the module is named
+``rank_picture`` so that no module and function share a name).
 
 Layer 5 (views on top, beside :mod:`kvplan.views`, which imports it; it never imports views):
 may import every layer below; matplotlib stays optional.
