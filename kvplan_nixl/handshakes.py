@@ -51,14 +51,17 @@ class HandshakeState:
 
     @property
     def pending(self) -> bool:
+        """kind == PENDING."""
         return self.kind == PENDING
 
     @property
     def ready(self) -> bool:
+        """kind == READY."""
         return self.kind == READY
 
     @property
     def failed(self) -> bool:
+        """kind == FAILED."""
         return self.kind == FAILED
 
 
