@@ -77,6 +77,7 @@ class _Hold:
     deadline: float
     lease: float
     readers: int  # confirmations still needed before the hold ends by itself (0: not counted)
+    counted: bool = False  # readers set (at hold() or by the first confirm): never reset
 
 
 class Holds:
@@ -132,7 +133,7 @@ class Holds:
         if req in self._holds:  # the old generation ends unreported: ``req`` stays held
             del self._holds[req]
             self.counts["superseded"] += 1
-        self._holds[req] = _Hold(generation, now + lease, float(lease), readers)
+        self._holds[req] = _Hold(generation, now + lease, float(lease), readers, readers > 0)
         self.counts["held"] += 1
         if self._early.pop((req, generation), False) is not False:
             self._end(req)  # released before it reached this worker
@@ -164,15 +165,20 @@ class Holds:
         self.counts["renewed"] += 1
         return True
 
-    def confirm(self, req: str, generation: int, now: float) -> bool:
+    def confirm(self, req: str, generation: int, now: float, readers: int = 0) -> bool:
         """True only if ``req`` has been held under ``generation`` continuously until ``now``.
         A true answer counts as one reader's end of use (the hold ends after its
-        ``readers``-th); a false one is counted as refused."""
+        ``readers``-th); a false one is counted as refused. ``readers``: how many readers
+        the hold has, as the first confirming reader says (the decode knows it, the prefill
+        does not); ignored once the hold counts readers."""
+        readers = _check_count("readers", readers)
         if self.verdict(req, generation, now) is not Verdict.YES:
             self.counts["refused"] += 1
             return False
         self.counts["confirmed"] += 1
         h = self._holds[req]
+        if readers and not h.counted:
+            h.readers, h.counted = readers, True
         if h.readers:
             h.readers -= 1
             if h.readers == 0:
@@ -180,11 +186,13 @@ class Holds:
                 self.counts["released"] += 1
         return True
 
-    def release(self, req: str, generation: int | None = None) -> bool:
+    def release(self, req: str, generation: int | None = None,
+                now: float | None = None) -> bool:
         """Nobody will read ``req`` (under ``generation``; None: whatever is held): end its
         hold. A release of a generation newer than any held here is remembered (bounded) and
-        ends that hold as soon as it is made. True if a live hold ended."""
-        h = self._holds.get(req)
+        ends that hold as soon as it is made. True if a live hold ended (with ``now``, a hold
+        whose lease ran out by then ends as expired, and the answer is False)."""
+        h = self._holds.get(req) if now is None else self._live(req, now)
         if h is not None and (generation is None or h.generation == generation):
             self._end(req)
             self.counts["released"] += 1

@@ -6,12 +6,14 @@ One request per connection, so that no connection outlives one exchange::
     client -> server   MD\\n
     server -> client   <u32 big-endian length> <metadata blob>
   or
-    client -> server   <VERB> <req: %-quoted> <generation> <nonce echoed> <client nonce> <mac>\\n
+    client -> server   <VERB> <req> <generation> <readers> <nonce echoed> <client nonce> <mac>\\n
     server -> client   YES|NO|LATER <mac>\\n   or   ERR <reason>\\n
 
 ``VERB`` is ``RELEASE`` (nobody will read the request: end its hold), ``RENEW`` (a decode's
 heartbeat: extend the lease) or ``CONFIRM`` (the read completed: was the request held the whole
-time? yes counts as the reader's release); the answers are :class:`~kvplan_nixl.holds.Verdict`
+time? yes counts as the reader's release; ``readers``, 0 for the other verbs, is how many decode
+ranks read this prefill rank, so the last one's CONFIRM ends the hold); ``req`` is %-quoted;
+the answers are :class:`~kvplan_nixl.holds.Verdict`
 values (see :mod:`kvplan_nixl.holds`).
 
 **Under a deployment secret** every control message carries ``mac`` = HMAC-SHA256, under a key
@@ -157,12 +159,15 @@ def _is_hex(s: str, n: int) -> bool:
     return len(s) == n and all(c in "0123456789abcdef" for c in s)
 
 
-def _parse_control(parts: list[str]) -> tuple[str, str, int] | None:
-    """(verb, request, generation) of a control line's fields, or None if malformed."""
-    if len(parts) != 6 or parts[0] not in VERBS:
+def _parse_control(parts: list[str]) -> tuple[str, str, int, int] | None:
+    """(verb, request, generation, readers) of a control line's fields, or None if
+    malformed."""
+    if len(parts) != 7 or parts[0] not in VERBS:
         return None
-    verb, req_q, gen, ns, nc, mac = parts
+    verb, req_q, gen, readers, ns, nc, mac = parts
     if not (gen.isascii() and gen.isdigit() and len(gen) <= 19 and int(gen) < 1 << 63):
+        return None
+    if not (readers.isascii() and readers.isdigit() and len(readers) <= 4):
         return None
     if not (_is_hex(ns, 2 * _NONCE) and _is_hex(nc, 2 * _NONCE)
             and (mac == "-" or _is_hex(mac, 64))) or len(req_q) > 3 * MAX_REQUEST_ID:
@@ -173,7 +178,7 @@ def _parse_control(parts: list[str]) -> tuple[str, str, int] | None:
         return None
     if not req or len(req.encode()) > MAX_REQUEST_ID:
         return None
-    return verb, req, int(gen)
+    return verb, req, int(gen), int(readers)
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -364,15 +369,15 @@ class SideChannelServer:
         parsed = _parse_control(parts)
         if parsed is None:
             return self._refuse("malformed")
-        verb, req, gen = parsed
+        verb, req, gen, readers = parsed
         mac = b""
         if self._key is not None:
-            if parts[5] == "-":
+            if parts[6] == "-":
                 return self._refuse("unsigned")
-            if parts[3] != c.nonce.hex():  # made for another connection: a replay
+            if parts[4] != c.nonce.hex():  # made for another connection: a replay
                 return self._refuse("replayed")
-            mac = _request_mac(self._key, self.identity, parts[:5])
-            if not hmac.compare_digest(mac, bytes.fromhex(parts[5])):
+            mac = _request_mac(self._key, self.identity, parts[:6])
+            if not hmac.compare_digest(mac, bytes.fromhex(parts[6])):
                 return self._refuse("forged")
         if self.holds is None:
             return b"ERR no-holds\n"
@@ -381,13 +386,14 @@ class SideChannelServer:
             if verb == "CONFIRM":
                 v = self.holds.verdict(req, gen, now)
                 if v is not Verdict.LATER:  # LATER is asked again: not counted as refused
-                    v = Verdict.YES if self.holds.confirm(req, gen, now) else Verdict.NO
+                    v = Verdict.YES if self.holds.confirm(req, gen, now, readers) \
+                        else Verdict.NO
             elif verb == "RENEW":
                 v = self.holds.verdict(req, gen, now)
                 if v is Verdict.YES:
                     self.holds.renew(req, gen, now)
             else:
-                v = Verdict.YES if self.holds.release(req, gen) else Verdict.NO
+                v = Verdict.YES if self.holds.release(req, gen, now) else Verdict.NO
         self.stats["control"] += 1
         tag = "-" if self._key is None else _answer_mac(self._key, v.value, mac).hex()
         return f"{v.value} {tag}\n".encode()
@@ -537,11 +543,15 @@ def fetch_metadata(host: str, port: int, *, timeout: float = 5.0,
 
 
 def control(host: str, port: int, verb: str, req: str, generation: int, *, identity: str,
-            secret: bytes | str | None = None, timeout: float = 5.0) -> Verdict:
+            secret: bytes | str | None = None, timeout: float = 5.0,
+            readers: int = 0) -> Verdict:
     """Send one control message (``verb`` of :data:`VERBS`) to the rank ``identity`` at
     ``host:port`` and return its verdict, within ``timeout`` seconds. Under ``secret`` the
     message is signed and the answer checked. Raises :class:`SideChannelRejected` on ``ERR``.
+    ``readers`` (CONFIRM): decode ranks that read this prefill rank (0: not counted).
     """
+    if isinstance(readers, bool) or not isinstance(readers, int) or not 0 <= readers < 10**4:
+        raise ArgumentError(f"readers must be an int in [0, 10000), got {readers!r}")
     if verb not in VERBS:
         raise ArgumentError(f"verb must be one of {VERBS}, got {verb!r}")
     if not isinstance(req, str) or not req or len(req.encode()) > MAX_REQUEST_ID:
@@ -552,7 +562,7 @@ def control(host: str, port: int, verb: str, req: str, generation: int, *, ident
         raise ArgumentError(f"generation must be an int in [0, 2**63), got {generation!r}")
     key = _key(check_secret(secret))
     with _Client(host, port, timeout, f"{verb} {req}") as c:
-        fields = [verb, quote(req, safe=""), str(generation), c.banner(identity),
+        fields = [verb, quote(req, safe=""), str(generation), str(readers), c.banner(identity),
                   os.urandom(_NONCE).hex()]
         mac = b"" if key is None else _request_mac(key, identity, fields)
         c.send((" ".join([*fields, mac.hex() or "-"]) + "\n").encode())
@@ -578,16 +588,16 @@ def control(host: str, port: int, verb: str, req: str, generation: int, *, ident
 
 def confirm(host: str, port: int, req: str, generation: int, *, identity: str,
             secret: bytes | str | None = None, timeout: float = 5.0,
-            retry_s: float = 0.005) -> bool:
+            retry_s: float = 0.005, readers: int = 0) -> bool:
     """CONFIRM a completed read: True only on the prefill's YES. LATER (the hold has not
     reached that worker yet) is asked again every ``retry_s`` until ``timeout`` has passed
     in all, then False. Transport and protocol errors raise (a caller treats them as not
-    confirmed: the pull goes to the failure policy)."""
+    confirmed: the pull goes to the failure policy). ``readers``: see :func:`control`."""
     end = time.monotonic() + timeout
     while True:
         left = end - time.monotonic()
         v = control(host, port, "CONFIRM", req, generation, identity=identity, secret=secret,
-                    timeout=max(left, 1e-3))
+                    timeout=max(left, 1e-3), readers=readers)
         if v is not Verdict.LATER:
             return v is Verdict.YES
         if end - time.monotonic() <= retry_s:

@@ -102,7 +102,7 @@ class HoldMachine(RuleBasedStateMachine):
         self.floor = 0
 
     def _expire_model(self) -> None:
-        for k, (dl, _, _) in list(self.live.items()):
+        for k, (dl, *_) in list(self.live.items()):
             if dl <= self.t:
                 self._end_model(k)
 
@@ -126,7 +126,7 @@ class HoldMachine(RuleBasedStateMachine):
             del self.live[k]  # superseded, unreported
         assert g == self.floor + 1
         self.floor = g
-        self.live[(req, g)] = [self.t + lease, lease, readers]
+        self.live[(req, g)] = [self.t + lease, lease, readers, readers > 0]
         self.gens.append((req, g))
         if (req, g) in self.early:  # its release came first: it ends at once
             self._end_model((req, g))
@@ -141,15 +141,17 @@ class HoldMachine(RuleBasedStateMachine):
             m = self.live[(req, g)]
             m[0] = max(m[0], self.t + m[1])
 
-    @rule(req=st.sampled_from(REQS), data=st.data())
-    def confirm(self, req: str, data: st.DataObject) -> None:
+    @rule(req=st.sampled_from(REQS), data=st.data(), readers=st.integers(0, 2))
+    def confirm(self, req: str, data: st.DataObject, readers: int) -> None:
         g = self._pick(data, req)
         self._expire_model()
-        ok = self.h.confirm(req, g, self.t)
+        ok = self.h.confirm(req, g, self.t, readers)
         assert ok == ((req, g) in self.live)
         if ok:  # the safety property: never yes for blocks already reported freed
             assert (req, g) not in self.freed and (req, g) not in self.dead
             m = self.live[(req, g)]
+            if readers and not m[3]:  # the first reader that says how many there are
+                m[2], m[3] = readers, True
             if m[2]:
                 m[2] -= 1
                 if m[2] == 0:
@@ -161,7 +163,7 @@ class HoldMachine(RuleBasedStateMachine):
     def release(self, req: str, data: st.DataObject) -> None:
         g = self._pick(data, req)
         self._expire_model()
-        ok = self.h.release(req, g)
+        ok = self.h.release(req, g, self.t)
         assert ok == ((req, g) in self.live)
         if ok:
             self._end_model((req, g))

@@ -55,7 +55,8 @@ def raw(port: int, line: bytes, wait=True) -> tuple[str, bytes]:
 
 def signed_line(nonce: str, verb="RELEASE", req="r", gen=1, secret=SECRET, ident=ID,
                 client_nonce=None) -> bytes:
-    fields = [verb, quote(req, safe=""), str(gen), nonce, client_nonce or os.urandom(16).hex()]
+    fields = [verb, quote(req, safe=""), str(gen), "0", nonce,
+              client_nonce or os.urandom(16).hex()]
     mac = sc._request_mac(sc._key(secret), ident, fields)
     return (" ".join([*fields, mac.hex()]) + "\n").encode()
 
@@ -74,6 +75,15 @@ def test_metadata_and_control_round_trip():
         assert sc.confirm(HOST, srv.port, "req with spaces/é", g, **kw) is False
         assert holds.finished(time.monotonic()) == ["req with spaces/é"]
         assert srv.stats["metadata"] == 1 and srv.stats["control"] == 3
+
+
+def test_the_last_of_the_readers_the_decode_names_ends_the_hold():
+    with server() as (srv, holds):
+        g = held(holds, srv)  # the prefill does not know how many decode ranks read it
+        kw = dict(identity=ID, secret=SECRET, readers=2)
+        assert sc.confirm(HOST, srv.port, "r", g, **kw) and "r" in holds
+        assert sc.confirm(HOST, srv.port, "r", g, **kw) and "r" not in holds
+        assert holds.finished(time.monotonic()) == ["r"]
 
 
 def test_without_a_secret_peers_are_trusted():
@@ -134,9 +144,9 @@ def test_forged_release_and_confirm_are_dropped():
         with closing(socket.create_connection((HOST, srv.port))) as s:
             f = s.makefile("rb")
             nonce = f.readline().split()[1].decode()
-            s.sendall(f"CONFIRM r {g} {nonce} {'1' * 32} {'a' * 64}\n".encode())
+            s.sendall(f"CONFIRM r {g} 0 {nonce} {'1' * 32} {'a' * 64}\n".encode())
             assert f.read() == b"ERR forged\n"
-        _, ans = raw(srv.port, f"RELEASE r {g} {'0' * 32} {'1' * 32} -\n".encode())
+        _, ans = raw(srv.port, f"RELEASE r {g} 0 {'0' * 32} {'1' * 32} -\n".encode())
         assert ans == b"ERR unsigned\n"
         assert holds.generation("r") == g  # nothing acted on
         assert holds.counts["confirmed"] == holds.counts["released"] == 0
