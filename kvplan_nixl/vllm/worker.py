@@ -229,25 +229,11 @@ class Worker:
             except Exception as e:  # a refused pair, bad params
                 self._fail(load, f"{type(e).__name__}: {e}")
 
-    def _span(self, load: Load, src: list[np.ndarray], dst: list[np.ndarray]) -> tuple[int, int]:
-        """The positions to copy: ``[held, end)``, rounded out to whole blocks of the token
-        groups where the backend's pages move only whole (what the prefill left past the
-        prompt in the last block is overwritten as decode generates)."""
-        start, end = load.start, load.end
-        if not self.whole:
-            return start, end
-        token = [g for g, k in enumerate(self.groups.kinds) if k != "state"]
-        if not token:
-            return start, end
-        bs = self.groups.block_sizes[token[0]]
-        cover = min(min(len(src[g]), len(dst[g])) * self.groups.block_sizes[g] for g in token)
-        return start // bs * bs, max(start // bs * bs, min(-(-end // bs) * bs, cover))
-
     def _post(self, load: Load) -> None:
         tmap, counts = self._engine(load.engine)
         src = self.groups.remote(load.remote_ids, load.remote_first)
         dst = self.groups.local(load.local_ids)
-        start, end = self._span(load, src, dst)
+        start, end = _span(self.groups, self.whole, load, src, dst)
         plan = tmap.plan(src, dst, tokens=(start, end))
         t0 = time.perf_counter()
         t = self.ep.read(plan, load.engine, timeout=self.timeout)
@@ -285,8 +271,12 @@ class Worker:
             p.beating = False
 
     def _confirm(self, p: Pull) -> None:
-        answers = {r: self.ctl.send(p.load, r, "CONFIRM", p.counts[r]) for r in p.peers}
-        refused = {r: getattr(v, "value", v) for r, v in answers.items() if v is not Verdict.YES}
+        try:
+            answers = {r: self.ctl.send(p.load, r, "CONFIRM", p.counts[r]) for r in p.peers}
+            refused = {r: getattr(v, "value", v) for r, v in answers.items()
+                       if v is not Verdict.YES}
+        except Exception as e:  # never leave the pull unreported: not confirmed
+            refused = {"?": f"{type(e).__name__}: {e}"}
         with self.lock:
             if self.inflight.pop(p.load.req_id, None) is None or self.ep is None \
                     or self.ep.closed:
@@ -364,6 +354,20 @@ class Worker:
             if self.ep is not None:
                 with contextlib.suppress(Exception):
                     self.ep.close()
+
+
+def _span(groups: TransferGroups, whole: bool, load: Load, src: list[np.ndarray],
+          dst: list[np.ndarray]) -> tuple[int, int]:
+    """The positions to copy: ``[held, end)``, rounded out to whole blocks of the token groups
+    where the backend's pages move only whole (what the prefill left past the prompt in the
+    last block is overwritten as decode generates)."""
+    start, end = load.start, load.end
+    token = [g for g, k in enumerate(groups.kinds) if k != "state"]
+    if not whole or not token:
+        return start, end
+    bs = groups.block_sizes[token[0]]
+    cover = min(min(len(src[g]), len(dst[g])) * groups.block_sizes[g] for g in token)
+    return start // bs * bs, max(start // bs * bs, min(-(-end // bs) * bs, cover))
 
 
 def _readers(tmap: Any, engine: str, whole: bool) -> list[int]:
