@@ -15,11 +15,11 @@ read completed). Once a generation's hold ended it is never live again: :meth:`H
 takes only generations above every generation the table has seen (a high-water mark, O(1)
 memory), so "no" is forever for that generation.
 
-The decode's flow (see docs/vllm-serving.md): read completes -> CONFIRM -> only a confirmed
-pull is reported finished; a refused or unanswered CONFIRM sends the blocks to vLLM's
-``kv_load_failure_policy``. While a pull is pending the decode sends RENEW (a heartbeat) every
-``lease / 3`` or less, so that a slow but live decode is not cut off and one lost heartbeat
-costs nothing.
+The decode's flow (see docs/vllm.md, "Never serving freed KV"): read completes -> CONFIRM ->
+only a confirmed pull is reported finished; a refused or unanswered CONFIRM sends the blocks
+to vLLM's ``kv_load_failure_policy``. While a pull is pending the decode sends RENEW (a
+heartbeat) every ``lease / 3`` or less, so that a slow but live decode is not cut off and one
+lost heartbeat costs nothing.
 
 Generations: the prefill's scheduler chooses one per request when it returns the request's
 params (:func:`new_generation`: wall-clock nanoseconds, strictly increasing in a process), and
