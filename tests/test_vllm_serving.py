@@ -74,15 +74,58 @@ with pytest.raises(ValueError, match="nixl_backends"):
 print("ok")
 """
 
+HOLDS_CHECK = r"""
+import time
+from types import SimpleNamespace
+from kvplan_nixl.holds import Verdict, new_generation
+from kvplan_nixl.vllm.control import Control, Sends
 
-def test_ports_by_data_parallel_rank_and_config_keys_checked_by_name():
+sends = Sends("127.0.0.1", 0, "pre#0", b"md", secret="s", lease=0.5)
+ctl = Control("s", timeout=1.0)
+port = sends.server.port
+load = lambda req, gen: SimpleNamespace(engine="pre", host="127.0.0.1", port=port,
+                                        remote_req=req, generation=gen)
+g1, g2, g3 = new_generation(), new_generation(), new_generation()
+sends.hold([("a", g1), ("b", g2)])
+assert sends.finished()[0] == set()                      # held: not freed
+assert ctl.send(load("a", g1), 0, "RENEW") is Verdict.YES
+assert ctl.send(load("a", g1), 0, "CONFIRM", 2) is Verdict.YES  # 1 of 2 readers
+assert sends.finished()[0] == set()
+assert ctl.send(load("a", g1), 0, "CONFIRM", 2) is Verdict.YES  # the last reader
+assert ctl.send(load("a", g1), 0, "CONFIRM", 2) is Verdict.NO   # ended: never again
+time.sleep(0.6)                                          # b's lease runs out
+assert ctl.send(load("b", g2), 0, "CONFIRM", 1) is Verdict.NO
+done, counts = sends.finished()
+assert done == {"a", "b"} and counts["expired"] == 1 and counts["refused"] == 2, counts
+bad = Control("other secret", timeout=1.0).send(load("x", g3), 0, "RELEASE")
+assert isinstance(bad, str) and "forged" in bad, bad          # counted and dropped
+assert isinstance(ctl.send(load("x", g3), 1, "RENEW"), str)    # wrong rank's identity
+assert sends.finished()[1]["dropped"] == 1
+sends.hold([("c", 5)])                                   # a generation below the floor
+assert sends.finished()[0] == {"c"}                      # freed at once, never confirmable
+ctl.close(); sends.close()
+print("ok")
+"""
+
+
+def _in_vllm_venv(script: str) -> None:
     try:
         py = vllm_env.ensure()
     except vllm_env.EnvUnavailable as e:
         pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
-    r = subprocess.run([str(py), "-c", SETTINGS_CHECK], capture_output=True, text=True,
+    r = subprocess.run([str(py), "-c", script], capture_output=True, text=True,
                        timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_ports_by_data_parallel_rank_and_config_keys_checked_by_name():
+    _in_vllm_venv(SETTINGS_CHECK)
+
+
+def test_prefill_holds_and_decode_control_messages_over_the_side_channel():
+    """control.py's two sides: holds end by the last reader's CONFIRM or the lease, only
+    ended holds are freed, a refused, forged or misaddressed message changes nothing."""
+    _in_vllm_venv(HOLDS_CHECK)
 
 
 def test_example_proxy_hands_the_prefill_params_to_the_decode():
