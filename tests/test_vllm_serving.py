@@ -266,7 +266,7 @@ def test_lease_ran_out_during_the_pull_is_recomputed_and_the_engine_serves_on(po
     ids, other = prompt(41), prompt(42)
     plain, plain_other = p.generate(ids, 16), p.generate(other, 16)
     a = p.generate(ids, 1, REMOTE)["params"]
-    before = len(d.log_lines(FAILED))
+    before, confirmed0 = len(d.log_lines(FAILED)), len(d.log_lines(NOT_CONFIRMED))
     p.signal(signal.SIGSTOP)  # the prefill freezes: no heartbeat answered, no read served
     resume = threading.Timer(LEASE + 2, p.signal, (signal.SIGCONT,))
     resume.start()
@@ -278,10 +278,11 @@ def test_lease_ran_out_during_the_pull_is_recomputed_and_the_engine_serves_on(po
         p.signal(signal.SIGCONT)
     check_equal(got, plain, "decode whose prefill froze past its lease (policy recompute)")
     check_equal(plain2, plain_other, "a plain request beside it")
-    # the plain request did not wait for the frozen prefill's side channel
-    assert plain2["seconds"] < got["seconds"] and plain2["seconds"] < 4, (plain2, got)
+    # the plain request finished while the prefill was still frozen: nothing waited for its
+    # side channel on the engine step
+    assert plain2["seconds"] < LEASE + 1, (plain2, got)
     assert len(d.log_lines(FAILED)) == before + 1, d.tail()
-    assert d.log_lines(r"kvplan: heartbeat of req=\S+ to prefill rank 0"), d.tail()
+    assert len(d.log_lines(NOT_CONFIRMED)) == confirmed0 + 1, d.tail()
     # the prefill serves on, and the next pull from it is confirmed
     pd_equals_plain(p, d, prompt(43), "P -> D after the prefill resumed")
 
