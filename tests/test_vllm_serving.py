@@ -199,6 +199,16 @@ def _metric(m: dict, name: str, field: str = "value") -> float:
     return 0.0 if x is None else float(x[field])
 
 
+def _wait_metric(e, name: str, low: float) -> float:
+    """``name`` once it reached ``low``: the connector reports its counts on the engine's next
+    step, so an idle engine is given one (a 1-token request) while waiting (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while (v := _metric(e.metrics(), name)) < low and time.monotonic() < deadline:
+        e.generate(prompt(999, 8), 1)
+        time.sleep(1.2)  # one stats interval
+    return v
+
+
 def _pull_numbers(line: str) -> tuple[int, int]:
     return int(re.search(r"bytes=(\d+)", line).group(1)), int(re.search(r"runs=(\d+)",
                                                                          line).group(1))
@@ -257,8 +267,8 @@ def test_lease_ran_out_before_the_pull_and_blocks_reused_is_recomputed(pool):
     assert got["error"] is None, got
     check_equal(got, plain, "decode after its prefill's lease ran out (policy recompute)")
     assert len(d.log_lines(NOT_CONFIRMED)) == before + 1, d.tail()
-    time.sleep(1.5)
-    assert _metric(p.metrics(), "vllm:kvplan_num_confirmations_refused") == refused0 + 1
+    assert _wait_metric(p, "vllm:kvplan_num_confirmations_refused", refused0 + 1) \
+        == refused0 + 1
 
 
 def test_lease_ran_out_during_the_pull_is_recomputed_and_the_engine_serves_on(pool):
@@ -358,9 +368,8 @@ def test_fail_policy_fails_the_request_whose_hold_ended(pool):
     assert got["tokens"] != plain["tokens"], got
     assert d.log_lines(NOT_CONFIRMED), d.tail()
     pd_equals_plain(p, d, prompt(63), "a confirmed pull under the fail policy")
-    time.sleep(1.5)
-    assert _metric(d.metrics(), "vllm:kvplan_num_failed_transfers") >= 1
-    assert _metric(p.metrics(), "vllm:kvplan_num_kv_expired_reqs") >= 2
+    assert _wait_metric(d, "vllm:kvplan_num_failed_transfers", 1) >= 1
+    assert _wait_metric(p, "vllm:kvplan_num_kv_expired_reqs", 2) >= 2
 
 
 if __name__ == "__main__":
