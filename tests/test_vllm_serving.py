@@ -25,6 +25,7 @@ from tests import vllm_env
 from tests.vllm_pool import (
     FAILED,
     REPO,
+    Engine,
     Pool,
     check_equal,
     pd_equals_plain,
@@ -371,6 +372,22 @@ def test_fail_policy_fails_the_request_whose_hold_ended(pool):
     assert _wait_metric(d, "vllm:kvplan_num_failed_transfers", 1) >= 1
     assert _wait_metric(p, "vllm:kvplan_num_kv_expired_reqs", 2) >= 2
 
+
+
+def test_a_taken_port_is_named_with_its_config_key(pool):
+    pool.only()  # the cores back: one engine that fails at start-up
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        e = Engine("llama-p1-taken", pool.py, pool.model("llama"), pool.workdir, tp=1,
+                   cores="0", port=port)
+        try:
+            with pytest.raises(AssertionError, match="exited"):
+                e.wait_ready()
+            assert e.log_lines(rf"PortInUseError: side channel port {port} on 127.0.0.1 is "
+                               r"already in use: .*kv_connector_extra_config\['side_channel_"
+                               r"port'\]"), e.tail()
+        finally:
+            e.stop()
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))

@@ -87,9 +87,9 @@ class Engine:
     def __init__(self, name: str, py: Path, model: Path, workdir: Path, *, tp: int, cores: str,
                  policy: str = "recompute", block_size: int = 32, connector: str = "kvplan",
                  attention_backend: str | None = None, extra: dict | None = None,
-                 num_blocks: int = 0, log_stats: bool = False):
+                 num_blocks: int = 0, log_stats: bool = False, port: int | None = None):
         self.name, self.tp = name, tp
-        self.port = free_base_port(tp)
+        self.port = free_base_port(tp) if port is None else port
         _STARTS[name] = _STARTS.get(name, 0) + 1
         self.log_path = workdir / f"{name}.{_STARTS[name]}.log"  # one per start, all kept
         env = dict(os.environ)

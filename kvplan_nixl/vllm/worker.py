@@ -176,6 +176,10 @@ class Worker:
             else:
                 del self.inflight[req_id]
                 self.stats.record("num_failed_transfers")
+                # the prefill may have died or restarted: the next request handshakes again
+                # (connecting a live peer again is a no-op) instead of reading a dead one
+                self.hs.forget(p.load.engine)
+                self.engines.pop(p.load.engine, None)
                 self._fail(p.load, str(p.t.error()), p.peers)
 
     # -- decode: handshakes and pulls --------------------------------------------------------
