@@ -60,6 +60,9 @@ _DIGEST = 32
 MAX_HEADER_BYTES = 4 << 20
 #: Refuse NIXL sections larger than this (NIXL's metadata is ~0.5 KiB plus ~50 B per allocation).
 MAX_AGENT_BYTES = 16 << 20
+#: The largest blob :func:`decode` can accept (what a reader of a blob off the wire may bound
+#: its read by, before reading it).
+MAX_BLOB_BYTES = _FIXED.size + MAX_HEADER_BYTES + MAX_AGENT_BYTES + _DIGEST
 #: Separator of the fields of an agent name, ``engine#rank#nonce`` (parsed from the right).
 AGENT_SEP = "#"
 #: Memory types an endpoint registers (NIXL's names).

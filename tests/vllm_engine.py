@@ -8,6 +8,11 @@ prefixed by :data:`MARK` (vLLM's own logs go to the same streams)::
     {"id": "a", "prompt": [1, 2, 3], "max_tokens": 16, "params": {...} | null}
     @@kvplan {"id": "a", "tokens": [...], "params": {...}, "finish": "length", "error": null}
 
+``{"id": "b", "batch": [request, ...]}`` runs its requests together in one engine (each with a
+``seconds`` of its own: when it finished, from the batch's start), answered by one line with
+``"results"``; ``{"id": "m", "op": "metrics"}`` answers the engine's ``vllm:kvplan_*``
+Prometheus metrics (``--log-stats``) and logs vLLM's stats line now.
+
 The engine uses ``KvplanConnector`` (``--connector kvplan``), vLLM's own ``NixlConnector``
 (``--connector nixl``, for comparison) or none. The main guard matters: vLLM
 spawns its engine processes, which re-import this file.
@@ -124,7 +129,7 @@ def serve(args: argparse.Namespace) -> None:
     kw = {}
     if args.connector == "kvplan":
         extra = {"secret": args.secret, "side_channel_port": args.side_port,
-                 "transfer_timeout_s": args.transfer_timeout}
+                 "transfer_timeout_s": args.transfer_timeout, **json.loads(args.extra)}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvplanConnector", kv_connector_module_path="kvplan_nixl.vllm",
             kv_role="kv_both", kv_buffer_device="cpu",
@@ -140,25 +145,52 @@ def serve(args: argparse.Namespace) -> None:
     llm = LLM(model=args.model, skip_tokenizer_init=True, tensor_parallel_size=args.tp,
               dtype="float32", block_size=args.block_size or None, max_model_len=1024,
               enable_prefix_caching=True, enforce_eager=True, seed=0,
-              distributed_executor_backend="mp" if args.tp > 1 else None, **kw)
+              distributed_executor_backend="mp" if args.tp > 1 else None,
+              num_gpu_blocks_override=args.num_blocks or None,
+              disable_log_stats=not args.log_stats, **kw)
     print(MARK + json.dumps({"id": "ready"}), flush=True)
+
+    def params(req: dict) -> SamplingParams:
+        extra = {"kv_transfer_params": req["params"]} if req.get("params") else None
+        return SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True,
+                              extra_args=extra, logprobs=0)
+
+    def result(rid: str, out: object) -> dict:
+        c = out.outputs[0]
+        lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]
+        return {"id": rid, "tokens": list(c.token_ids), "finish": c.finish_reason,
+                "logprobs": lps, "params": out.kv_transfer_params, "error": None}
+
     for line in sys.stdin:
         if not line.strip():
             continue
         req = json.loads(line)
         if req.get("op") == "exit":
             break
-        extra = {"kv_transfer_params": req["params"]} if req.get("params") else None
-        sp = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True,
-                            extra_args=extra, logprobs=0)
         t0 = time.monotonic()
         try:
-            out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt"])], sp,
-                               use_tqdm=False)[0]
-            c = out.outputs[0]
-            lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]
-            res = {"id": req["id"], "tokens": list(c.token_ids), "finish": c.finish_reason,
-                   "logprobs": lps, "params": out.kv_transfer_params, "error": None}
+            if req.get("op") == "metrics":
+                llm.llm_engine.do_log_stats()
+                res = {"id": req["id"], "error": None, "metrics": [
+                    dict(vars(m), kind=type(m).__name__) for m in llm.get_metrics()
+                    if m.name.startswith("vllm:kvplan")]}
+            elif "batch" in req:  # together in one engine, each timed on its own
+                eng, done = llm.llm_engine, {}
+                for r in req["batch"]:
+                    eng.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]),
+                                    params(r))
+                while eng.has_unfinished_requests():
+                    for out in eng.step():
+                        if out.finished:
+                            done[out.request_id] = dict(
+                                result(out.request_id, out),
+                                seconds=round(time.monotonic() - t0, 3))
+                res = {"id": req["id"], "error": None,
+                       "results": [done[r["id"]] for r in req["batch"]]}
+            else:
+                out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt"])],
+                                   params(req), use_tqdm=False)[0]
+                res = result(req["id"], out)
         except Exception as e:  # reported to the test, which decides
             res = {"id": req["id"], "tokens": None, "error": f"{type(e).__name__}: {e}"}
         res["seconds"] = round(time.monotonic() - t0, 3)
@@ -182,6 +214,9 @@ def main() -> None:
     s.add_argument("--transfer-timeout", type=float, default=20.0)
     s.add_argument("--connector", default="kvplan", choices=["kvplan", "nixl", "none"])
     s.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA")
+    s.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
+    s.add_argument("--num-blocks", type=int, default=0, help="KV cache blocks (0: vLLM's)")
+    s.add_argument("--log-stats", action="store_true", help="vLLM's stats log and metrics")
     args = ap.parse_args()
     if args.cmd == "model":
         write_model(args.path, args.kind, n_groups=args.n_groups)

@@ -3,8 +3,9 @@ processes of the vLLM venv's python running tests/vllm_engine.py, started on fir
 across tests and files, killed as groups on teardown.
 
 Engines are named ``MODEL-ROLE`` (``llama-p1``, ``nemo1-t2``...): MODEL picks the tiny model
-(:data:`MODELS`), ROLE the TP size and cores (:data:`ROLES`), and a ``-nixl`` suffix runs vLLM's
-own NixlConnector instead of KvplanConnector. Every start of an engine keeps its own log
+(:data:`MODELS`), ROLE the TP size and cores (:data:`ROLES`), a ``-nixl`` suffix runs vLLM's
+own NixlConnector instead of KvplanConnector, and other suffixes add options
+(:data:`VARIANTS`: ``llama-p1-short-few``). Every start of an engine keeps its own log
 (``NAME.N.log`` under the pool's directory); a failing assertion shows each live engine's last
 lines and the first error of its log (the root cause vLLM's "see stack trace" points at).
 """
@@ -44,6 +45,15 @@ MODELS = {
 #: spinning at 100% on a core (vLLM steps while a request awaits its KV read) starved the
 #: threads pinned with it, its own progress thread included (docs/vllm.md).
 ROLES = {"p1": (1, "0"), "d1": (1, "1"), "t2": (2, "nobind")}
+#: variant -> engine options, named after the role (``llama-p1-short-few``), several allowed.
+#: ``short``: leases of 3 s (heartbeats every second), handshakes and control messages of 1 s,
+#: vLLM's stats log and metrics; ``few``: 40 KV blocks, so that freed blocks are soon reused;
+#: ``fail``: ``kv_load_failure_policy="fail"``.
+VARIANTS = {
+    "short": {"extra": {"lease_s": 3, "handshake_timeout_s": 1}, "log_stats": True},
+    "few": {"num_blocks": 40},
+    "fail": {"policy": "fail"},
+}
 
 
 def free_base_port(n: int) -> int:
@@ -77,9 +87,10 @@ class Engine:
 
     def __init__(self, name: str, py: Path, model: Path, workdir: Path, *, tp: int, cores: str,
                  policy: str = "recompute", block_size: int = 32, connector: str = "kvplan",
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, extra: dict | None = None,
+                 num_blocks: int = 0, log_stats: bool = False, port: int | None = None):
         self.name, self.tp = name, tp
-        self.port = free_base_port(tp)
+        self.port = free_base_port(tp) if port is None else port
         _STARTS[name] = _STARTS.get(name, 0) + 1
         self.log_path = workdir / f"{name}.{_STARTS[name]}.log"  # one per start, all kept
         env = dict(os.environ)
@@ -89,6 +100,7 @@ class Engine:
             VLLM_CPU_OMP_THREADS_BIND=cores,
             TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"),
             VLLM_CACHE_ROOT=str(workdir / f"vllm-cache-{name}"),
+            VLLM_LOG_STATS_INTERVAL="1",
         )
         cmd = [str(py), str(SCRIPT), "serve", "--model", str(model), "--tp", str(tp),
                "--side-port", str(self.port), "--policy", policy,
@@ -96,6 +108,12 @@ class Engine:
                "--connector", connector]
         if attention_backend:
             cmd += ["--attention-backend", attention_backend]
+        if extra:
+            cmd += ["--extra", json.dumps(extra)]
+        if num_blocks:
+            cmd += ["--num-blocks", str(num_blocks)]
+        if log_stats:
+            cmd += ["--log-stats"]
         self.log = open(self.log_path, "w")  # closed in stop()
         self.log.write(f"$ {' '.join(cmd)}\n")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -142,6 +160,34 @@ class Engine:
         r = self._get(REQUEST_TIMEOUT, f"request {rid}")
         assert r["id"] == rid, r
         return r
+
+    def batch(self, reqs: list[dict]) -> list[dict]:
+        """Run ``reqs`` (``{"prompt", "max_tokens", "params"}``) together; each result's
+        ``seconds`` is when it finished, from the batch's start."""
+        self.wait_ready()
+        self.n += 1
+        rid = f"{self.name}-{self.n}"
+        batch = [dict(r, id=f"{rid}.{i}") for i, r in enumerate(reqs)]
+        self.proc.stdin.write(json.dumps({"id": rid, "batch": batch}) + "\n")
+        self.proc.stdin.flush()
+        r = self._get(REQUEST_TIMEOUT, f"batch {rid}")
+        assert r["id"] == rid and r["error"] is None, r
+        return r["results"]
+
+    def metrics(self) -> dict[str, dict]:
+        """The engine's ``vllm:kvplan_*`` metrics by name (``--log-stats`` engines)."""
+        self.wait_ready()
+        self.n += 1
+        rid = f"{self.name}-{self.n}"
+        self.proc.stdin.write(json.dumps({"id": rid, "op": "metrics"}) + "\n")
+        self.proc.stdin.flush()
+        r = self._get(REQUEST_TIMEOUT, f"metrics {rid}")
+        assert r["error"] is None, r
+        return {m["name"]: m for m in r["metrics"]}
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to every process of the engine (its session), e.g. SIGSTOP/SIGCONT."""
+        os.killpg(self.proc.pid, sig)
 
     def log_lines(self, pattern: str) -> list[str]:
         self.log.flush()
@@ -222,8 +268,8 @@ class Pool:
                 key, role, *rest = n.split("-")
                 tp, cores = ROLES[role]
                 opts = dict(MODELS[key][2])
-                if rest == ["nixl"]:
-                    opts["connector"] = "nixl"
+                for v in rest:  # "nixl", or variants of VARIANTS
+                    opts.update({"connector": "nixl"} if v == "nixl" else VARIANTS[v])
                 _LIVE[n] = Engine(n, self.py, self.model(key), self.workdir, tp=tp,
                                   cores=cores, **opts)
         engines = [_LIVE[n] for n in names]

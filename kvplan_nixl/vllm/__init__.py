@@ -24,25 +24,34 @@ step.
   state groups (see :mod:`.scheduler`).
 - **Spec**: each worker derives its rank's :class:`kvplan.EngineSpec` from the tensors vLLM
   registers (:func:`kvplan.adapters.vllm.spec_from_vllm`), so nothing is described by hand.
-- **Handshake**: each prefill worker rank serves its signed ``Endpoint.metadata()`` on a small
-  TCP side channel, ``remote_port + tp_rank``; a decode rank connects the prefill ranks its
-  pull map names (``Endpoint.connect``: kvplan refuses an incompatible pair there).
+- **Handshake**: each prefill worker rank serves its signed ``Endpoint.metadata()`` on a
+  small TCP side channel (:mod:`kvplan_nixl.sidechannel`), ``remote_port + tp_rank``; a decode
+  rank connects the prefill ranks its pull map names (``Endpoint.connect``: kvplan refuses an
+  incompatible pair there) on background threads (:mod:`kvplan_nixl.handshakes`): a request's
+  load starts once its prefill is connected.
 - **Per request**: ``map.plan(remote lists, local lists, tokens=(held, end))`` over every
   group moves exactly the positions decode lacks (and a state group's running slot);
-  ``Endpoint.read`` posts it with a notification and a deadline (``transfer_timeout_s``).
-- **Freeing**: the notification names the request and how many decode ranks read each
-  prefill rank; a prefill rank reports the request's send finished when the last one arrived
-  (prefill ranks no decode rank reads get a ``RELEASE`` on the side channel), or when its
-  lease (``lease_s``) ran out.
-- **Failures**: a transfer that fails or misses its deadline, or a prefill engine that cannot
-  be reached, reports the request's blocks through ``get_block_ids_with_load_errors`` (one
-  KV-cache group; with several, the request through ``failed_recving``); vLLM's
-  ``kv_load_failure_policy`` then recomputes them or fails the request.
+  ``Endpoint.read`` posts it with a deadline (``transfer_timeout_s``).
+- **Never serving freed KV**: the prefill holds each request under a generation
+  (``remote_generation``, :mod:`kvplan_nixl.holds`) and frees its blocks only once the hold
+  ended; the decode renews the hold while its pull is in flight (RENEW every
+  ``heartbeat_s``) and reports the pull finished only once every prefill rank it read
+  answered its CONFIRM yes (the hold was live throughout). Ranks nobody reads get a
+  ``RELEASE``; a dead decode's holds end ``lease_s`` after its last heartbeat.
+- **Failures**: a transfer that fails, misses its deadline or is not confirmed, or a prefill
+  engine that cannot be reached, reports the request's blocks through
+  ``get_block_ids_with_load_errors`` (one KV-cache group; with several, the request through
+  ``failed_recving``); vLLM's ``kv_load_failure_policy`` then recomputes them or fails the
+  request.
+- **Stats**: ``get_kv_connector_stats`` (:mod:`kvplan_nixl.vllm_stats`): vLLM's periodic
+  "KV Transfer metrics" log line and ``vllm:kvplan_*`` Prometheus metrics.
 
-Extra config keys: ``secret`` (str, signs the metadata; the same on every engine),
-``side_channel_host`` (default ``$VLLM_HOST_IP`` or 127.0.0.1), ``side_channel_port`` (base
-port, default 5700), ``transfer_timeout_s`` (default 30), ``handshake_timeout_s`` (default 5),
-``lease_s`` (default 120).
+Extra config keys: ``secret`` (str, signs the metadata and every side channel message; the
+same on every engine), ``side_channel_host`` (default ``$VLLM_HOST_IP`` or 127.0.0.1),
+``side_channel_port`` (base port, default 5700: rank ``r`` of DP rank ``dp`` listens on
+``base + dp * tp_size + r``), ``transfer_timeout_s`` (default 30), ``handshake_timeout_s``
+(default 5), ``lease_s`` (default 120), ``heartbeat_s`` (default ``lease_s / 3``),
+``nixl_backends`` (default ``["UCX"]``). See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -61,7 +70,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load, Scheduler
 from kvplan_nixl.vllm.settings import Settings
-from kvplan_nixl.vllm.worker import NOTIFY_PREFIX, Worker
+from kvplan_nixl.vllm.worker import Worker
+from kvplan_nixl.vllm_stats import KvplanStats, KvplanStatsMixin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,23 +80,36 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["NOTIFY_PREFIX", "KvplanConnector", "KvplanMetadata", "Load", "Settings"]
+__all__ = ["KvplanConnector", "KvplanMetadata", "Load", "Settings"]
 
 
-class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
-    """vLLM V1 KV connector on kvplan + kvplan_nixl (the module docstring says how)."""
+class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
+    """vLLM V1 KV connector on kvplan + kvplan_nixl (the module docstring says how); its
+    stats (:class:`kvplan_nixl.vllm_stats.KvplanStats`) go to vLLM's log line and
+    Prometheus."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = vllm_config.kv_transfer_config
         extra = dict(cfg.kv_connector_extra_config or {})
+        par = vllm_config.parallel_config
+        # data_parallel_index: vLLM's DP rank, not overridden for dense models (NixlConnector
+        # offsets its port by it too)
+        dp = getattr(par, "data_parallel_index", None)
+        dp = par.data_parallel_rank if dp is None else dp
+        port = extra.get("side_channel_port", 5700)
+        if isinstance(port, bool) or not isinstance(port, (int, str)) \
+                or not str(port).isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("kv_connector_extra_config['side_channel_port'] must be a port "
+                             f"number (the base: rank ports are base + dp_rank * tp_size + "
+                             f"tp_rank), got {port!r}")
         self.settings = Settings(
             engine_id=str(cfg.engine_id),
             host=str(extra.get("side_channel_host")
                      or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"),
-            port=int(extra.get("side_channel_port", 5700)),
-            tp_size=vllm_config.parallel_config.tensor_parallel_size, extra=extra)
+            port=int(port), tp_size=par.tensor_parallel_size, extra=extra, dp_rank=int(dp))
+        self.settings.rank_port(self.settings.tp_size - 1)  # every rank's port fits: fail now
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KvplanConnector: pipeline parallelism is not supported yet")
         self._scheduler = Scheduler(self.settings, kv_cache_config) \
@@ -159,6 +182,11 @@ class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local blocks of pulls that failed since the last call (to recompute)."""
         return self._worker.take_errors()
+
+    def get_kv_connector_stats(self) -> KvplanStats | None:
+        """This worker's pulls, failures, expired leases, refused confirmations and dropped
+        side channel messages since the last call (vLLM's log line and Prometheus)."""
+        return self._worker.take_stats() if self._worker is not None else None
 
     def shutdown(self) -> None:
         """Stop the side channel and the progress thread, release every NIXL handle."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvplan.adapters.vllm import TransferGroups
+from kvplan_nixl.holds import new_generation
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.settings import Settings
@@ -32,7 +33,7 @@ class Load:
     remote_req: str
     engine: str
     host: str
-    port: int
+    port: int  # the side channel port of the prefill's TP rank 0 (rank r: port + r)
     remote_tp: int
     remote_ids: list[list[int]]  # per transfer group, as the prefill handed them
     remote_first: list[int]  # block position of each remote list's first element
@@ -40,14 +41,16 @@ class Load:
     start: int  # positions decode already holds (a prefix-cache hit)
     end: int  # positions to hold after the pull (the prompt, less the token decode computes)
     parked: bool  # the request waits for this load (False: only release the prefill's blocks)
+    generation: int = 0  # the prefill's hold generation (``remote_generation``; 0: none)
 
 
 @dataclass
 class KvplanMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, once per step: pulls to start and prefill sends to watch."""
+    """Scheduler -> workers, once per step: pulls to start, and prefill sends to hold as
+    ``(request, generation)``."""
 
     loads: list[Load] = field(default_factory=list)
-    sends: list[str] = field(default_factory=list)
+    sends: list[tuple[str, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -60,7 +63,7 @@ class Scheduler:
         # tokens the decode computes itself: one with a state group (see the module docstring)
         self.backoff = 1 if self.groups is not None and self.groups.has_state else 0
         self.loads: dict[str, Load] = {}
-        self.sends: list[str] = []
+        self.sends: list[tuple[str, int]] = []
 
     def new_request(self, request: Any) -> None:
         """A prefill request of a model with state stops one prompt token short."""
@@ -117,16 +120,20 @@ class Scheduler:
                 RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
         delay = any(len(g) > 0 for g in block_ids)
+        # the hold's generation: a decode's CONFIRM names it, so a hold that ended (and its
+        # blocks, freed and maybe reused) is never mistaken for this one (kvplan_nixl.holds)
+        gen = new_generation()
         if delay:
-            self.sends.append(request.request_id)
+            self.sends.append((request.request_id, gen))
         handed, first = self.groups.handed(block_ids)
         return delay, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": handed, "remote_block_offsets": first,
             "remote_engine_id": self.c.engine_id,
             "remote_request_id": request.request_id, "remote_host": self.c.host,
-            "remote_port": self.c.port, "tp_size": self.c.tp_size,
+            "remote_port": self.c.rank_port(0), "tp_size": self.c.tp_size,
             "remote_num_tokens": request.num_computed_tokens, "transfer_mode": "kvplan",
+            "remote_generation": gen,
         }
 
 
@@ -140,4 +147,13 @@ def _load(req_id: str, p: dict, local: list[list[int]], start: int, end: int,
                 engine=str(p.get("remote_engine_id")), host=str(p.get("remote_host")),
                 port=int(p.get("remote_port") or 0), remote_tp=int(p.get("tp_size") or 1),
                 remote_ids=[list(g) for g in ids], remote_first=[int(x) for x in first],
-                local_ids=local, start=start, end=end, parked=parked)
+                local_ids=local, start=start, end=end, parked=parked,
+                generation=_int(p.get("remote_generation")))
+
+
+def _int(v: Any) -> int:
+    """A generation from the params: 0 (never held, so never confirmed) if absent or bad. A
+    decimal string is taken too (a proxy that cannot carry 63-bit JSON integers)."""
+    if isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 19:
+        v = int(v)
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 else 0

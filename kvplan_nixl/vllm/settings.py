@@ -3,8 +3,11 @@ facade: the engine's identity, its side channel and the connector's extra config
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvplan_nixl.sidechannel import side_channel_port
 
 
 @dataclass(frozen=True)
@@ -13,6 +16,39 @@ class Settings:
 
     engine_id: str
     host: str  # the side channel's host (``side_channel_host``, else $VLLM_HOST_IP)
-    port: int  # the side channel's base port; rank r listens on port + r
+    port: int  # the side channel's base port (``side_channel_port``)
     tp_size: int
     extra: dict[str, Any] = field(default_factory=dict)
+    dp_rank: int = 0  # vLLM's data_parallel_index: each DP rank has tp_size ports of its own
+
+    def rank_port(self, tp_rank: int) -> int:
+        """The side channel port of TP rank ``tp_rank`` of this engine's DP rank:
+        ``port + dp_rank * tp_size + tp_rank``."""
+        return side_channel_port(self.port, tp_rank, self.tp_size, self.dp_rank)
+
+    def seconds(self, key: str, default: float) -> float:
+        """``extra[key]`` as a finite number of seconds > 0 (``default`` when absent); a
+        ValueError naming the key otherwise."""
+        v = self.extra.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number of seconds "
+                             f"> 0, got {v!r}")
+        try:
+            s = float(v)
+        except ValueError:
+            s = math.nan
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number of seconds "
+                             f"> 0, got {v!r}")
+        return s
+
+    def backends(self) -> tuple[str, ...]:
+        """``extra["nixl_backends"]``: NIXL backends the endpoint creates (a list, or a
+        comma-separated string; default UCX)."""
+        v = self.extra.get("nixl_backends", ("UCX",))
+        names = v.split(",") if isinstance(v, str) else v
+        if not isinstance(names, (list, tuple)) or not names or not all(
+                isinstance(n, str) and n.strip() for n in names):
+            raise ValueError("kv_connector_extra_config['nixl_backends'] must be a non-empty "
+                             f"list of NIXL backend names (e.g. [\"UCX\"]), got {v!r}")
+        return tuple(n.strip() for n in names)

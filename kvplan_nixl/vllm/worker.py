@@ -1,20 +1,26 @@
-"""The worker half of ``KvplanConnector``, one per TP rank: the endpoint, the side channel that
-serves its metadata, the progress thread, and the pulls.
+"""The worker half of ``KvplanConnector``, one per TP rank: the endpoint, the side channel
+(metadata and hold control), the progress thread, the pulls.
 
 Each pull is one kvplan plan over every KV-cache group: the prefill's handed lists and the
 decode's own blocks become kvplan lists (:class:`kvplan.adapters.vllm.TransferGroups`: null
 blocks absent, a state group's running slot), ``tokens=(held, end)`` bounds the token
 groups, and state slots move whole.
+
+Never serving freed KV (docs/vllm.md, "Holds, CONFIRM and heartbeats"): a prefill rank holds
+each request under the generation its scheduler chose (:class:`kvplan_nixl.holds.Holds`) and
+reports the send finished only once the hold ended; a decode rank renews the holds it reads
+while its pull is in flight, and reports the pull finished only after every prefill rank it
+read confirmed the hold was live throughout. Nothing that talks to another engine runs on the
+engine step: handshakes on :class:`kvplan_nixl.handshakes.Handshakes`' threads, RENEW,
+CONFIRM and RELEASE on a small pool of their own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import socket
-import socketserver
-import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +30,11 @@ from vllm.logger import init_logger
 
 import kvplan
 from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, whole_pages
+from kvplan_nixl import sidechannel as sc
+from kvplan_nixl.handshakes import Handshakes
+from kvplan_nixl.holds import Verdict
+from kvplan_nixl.vllm.control import Control, Sends
+from kvplan_nixl.vllm_stats import KvplanStats
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load
@@ -32,8 +43,21 @@ if TYPE_CHECKING:
 # a child of vLLM's logger, so that its handlers and level apply
 logger = init_logger("vllm.kvplan_nixl")
 
-#: Prefix of the notifications this connector sends (``kvplan|<request>|<counts>``).
-NOTIFY_PREFIX = b"kvplan|"
+
+@dataclass
+class Pull:
+    """One request's pull on this decode rank, from posting until it is reported."""
+
+    load: Load
+    t: Any  # kvplan_nixl.Transfer
+    counts: list[int]  # decode ranks reading each prefill rank (CONFIRM's readers)
+    peers: tuple[int, ...]  # the prefill ranks this rank reads
+    post_s: float
+    runs: int
+    descriptors: int
+    next_beat: float
+    confirming: bool = False
+    beating: bool = False  # a heartbeat job is running (never two at once)
 
 
 class Worker:
@@ -42,27 +66,35 @@ class Worker:
     def __init__(self, settings: Settings, vllm_config: Any) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        self.c = settings
-        extra = settings.extra
+        self.c = c = settings
         self.vllm_config = vllm_config
         self.rank = get_tensor_model_parallel_rank()
-        self.secret = extra.get("secret")
-        self.timeout = float(extra.get("transfer_timeout_s", 30.0))
-        self.hs_timeout = float(extra.get("handshake_timeout_s", 5.0))
-        self.lease = float(extra.get("lease_s", 120.0))
+        self.secret = c.extra.get("secret")
+        self.timeout = c.seconds("transfer_timeout_s", 30.0)
+        self.hs_timeout = c.seconds("handshake_timeout_s", 5.0)
+        self.lease = c.seconds("lease_s", 120.0)
+        self.heartbeat = c.seconds("heartbeat_s", self.lease / 3)
+        if self.heartbeat > self.lease / 3:
+            raise ValueError(
+                f"kv_connector_extra_config['heartbeat_s'] = {self.heartbeat:g} is above "
+                f"lease_s / 3 = {self.lease / 3:g}: one lost heartbeat would let the prefill's "
+                "lease run out under a live pull; lower heartbeat_s or raise lease_s")
+        self.backends = c.backends()
         self.lock = threading.Lock()  # every Endpoint call: it is used by one thread at a time
         self.ep = None
-        self.md = b""
-        self.server: socketserver.TCPServer | None = None
+        self.sends: Sends | None = None  # prefill: the holds and the side channel
         self.stop = threading.Event()
+        self.hs: Handshakes | None = None
+        # RENEW / CONFIRM / RELEASE: each bounded by handshake_timeout_s, never on the step
+        self.ctl = Control(self.secret, self.hs_timeout)
         self.engines: dict[str, tuple[Any, list[int]]] = {}  # prefill engine -> map, counts
-        self.inflight: dict[str, tuple[Any, Load]] = {}
+        self.waiting: dict[str, tuple[Load, float]] = {}  # handshake pending -> deadline
+        self.inflight: dict[str, Pull] = {}
         self.recv_done: set[str] = set()
         self.recv_failed: set[str] = set()
         self.errors: set[int] = set()
-        self.got: dict[str, int] = {}  # prefill: notifications per request
-        self.released: set[str] = set()
-        self.watch: dict[str, float] = {}  # prefill sends vLLM waits for -> lease deadline
+        self.stats = KvplanStats()
+        self._reported: dict[str, int] = {}  # cumulative counters already in self.stats
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -84,44 +116,31 @@ class Worker:
         first = next(iter(kv_caches.values()))
         if first.device.type == "cuda":  # NIXL needs the device: flat views of the buffers
             bufs = {k: _flat(kv_caches, a, n) for k, (a, n) in bufs.items()}
-        self.ep = Endpoint(self.c.engine_id, spec, self.rank, bufs, secret=self.secret)
-        self.md = self.ep.metadata()
+        self.ep = Endpoint(self.c.engine_id, spec, self.rank, bufs, secret=self.secret,
+                           backends=self.backends)
         kinds = ",".join(sorted({r.kind.value for r in spec.regions}))
         logger.info("kvplan: rank %d registered %d regions (%s; backend %s, layouts %s, "
                     "groups %s, %d buffers)", self.rank, len(spec.regions), kinds, backend,
                     ",".join(sorted({r.layout_name for r in spec.regions if not r.is_state})),
                     "+".join(self.groups.kinds), len(spec.buffers))
-        self._serve()
+        port = self.c.rank_port(self.rank)
+        try:  # a taken port: PortInUseError names it and the key to change
+            self.sends = Sends(self.c.host, port, sc.server_identity(self.c.engine_id,
+                                                                     self.rank),
+                               self.ep.metadata(), secret=self.secret, lease=self.lease)
+        except BaseException:
+            self.ep.close()
+            raise
+        logger.info("kvplan: rank %d side channel on %s:%d (base %d, dp rank %d)", self.rank,
+                    self.c.host, port, self.c.port, self.c.dp_rank)
+        self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
+                             workers=2, retry_after_s=min(5.0, self.lease))
         threading.Thread(target=self._progress_loop, daemon=True,
                          name="kvplan-progress").start()
 
-    def _serve(self) -> None:
-        worker = self
-
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self) -> None:
-                line = self.rfile.readline(4096).decode(errors="replace").strip()
-                if line == "MD":
-                    self.wfile.write(struct.pack("!I", len(worker.md)) + worker.md)
-                elif line.startswith("RELEASE "):
-                    req = line.split(" ", 1)[1]
-                    with worker.lock:
-                        worker.released.add(req)
-                    logger.info("kvplan: prefill req=%s released on the side channel", req)
-                    self.wfile.write(b"OK\n")
-
-        class Server(socketserver.ThreadingTCPServer):
-            allow_reuse_address = True
-            daemon_threads = True
-
-        port = self.c.port + self.rank
-        self.server = Server((self.c.host, port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True,
-                         name="kvplan-side-channel").start()
-
     def _progress_loop(self) -> None:
-        """Progress the agent when vLLM does not step (an idle prefill must still serve reads
-        and receive notifications); poll pulls in flight."""
+        """Progress the agent when vLLM does not step (an idle prefill must still serve reads);
+        poll pulls in flight, start those whose handshake completed, send heartbeats."""
         while not self.stop.wait(0.002):
             with self.lock:
                 if self.ep is None or self.ep.closed:
@@ -132,66 +151,93 @@ class Worker:
                     logger.exception("kvplan: progress failed")
 
     def _progress(self) -> None:
-        for n in self.ep.notifications():
-            if not n.message.startswith(NOTIFY_PREFIX):
+        # reads carry no notification any more; drained so that a stray one cannot pile up
+        # (the envelope counts forged ones: num_side_channel_dropped)
+        self.ep.notifications()
+        now = time.monotonic()
+        if self.waiting:
+            self._poll_waiting(now)
+        for req_id, p in list(self.inflight.items()):
+            if p.confirming:
                 continue
-            _, req, counts = n.message.decode().split("|")
-            need = int(counts.split(",")[self.rank])
-            self.got[req] = self.got.get(req, 0) + 1
-            if self.got[req] >= need:
-                del self.got[req]
-                self.released.add(req)
-                logger.info("kvplan: prefill req=%s released by its %d reader(s)", req, need)
-        for req_id, (t, load) in list(self.inflight.items()):
-            t.poll()
-            if not t.done:
+            p.t.poll()
+            if not p.t.done:
+                if now >= p.next_beat and not p.beating:
+                    p.next_beat, p.beating = now + self.heartbeat, True
+                    self.ctl.submit(self._renew, p)
                 continue
-            del self.inflight[req_id]
-            if t.ok:
-                logger.info("kvplan: pull req=%s done in %.4f s", req_id, t.seconds or 0.0)
-                self.recv_done.add(req_id)
+            if p.t.ok:  # the read completed: reported only once every rank read confirms
+                p.confirming = True
+                self.ctl.submit(self._confirm, p)
             else:
-                self._fail(load, str(t.error()))
+                del self.inflight[req_id]
+                self.stats.record("num_failed_transfers")
+                # the prefill may have died or restarted: the next request handshakes again
+                # (connecting a live peer again is a no-op) instead of reading a dead one
+                self.hs.forget(p.load.engine)
+                self.engines.pop(p.load.engine, None)
+                self._fail(p.load, str(p.t.error()), p.peers)
 
-    # -- decode: pulls -----------------------------------------------------------------------
+    # -- decode: handshakes and pulls --------------------------------------------------------
 
     def start(self, meta: KvplanMetadata) -> None:
+        if meta.sends and self.sends is not None:
+            self.sends.hold(meta.sends)
+        if not meta.loads:
+            return
         with self.lock:
             now = time.monotonic()
-            for req in meta.sends:
-                self.watch[req] = now + self.lease
             for load in meta.loads:
-                try:
-                    self._pull(load)
-                except Exception as e:  # unreachable prefill, refused pair, bad params
+                if not load.local_ids:  # nothing to read: just let the prefill free its blocks
+                    if self.rank == 0:
+                        self.ctl.release(load, range(load.remote_tp))
+                    continue
+                try:  # the handshake runs on Handshakes' threads, never on this step
+                    self.hs.start(load.engine, _address(load))
+                except Exception as e:
                     self._fail(load, f"{type(e).__name__}: {e}")
+                    continue
+                # bounded: a handshake takes at most a few handshake_timeout_s per rank
+                self.waiting[load.req_id] = (load, now + self.timeout)
+            self._poll_waiting(now)
 
-    def _span(self, load: Load, src: list[np.ndarray], dst: list[np.ndarray]) -> tuple[int, int]:
-        """The positions to copy: ``[held, end)``, rounded out to whole blocks of the token
-        groups where the backend's pages move only whole (what the prefill left past the
-        prompt in the last block is overwritten as decode generates)."""
-        start, end = load.start, load.end
-        if not self.whole:
-            return start, end
-        token = [g for g, k in enumerate(self.groups.kinds) if k != "state"]
-        if not token:
-            return start, end
-        bs = self.groups.block_sizes[token[0]]
-        cover = min(min(len(src[g]), len(dst[g])) * self.groups.block_sizes[g] for g in token)
-        return start // bs * bs, max(start // bs * bs, min(-(-end // bs) * bs, cover))
+    def _hs_connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:
+        """Handshakes' ``connect`` (under self.lock): connect one prefill rank; the ranks this
+        rank's pull map reads, once the first rank's spec is in."""
+        self.ep.connect(blob, mode="pull")
+        return tuple(self.ep.map(engine).peers)
 
-    def _pull(self, load: Load) -> None:
-        if not load.local_ids:  # nothing to read: just let the prefill free its blocks
-            if self.rank == 0:
-                self._release_all(load)
-            return
-        tmap, counts = self._connect(load)
+    def _poll_waiting(self, now: float) -> None:
+        for req_id, (load, deadline) in list(self.waiting.items()):
+            st = self.hs.state(load.engine)
+            if st is None:  # forgotten meanwhile: start again
+                st = self.hs.start(load.engine, _address(load))
+            if st.pending:
+                if now > deadline:
+                    del self.waiting[req_id]
+                    self.stats.record("num_failed_handshakes")
+                    self._fail(load, f"handshake with {load.engine} at {load.host}:"
+                                     f"{load.port} not done within {self.timeout:g} s")
+                continue
+            del self.waiting[req_id]
+            if st.failed:
+                self.stats.record("num_failed_handshakes")
+                self._fail(load, f"handshake failed: {st.reason}")
+                continue
+            try:
+                self._post(load)
+            except Exception as e:  # a refused pair, bad params
+                self._fail(load, f"{type(e).__name__}: {e}")
+
+    def _post(self, load: Load) -> None:
+        tmap, counts = self._engine(load.engine)
         src = self.groups.remote(load.remote_ids, load.remote_first)
         dst = self.groups.local(load.local_ids)
-        start, end = self._span(load, src, dst)
+        start, end = _span(self.groups, self.whole, load, src, dst)
         plan = tmap.plan(src, dst, tokens=(start, end))
-        msg = NOTIFY_PREFIX + f"{load.remote_req}|{','.join(map(str, counts))}".encode()
-        t = self.ep.read(plan, load.engine, notify=msg, timeout=self.timeout)
+        t0 = time.perf_counter()
+        t = self.ep.read(plan, load.engine, timeout=self.timeout)
+        post_s = time.perf_counter() - t0
         written = _lacking(self.groups, dst, start, end)
         blocks = max((len(w) for w, k in zip(written, self.groups.kinds) if k != "state"),
                      default=0)
@@ -200,61 +246,60 @@ class Worker:
                     self.rank, blocks, start, end, plan.nbytes, len(plan), list(tmap.peers),
                     load.end, "+".join(self.groups.kinds))
         if self.rank == 0 and 0 in counts:  # prefill ranks nobody reads: release them now
-            for p, n in enumerate(counts):
-                if n == 0:
-                    self._release(load, p)
-        self.inflight[load.req_id] = (t, load)
+            self.ctl.release(load, [p for p, n in enumerate(counts) if n == 0])
+        # a pull shorter than heartbeat_s (the usual one) sends no RENEW at all
+        self.inflight[load.req_id] = Pull(load, t, counts, tuple(tmap.peers), post_s,
+                                          len(plan), sum(t.runs().values()),
+                                          time.monotonic() + self.heartbeat)
 
-    def _connect(self, load: Load) -> tuple[Any, list[int]]:
-        """The pull map for ``load``'s prefill engine, connecting its ranks on first use;
-        and how many decode ranks read each prefill rank (carried in the notification)."""
-        if load.engine in self.engines:
-            return self.engines[load.engine]
-        peer = self.ep.connect(self._fetch(load.host, load.port), mode="pull")
-        tmap = self.ep.map(load.engine)
-        for p in tmap.peers:
-            if p != peer.rank:
-                self.ep.connect(self._fetch(load.host, load.port + p), mode="pull")
-        src, dst = tmap.src, tmap.dst
-        sizes = {(a.block_size, b.block_size) for a, b in zip(src.regions, dst.regions)}
-        if self.whole and any(a != b for a, b in sizes):
-            raise ValueError(f"prefill {load.engine} uses blocks of {sorted(sizes)[0][0]} "
-                             f"tokens, this engine {sorted(sizes)[0][1]}: the attention "
-                             "backend's pages move only whole, so block sizes must be equal")
-        counts = [0] * src.tp_size
-        for d in range(dst.tp_size):
-            for p in kvplan.pull_map(src, dst, d).peers:
-                counts[p] += 1
-        self.engines[load.engine] = (tmap, counts)
-        return tmap, counts
+    def _engine(self, engine: str) -> tuple[Any, list[int]]:
+        """The pull map of a connected prefill engine, and how many decode ranks read each of
+        its ranks (each CONFIRM carries it)."""
+        if engine not in self.engines:
+            tmap = self.ep.map(engine)
+            self.engines[engine] = (tmap, _readers(tmap, engine, self.whole))
+        return self.engines[engine]
 
-    def _fetch(self, host: str, port: int) -> bytes:
-        with socket.create_connection((host, port), timeout=self.hs_timeout) as s:
-            s.sendall(b"MD\n")
-            f = s.makefile("rb")
-            (n,) = struct.unpack("!I", f.read(4))
-            blob = f.read(n)
-            if len(blob) != n:
-                raise ConnectionError(f"side channel {host}:{port} sent {len(blob)} of {n} bytes")
-            return blob
+    # -- decode: control messages, on self.ctl's threads --------------------------------------
 
-    def _release(self, load: Load, p: int) -> None:
+    def _renew(self, p: Pull) -> None:
         try:
-            with socket.create_connection((load.host, load.port + p),
-                                          timeout=self.hs_timeout) as s:
-                s.sendall(f"RELEASE {load.remote_req}\n".encode())
-                s.recv(16)
-        except OSError as e:  # the prefill's lease frees the blocks anyway
-            logger.warning("kvplan: could not release req=%s on prefill rank %d: %s",
-                           load.remote_req, p, e)
+            for r in p.peers:
+                v = self.ctl.send(p.load, r, "RENEW")
+                if v is not Verdict.YES:  # the CONFIRM will say; logged to explain it early
+                    logger.warning("kvplan: heartbeat of req=%s to prefill rank %d: %s",
+                                   p.load.req_id, r, getattr(v, "value", v))
+        finally:
+            p.beating = False
 
-    def _release_all(self, load: Load) -> None:
-        for p in range(load.remote_tp):
-            self._release(load, p)
+    def _confirm(self, p: Pull) -> None:
+        try:
+            answers = {r: self.ctl.send(p.load, r, "CONFIRM", p.counts[r]) for r in p.peers}
+            refused = {r: getattr(v, "value", v) for r, v in answers.items()
+                       if v is not Verdict.YES}
+        except Exception as e:  # never leave the pull unreported: not confirmed
+            refused = {"?": f"{type(e).__name__}: {e}"}
+        with self.lock:
+            if self.inflight.pop(p.load.req_id, None) is None or self.ep is None \
+                    or self.ep.closed:
+                return
+            if not refused:
+                self.recv_done.add(p.load.req_id)
+                self.stats.record_transfer(p.t.seconds or 0.0, p.post_s, p.t.plan.nbytes,
+                                           p.runs, p.descriptors)
+                logger.info("kvplan: pull req=%s done in %.4f s, confirmed by prefill "
+                            "rank(s) %s", p.load.req_id, p.t.seconds or 0.0, list(p.peers))
+                return
+            self.stats.record("num_failed_transfers")
+            self._fail(p.load, f"not confirmed by prefill rank(s) {refused}: the prefill "
+                               "may no longer hold the blocks read (its lease ran out or the "
+                               "request was released), so the KV read is not used", p.peers)
 
-    def _fail(self, load: Load, why: str) -> None:
+    def _fail(self, load: Load, why: str, peers: tuple[int, ...] = ()) -> None:
         logger.error("kvplan: pull req=%s from %s failed (%s); its blocks go to vLLM's "
                      "kv_load_failure_policy", load.req_id, load.engine, why)
+        # end the holds: rank 0 for every prefill rank, the others for those they read
+        self.ctl.release(load, range(load.remote_tp) if self.rank == 0 else peers)
         if not load.parked:
             return
         self.recv_done.add(load.req_id)
@@ -264,8 +309,6 @@ class Worker:
                                                          load.end)[0])
         else:  # block ids are per group: vLLM wants the request instead
             self.recv_failed.add(load.req_id)
-        if self.rank == 0:
-            self._release_all(load)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -273,34 +316,81 @@ class Worker:
         with self.lock:
             if self.ep is not None:
                 self._progress()
-            now = time.monotonic()
-            sending = {r for r in self.watch if r in self.released or self.watch[r] < now}
-            for r in sending:
-                if r not in self.released:
-                    logger.warning("kvplan: prefill req=%s lease of %.0f s ran out", r,
-                                   self.lease)
-                del self.watch[r]
-                self.released.discard(r)
+            sending: set[str] = set()
+            if self.sends is not None:  # only ended holds come out: vLLM frees their blocks
+                sending, counts = self.sends.finished()
+                self._count("num_kv_expired_reqs", "expired", counts["expired"])
+                self._count("num_confirmations_refused", "refused", counts["refused"])
+                self._count("num_side_channel_dropped", "dropped",
+                            counts["dropped"] + self.ep.ignored_notices)
             out = KVConnectorTransferResults(finished_sending=sending,
                                              finished_recving=self.recv_done,
                                              failed_recving=self.recv_failed)
             self.recv_done, self.recv_failed = set(), set()
             return out
 
+    def _count(self, key: str, name: str, total: int) -> None:
+        """Record what a cumulative counter gained since the last report."""
+        self.stats.record(key, total - self._reported.get(name, 0))
+        self._reported[name] = total
+
     def take_errors(self) -> set[int]:
         with self.lock:
             out, self.errors = self.errors, set()
             return out
 
+    def take_stats(self) -> KvplanStats | None:
+        """The stats since the last call (vLLM's ``get_kv_connector_stats``), None if none."""
+        with self.lock:
+            return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
     def close(self) -> None:
         self.stop.set()
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+        # outside self.lock: their jobs take it to report
+        if self.hs is not None:
+            self.hs.close()
+        self.ctl.close()
+        if self.sends is not None:
+            self.sends.close()
         with self.lock:
             if self.ep is not None:
                 with contextlib.suppress(Exception):
                     self.ep.close()
+
+
+def _span(groups: TransferGroups, whole: bool, load: Load, src: list[np.ndarray],
+          dst: list[np.ndarray]) -> tuple[int, int]:
+    """The positions to copy: ``[held, end)``, rounded out to whole blocks of the token groups
+    where the backend's pages move only whole (what the prefill left past the prompt in the
+    last block is overwritten as decode generates)."""
+    start, end = load.start, load.end
+    token = [g for g, k in enumerate(groups.kinds) if k != "state"]
+    if not whole or not token:
+        return start, end
+    bs = groups.block_sizes[token[0]]
+    cover = min(min(len(src[g]), len(dst[g])) * groups.block_sizes[g] for g in token)
+    return start // bs * bs, max(start // bs * bs, min(-(-end // bs) * bs, cover))
+
+
+def _readers(tmap: Any, engine: str, whole: bool) -> list[int]:
+    """How many decode ranks read each prefill rank of ``tmap``; refuses unequal block sizes
+    where the backend's pages move only whole."""
+    src, dst = tmap.src, tmap.dst
+    sizes = {(a.block_size, b.block_size) for a, b in zip(src.regions, dst.regions)}
+    if whole and any(a != b for a, b in sizes):
+        raise ValueError(f"prefill {engine} uses blocks of {sorted(sizes)[0][0]} tokens, this "
+                         f"engine {sorted(sizes)[0][1]}: the attention backend's pages move "
+                         "only whole, so block sizes must be equal")
+    counts = [0] * src.tp_size
+    for d in range(dst.tp_size):
+        for p in kvplan.pull_map(src, dst, d).peers:
+            counts[p] += 1
+    return counts
+
+
+def _address(load: Load) -> Any:
+    """Handshakes' ``address`` for ``load``'s prefill engine: rank r's host, port, identity."""
+    return lambda r: (load.host, load.port + r, sc.server_identity(load.engine, r))
 
 
 def _lacking(groups: TransferGroups, dst: list[np.ndarray], start: int,

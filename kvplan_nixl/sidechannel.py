@@ -1,0 +1,606 @@
+"""The connector's TCP side channel: a prefill rank's metadata and its hold control messages.
+
+One request per connection, so that no connection outlives one exchange::
+
+    server -> client   KVPSC1 <nonce: 32 hex> <identity: %-quoted>\\n      (the banner)
+    client -> server   MD\\n
+    server -> client   <u32 big-endian length> <metadata blob>
+  or
+    client -> server   <VERB> <req> <generation> <readers> <nonce echoed> <client nonce> <mac>\\n
+    server -> client   YES|NO|LATER <mac>\\n   or   ERR <reason>\\n
+
+``VERB`` is ``RELEASE`` (nobody will read the request: end its hold), ``RENEW`` (a decode's
+heartbeat: extend the lease) or ``CONFIRM`` (the read completed: was the request held the whole
+time? yes counts as the reader's release; ``readers``, 0 for the other verbs, is how many decode
+ranks read this prefill rank, so the last one's CONFIRM ends the hold); ``req`` is %-quoted;
+the answers are :class:`~kvplan_nixl.holds.Verdict`
+values (see :mod:`kvplan_nixl.holds`).
+
+**Under a deployment secret** every control message carries ``mac`` = HMAC-SHA256, under a key
+derived from the secret, over the receiver's identity (engine and rank), the verb, request,
+generation, the server's nonce of this connection and the client's nonce; the answer carries an
+HMAC over the answer and the request's mac. The server's nonce is fresh per connection (16
+random bytes) and valid for the one message of that connection, so the replay window is the
+connection itself: a recorded message verifies on no other connection (counted ``replayed``
+when it echoes another nonce, ``forged`` when its mac is wrong, ``unsigned`` without one). The
+client's nonce binds the answer to its question, so a host that took the port (or a recorded
+answer) cannot say yes. Whatever does not verify or parse is counted and dropped, answered
+``ERR`` and never acted on. **Without a secret** peers are trusted: anyone who reaches the port
+can release or renew a request (the metadata is unsigned too; see docs/executor.md, "Trust
+boundary"). The metadata is served to anyone: it is public, and signed under a secret.
+
+**Bounded**: at most ``max_connections`` open (one more is closed at once), a request line of
+at most ``max_line`` bytes (a longer one closes the connection), and a deadline per connection
+for the whole exchange, so one thread with one selector serves any mix of slow, silent or
+hostile clients in bounded memory. The clients bound what they read too (:data:`MAX_METADATA`,
+the largest blob :func:`kvplan_nixl.metadata.decode` accepts) and run under one deadline.
+
+Ports: :func:`side_channel_port`. Only the standard library and kvplan_nixl below the endpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from urllib.parse import quote, unquote
+
+from kvplan_nixl.errors import ArgumentError, ExecutorError
+from kvplan_nixl.holds import Holds, Verdict
+from kvplan_nixl.metadata import MAX_BLOB_BYTES, check_secret
+
+__all__ = [
+    "MAX_METADATA", "VERBS", "PortInUseError", "SideChannelError", "SideChannelProtocolError",
+    "SideChannelRejected", "SideChannelServer", "SideChannelTimeout", "confirm", "control",
+    "fetch_metadata", "server_identity", "side_channel_port",
+]
+
+#: The control verbs.
+VERBS = ("RELEASE", "RENEW", "CONFIRM")
+#: The most metadata bytes a client reads (a larger length prefix is refused unread).
+MAX_METADATA = MAX_BLOB_BYTES
+#: Request ids longer than this (UTF-8 bytes) are refused.
+MAX_REQUEST_ID = 512
+_BANNER = "KVPSC1"
+_NONCE = 16
+_LEN = struct.Struct("!I")
+_KDF = b"kvplan_nixl side channel key\x00"
+_MAC_REQ = b"request\x00"
+_MAC_ANS = b"answer\x00"
+_SEND_CHUNK = 1 << 20
+
+
+class SideChannelError(ExecutorError, ConnectionError):
+    """A side channel exchange with ``host:port`` failed (refused, reset, closed early)."""
+
+    def __init__(self, message: str, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        super().__init__(message)
+
+
+class SideChannelTimeout(SideChannelError, TimeoutError):
+    """The exchange with ``host:port`` did not complete within its deadline."""
+
+
+class SideChannelProtocolError(SideChannelError):
+    """``host:port`` answered outside the protocol: a length above the limit, a truncated
+    blob, an answer whose mac does not verify, another service on the port."""
+
+
+class SideChannelRejected(SideChannelError):
+    """``host:port`` refused the message (``ERR <reason>``: unsigned, forged, malformed, or
+    the port serves another engine rank than the one addressed); ``reason`` is its word."""
+
+    def __init__(self, message: str, host: str, port: int, reason: str) -> None:
+        self.reason = reason
+        super().__init__(message, host, port)
+
+
+class PortInUseError(ExecutorError, OSError):
+    """The side channel port is taken (``EADDRINUSE``); the message names the port and the
+    config key to change."""
+
+    def __init__(self, message: str, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        super().__init__(message)
+        self.errno = errno.EADDRINUSE
+
+
+def side_channel_port(base: int, tp_rank: int, tp_size: int, dp_rank: int = 0) -> int:
+    """The port of one worker's side channel: ``base + dp_rank * tp_size + tp_rank``.
+
+    ``base`` is ``kv_connector_extra_config["side_channel_port"]``; every (data-parallel,
+    tensor-parallel) rank of an engine gets its own port, ``dp_size * tp_size`` ports from
+    ``base`` in all, so engines on one host need bases at least that far apart.
+    """
+    for name, v, low in (("side_channel_port", base, 1), ("tp_size", tp_size, 1),
+                         ("tp_rank", tp_rank, 0), ("dp_rank", dp_rank, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ArgumentError(f"{name} must be an int >= {low}, got {v!r}")
+    if tp_rank >= tp_size:
+        raise ArgumentError(f"tp_rank must be < tp_size {tp_size}, got {tp_rank}")
+    port = base + dp_rank * tp_size + tp_rank
+    if port > 65535:
+        raise ArgumentError(
+            f"side_channel_port {base} + dp_rank {dp_rank} * tp_size {tp_size} + tp_rank "
+            f"{tp_rank} = {port} is above 65535: choose a lower side_channel_port")
+    return port
+
+
+def server_identity(engine: str, tp_rank: int) -> str:
+    """The identity a prefill rank's server is created with, and that its clients address:
+    the engine id and the rank (every control message's mac covers it)."""
+    return f"{engine}#{tp_rank}"
+
+
+# -- the codec (both sides) -------------------------------------------------------------------
+
+def _key(secret: bytes | None) -> bytes | None:
+    return None if secret is None else hmac.digest(secret, _KDF, "sha256")
+
+
+def _request_mac(key: bytes, identity: str, fields: list[str]) -> bytes:
+    who = identity.encode()
+    data = _MAC_REQ + _LEN.pack(len(who)) + who + " ".join(fields).encode()
+    return hmac.digest(key, data, "sha256")
+
+
+def _answer_mac(key: bytes, answer: str, request_mac: bytes) -> bytes:
+    return hmac.digest(key, _MAC_ANS + answer.encode() + b" " + request_mac, "sha256")
+
+
+def _is_hex(s: str, n: int) -> bool:
+    return len(s) == n and all(c in "0123456789abcdef" for c in s)
+
+
+def _parse_control(parts: list[str]) -> tuple[str, str, int, int] | None:
+    """(verb, request, generation, readers) of a control line's fields, or None if
+    malformed."""
+    if len(parts) != 7 or parts[0] not in VERBS:
+        return None
+    verb, req_q, gen, readers, ns, nc, mac = parts
+    if not (gen.isascii() and gen.isdigit() and len(gen) <= 19 and int(gen) < 1 << 63):
+        return None
+    if not (readers.isascii() and readers.isdigit() and len(readers) <= 4):
+        return None
+    if not (_is_hex(ns, 2 * _NONCE) and _is_hex(nc, 2 * _NONCE)
+            and (mac == "-" or _is_hex(mac, 64))) or len(req_q) > 3 * MAX_REQUEST_ID:
+        return None
+    try:
+        req = unquote(req_q, errors="strict")
+    except UnicodeDecodeError:
+        return None
+    if not req or len(req.encode()) > MAX_REQUEST_ID:
+        return None
+    return verb, req, int(gen), int(readers)
+
+
+# -- the server -------------------------------------------------------------------------------
+
+class _Conn:
+    __slots__ = ("deadline", "inbuf", "mask", "nonce", "out", "reading", "sent", "sock")
+
+    def __init__(self, sock: socket.socket, deadline: float, nonce: bytes, out: bytes) -> None:
+        self.sock, self.deadline, self.nonce = sock, deadline, nonce
+        self.inbuf = bytearray()
+        self.out: memoryview = memoryview(out)
+        self.sent = 0
+        self.mask = selectors.EVENT_READ | selectors.EVENT_WRITE
+        self.reading = True  # False once the request line arrived: answer, then close
+
+
+class SideChannelServer:
+    """One prefill worker rank's side channel (see the module docstring), on its own thread.
+
+    ``identity``: :func:`server_identity` of the rank. ``holds`` answers the control messages,
+    called under ``lock`` (the one every user of ``holds`` takes; a new one if not given);
+    without ``holds`` they are refused. ``port`` 0 picks a free port (read :attr:`port`).
+    A taken port raises :class:`PortInUseError`. Use as a context manager or call
+    :meth:`close`.
+    """
+
+    def __init__(self, host: str, port: int, identity: str, *, metadata: bytes = b"",
+                 secret: bytes | str | None = None, holds: Holds | None = None,
+                 lock: threading.Lock | None = None, max_connections: int = 64,
+                 max_line: int = 2048, deadline_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(identity, str) or not identity:
+            raise ArgumentError(f"identity must be a non-empty str, got {identity!r}")
+        if max_connections < 1 or max_line < 64 or not deadline_s > 0:
+            raise ArgumentError("max_connections >= 1, max_line >= 64 and deadline_s > 0 "
+                                f"needed, got {max_connections}, {max_line}, {deadline_s}")
+        self.identity, self.holds = identity, holds
+        self.lock = lock if lock is not None else threading.Lock()
+        self._key = _key(check_secret(secret))
+        self.max_connections, self.max_line, self.deadline_s = max_connections, max_line, \
+            deadline_s
+        self._clock = clock
+        self._md = b""
+        self.set_metadata(metadata)
+        #: what happened: connections accepted / closed at once over the cap / past their
+        #: deadline / with a line over max_line; messages malformed, unsigned, forged,
+        #: replayed (dropped), metadata served, control messages acted on
+        self.stats = dict.fromkeys(("accepted", "rejected", "timeouts", "oversized",
+                                    "malformed", "unsigned", "forged", "replayed", "metadata",
+                                    "control"), 0)
+        self._sock = _bind(host, port)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._banner = f"{_BANNER} {{}} {quote(identity, safe='')}\n"
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel = selectors.DefaultSelector()
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"kvplan-side-channel-{self.port}")
+        self._thread.start()
+
+    def set_metadata(self, blob: bytes) -> None:
+        """Serve ``blob`` (``Endpoint.metadata()``) from now on."""
+        if not isinstance(blob, (bytes, bytearray)) or len(blob) > MAX_METADATA:
+            raise ArgumentError(f"metadata must be bytes of at most {MAX_METADATA}, got "
+                                f"{type(blob).__name__} of {len(blob)}")
+        self._md = _LEN.pack(len(blob)) + bytes(blob)
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._conns)
+
+    def close(self) -> None:
+        """Stop the thread, close every connection and the listening socket. Idempotent."""
+        if self._stop:
+            return
+        self._stop = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=10)
+        for s in (self._sock, self._wake_r, self._wake_w):
+            s.close()
+
+    def __enter__(self) -> SideChannelServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the loop (its own thread) ------------------------------------------------------------
+
+    def _loop(self) -> None:
+        sel = self._sel
+        self._sock.setblocking(False)
+        sel.register(self._sock, selectors.EVENT_READ, "listen")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        try:
+            while not self._stop:
+                now = self._clock()
+                nearest = min((c.deadline for c in self._conns.values()), default=now + 1.0)
+                for key, mask in sel.select(max(0.0, min(nearest - now, 1.0))):
+                    if key.data == "listen":
+                        self._accept()
+                    elif key.data == "conn":
+                        self._serve(self._conns[key.fileobj], mask)
+                now = self._clock()
+                for c in [c for c in self._conns.values() if c.deadline <= now]:
+                    self.stats["timeouts"] += 1  # a slow or silent client: its slot is freed
+                    self._drop(c)
+        finally:
+            for c in list(self._conns.values()):
+                self._drop(c)
+            sel.close()
+
+    def _accept(self) -> None:
+        for _ in range(64):  # then serve the others: a flood of connects cannot starve them
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. EMFILE: the connection stays in the backlog, retried
+                return
+            if len(self._conns) >= self.max_connections:
+                self.stats["rejected"] += 1
+                sock.close()
+                continue
+            self.stats["accepted"] += 1
+            sock.setblocking(False)
+            nonce = os.urandom(_NONCE)
+            c = _Conn(sock, self._clock() + self.deadline_s, nonce,
+                      self._banner.format(nonce.hex()).encode())
+            self._conns[sock] = c
+            self._sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, "conn")
+
+    def _serve(self, c: _Conn, mask: int) -> None:
+        try:
+            if mask & selectors.EVENT_WRITE and c.sent < len(c.out):
+                c.sent += c.sock.send(c.out[c.sent:c.sent + _SEND_CHUNK])
+            if mask & selectors.EVENT_READ and c.reading:
+                data = c.sock.recv(self.max_line + 1 - len(c.inbuf))
+                if not data:
+                    self._drop(c)
+                    return
+                c.inbuf += data
+                end = c.inbuf.find(b"\n")
+                if end < 0 and len(c.inbuf) >= self.max_line:
+                    self.stats["oversized"] += 1  # dropped unread: memory stays bounded
+                    self._drop(c)
+                    return
+                if end >= 0:
+                    c.reading = False
+                    rest = c.out[c.sent:]  # the banner's unsent tail, if any
+                    c.out, c.sent = memoryview(bytes(rest) + self._answer(c, bytes(
+                        c.inbuf[:end]))), 0
+                    c.inbuf = bytearray()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # reset by the peer
+            self._drop(c)
+            return
+        if c.sent >= len(c.out) and not c.reading:
+            self._drop(c)  # answered: one exchange per connection
+            return
+        mask = selectors.EVENT_READ if c.sent >= len(c.out) else selectors.EVENT_WRITE
+        if c.reading and c.sent < len(c.out):
+            mask |= selectors.EVENT_READ
+        if mask != c.mask:
+            c.mask = mask
+            self._sel.modify(c.sock, mask, "conn")
+
+    def _drop(self, c: _Conn) -> None:
+        if self._conns.pop(c.sock, None) is not None:
+            self._sel.unregister(c.sock)
+            c.sock.close()
+
+    def _answer(self, c: _Conn, line: bytes) -> bytes:
+        """The answer to one request line (its verdict acted on only once it verified)."""
+        try:
+            parts = line.decode("ascii").rstrip("\r").split(" ")
+        except UnicodeDecodeError:
+            parts = []
+        if parts == ["MD"]:
+            self.stats["metadata"] += 1
+            return self._md
+        parsed = _parse_control(parts)
+        if parsed is None:
+            return self._refuse("malformed")
+        verb, req, gen, readers = parsed
+        mac = b""
+        if self._key is not None:
+            if parts[6] == "-":
+                return self._refuse("unsigned")
+            if parts[4] != c.nonce.hex():  # made for another connection: a replay
+                return self._refuse("replayed")
+            mac = _request_mac(self._key, self.identity, parts[:6])
+            if not hmac.compare_digest(mac, bytes.fromhex(parts[6])):
+                return self._refuse("forged")
+        if self.holds is None:
+            return b"ERR no-holds\n"
+        now = self._clock()
+        with self.lock:
+            if verb == "CONFIRM":
+                v = self.holds.verdict(req, gen, now)
+                if v is not Verdict.LATER:  # LATER is asked again: not counted as refused
+                    v = Verdict.YES if self.holds.confirm(req, gen, now, readers) \
+                        else Verdict.NO
+            elif verb == "RENEW":
+                v = self.holds.verdict(req, gen, now)
+                if v is Verdict.YES:
+                    self.holds.renew(req, gen, now)
+            else:
+                v = Verdict.YES if self.holds.release(req, gen, now) else Verdict.NO
+        self.stats["control"] += 1
+        tag = "-" if self._key is None else _answer_mac(self._key, v.value, mac).hex()
+        return f"{v.value} {tag}\n".encode()
+
+    def _refuse(self, why: str) -> bytes:
+        self.stats[why] += 1
+        return f"ERR {why}\n".encode()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port), backlog=128)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"side channel port {port} on {host} is already in use: another engine (or one "
+                "still shutting down) listens there; give this engine another "
+                "kv_connector_extra_config['side_channel_port'] (rank ports are base + "
+                "dp_rank * tp_size + tp_rank)", host, port) from e
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise SideChannelError(
+                f"cannot listen on {host}:{port}: {host} is not an address of this host; set "
+                "kv_connector_extra_config['side_channel_host'] (or VLLM_HOST_IP)",
+                host, port) from e
+        raise SideChannelError(f"cannot listen on {host}:{port}: {e}", host, port) from e
+
+
+# -- the clients ------------------------------------------------------------------------------
+
+class _Client:
+    """One connection to ``host:port`` under one deadline for everything it does."""
+
+    def __init__(self, host: str, port: int, timeout: float, what: str) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not 0 < timeout < 1e6:
+            raise ArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.host, self.port, self.what = host, port, what
+        self.deadline = time.monotonic() + timeout
+        self.timeout = timeout
+        self._buf = bytearray()  # received, not consumed yet
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except TimeoutError as e:
+            raise self._timeout("connecting") from e
+        except OSError as e:
+            raise SideChannelError(
+                f"side channel {host}:{port} ({what}): cannot connect ({e}); is the prefill "
+                "rank up, and do both engines use the same side_channel_port formula?",
+                host, port) from e
+
+    def __enter__(self) -> _Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def _timeout(self, doing: str) -> SideChannelTimeout:
+        return SideChannelTimeout(f"side channel {self.host}:{self.port} ({self.what}): no "
+                                  f"answer within {self.timeout:g} s ({doing})",
+                                  self.host, self.port)
+
+    def _recv_into(self, view: memoryview, doing: str) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self._timeout(doing)
+        self.sock.settimeout(left)
+        try:
+            n = self.sock.recv_into(view)
+        except TimeoutError as e:
+            raise self._timeout(doing) from e
+        except OSError as e:
+            raise SideChannelError(f"side channel {self.host}:{self.port} ({self.what}): "
+                                   f"{e} ({doing})", self.host, self.port) from e
+        if n == 0:
+            raise SideChannelError(f"side channel {self.host}:{self.port} ({self.what}): "
+                                   f"closed the connection ({doing})", self.host, self.port)
+        return n
+
+    def exact(self, n: int, doing: str) -> bytes:
+        buf = bytearray(n)
+        got = min(n, len(self._buf))
+        buf[:got], self._buf = self._buf[:got], self._buf[got:]
+        view = memoryview(buf)
+        while got < n:
+            got += self._recv_into(view[got:], doing)
+        return bytes(buf)
+
+    def line(self, limit: int, doing: str) -> str:
+        """One line (without its newline) of at most ``limit`` bytes. Read in chunks: the
+        server sends nothing past a line until it got our next message (or it closes), so
+        what follows the newline is kept for :meth:`exact`."""
+        chunk = bytearray(4096)
+        while (end := self._buf.find(b"\n")) < 0:
+            if len(self._buf) > limit:
+                raise self.protocol(f"a line longer than {limit} bytes ({doing})")
+            n = self._recv_into(memoryview(chunk), doing)
+            self._buf += chunk[:n]
+        if end > limit:
+            raise self.protocol(f"a line longer than {limit} bytes ({doing})")
+        out, self._buf = self._buf[:end], self._buf[end + 1:]
+        try:
+            return out.decode("ascii")
+        except UnicodeDecodeError as e:
+            raise self.protocol(f"a line that is not ASCII ({doing})") from e
+
+    def send(self, data: bytes) -> None:
+        self.sock.settimeout(max(1e-3, self.deadline - time.monotonic()))
+        try:
+            self.sock.sendall(data)
+        except TimeoutError as e:
+            raise self._timeout("sending") from e
+        except OSError as e:
+            raise SideChannelError(f"side channel {self.host}:{self.port} ({self.what}): "
+                                   f"{e} (sending)", self.host, self.port) from e
+
+    def protocol(self, what: str) -> SideChannelProtocolError:
+        return SideChannelProtocolError(
+            f"side channel {self.host}:{self.port} ({self.what}) answered outside the "
+            f"protocol: {what}; is another service on the port?", self.host, self.port)
+
+    def banner(self, identity: str | None) -> str:
+        """The server's nonce; checks it serves ``identity`` (if given)."""
+        parts = self.line(3 * 256 + 64, "reading the banner").split(" ")
+        if len(parts) != 3 or parts[0] != _BANNER or not _is_hex(parts[1], 2 * _NONCE):
+            raise self.protocol(f"banner {' '.join(parts)[:80]!r}")
+        served = unquote(parts[2])
+        if identity is not None and served != identity:
+            raise SideChannelRejected(
+                f"side channel {self.host}:{self.port} serves {served!r}, not {identity!r}: "
+                "the engines disagree on the port formula (base + dp_rank * tp_size + tp_rank) "
+                "or the params name another engine", self.host, self.port, "identity")
+        return parts[1]
+
+
+def fetch_metadata(host: str, port: int, *, timeout: float = 5.0,
+                   limit: int = MAX_METADATA, identity: str | None = None) -> bytes:
+    """A prefill rank's metadata blob, read within ``timeout`` seconds in all; a length prefix
+    above ``limit`` is refused before a byte of the blob is read. ``identity``: check the
+    port serves that rank (:func:`server_identity`)."""
+    with _Client(host, port, timeout, "metadata") as c:
+        c.banner(identity)
+        c.send(b"MD\n")
+        (n,) = _LEN.unpack(c.exact(_LEN.size, "reading the metadata length"))
+        if n > limit:
+            raise c.protocol(f"a metadata length of {n} bytes, above the limit of {limit}")
+        return c.exact(n, f"reading {n} bytes of metadata")
+
+
+def control(host: str, port: int, verb: str, req: str, generation: int, *, identity: str,
+            secret: bytes | str | None = None, timeout: float = 5.0,
+            readers: int = 0) -> Verdict:
+    """Send one control message (``verb`` of :data:`VERBS`) to the rank ``identity`` at
+    ``host:port`` and return its verdict, within ``timeout`` seconds. Under ``secret`` the
+    message is signed and the answer checked. Raises :class:`SideChannelRejected` on ``ERR``.
+    ``readers`` (CONFIRM): decode ranks that read this prefill rank (0: not counted).
+    """
+    if isinstance(readers, bool) or not isinstance(readers, int) or not 0 <= readers < 10**4:
+        raise ArgumentError(f"readers must be an int in [0, 10000), got {readers!r}")
+    if verb not in VERBS:
+        raise ArgumentError(f"verb must be one of {VERBS}, got {verb!r}")
+    if not isinstance(req, str) or not req or len(req.encode()) > MAX_REQUEST_ID:
+        raise ArgumentError(f"req must be a non-empty str of at most {MAX_REQUEST_ID} bytes, "
+                            f"got {req!r:.80}")
+    if isinstance(generation, bool) or not isinstance(generation, int) \
+            or not 0 <= generation < 1 << 63:
+        raise ArgumentError(f"generation must be an int in [0, 2**63), got {generation!r}")
+    key = _key(check_secret(secret))
+    with _Client(host, port, timeout, f"{verb} {req}") as c:
+        fields = [verb, quote(req, safe=""), str(generation), str(readers), c.banner(identity),
+                  os.urandom(_NONCE).hex()]
+        mac = b"" if key is None else _request_mac(key, identity, fields)
+        c.send((" ".join([*fields, mac.hex() or "-"]) + "\n").encode())
+        parts = c.line(256, f"reading the answer to {verb}").split(" ")
+    if parts[0] == "ERR":
+        why = parts[1] if len(parts) > 1 else "?"
+        hint = {"unsigned": ": give this engine the deployment's secret too",
+                "forged": ": the engines have different secrets",
+                "no-holds": ": the rank holds no requests (is it a prefill?)"}.get(why, "")
+        raise SideChannelRejected(f"side channel {host}:{port} refused {verb} {req}: {why}"
+                                  f"{hint}", host, port, why)
+    try:
+        v = Verdict(parts[0])
+    except ValueError:
+        raise c.protocol(f"answer {' '.join(parts)[:80]!r}") from None
+    if key is not None and (len(parts) != 2 or not _is_hex(parts[1], 64) or not
+                            hmac.compare_digest(_answer_mac(key, v.value, mac),
+                                                bytes.fromhex(parts[1]))):
+        raise c.protocol(f"an answer to {verb} whose mac does not verify (not the prefill "
+                         "rank, or another secret)")
+    return v
+
+
+def confirm(host: str, port: int, req: str, generation: int, *, identity: str,
+            secret: bytes | str | None = None, timeout: float = 5.0,
+            retry_s: float = 0.005, readers: int = 0) -> bool:
+    """CONFIRM a completed read: True only on the prefill's YES. LATER (the hold has not
+    reached that worker yet) is asked again every ``retry_s`` until ``timeout`` has passed
+    in all, then False. Transport and protocol errors raise (a caller treats them as not
+    confirmed: the pull goes to the failure policy). ``readers``: see :func:`control`."""
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        v = control(host, port, "CONFIRM", req, generation, identity=identity, secret=secret,
+                    timeout=max(left, 1e-3), readers=readers)
+        if v is not Verdict.LATER:
+            return v is Verdict.YES
+        if end - time.monotonic() <= retry_s:
+            return False
+        time.sleep(retry_s)
+

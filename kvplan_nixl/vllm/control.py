@@ -1,0 +1,122 @@
+"""The two sides of the hold protocol in ``KvplanConnector`` (docs/vllm.md, "Never serving
+freed KV"): :class:`Sends`, a prefill rank's hold table and the side channel server that
+answers from it; :class:`Control`, a decode rank's RENEW / CONFIRM / RELEASE messages, sent on
+a small pool of threads so that none runs on the engine step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from kvplan_nixl import sidechannel as sc
+from kvplan_nixl.errors import ArgumentError, ExecutorError
+from kvplan_nixl.holds import Holds, Verdict
+
+if TYPE_CHECKING:
+    from kvplan_nixl.vllm.scheduler import Load
+
+logger = init_logger("vllm.kvplan_nixl")
+
+#: Side channel server counters that are dropped messages (``num_side_channel_dropped``).
+DROPPED = ("malformed", "unsigned", "forged", "replayed", "oversized")
+
+
+class Sends:
+    """A prefill rank's holds: one per finished request, under its scheduler's generation,
+    answered on the side channel (``server``); :meth:`finished` hands out only requests whose
+    hold ended, so vLLM frees no block a decode may still be confirming."""
+
+    def __init__(self, host: str, port: int, identity: str, metadata: bytes, *,
+                 secret: str | None, lease: float) -> None:
+        self.lease = lease
+        self.lock = threading.Lock()  # the table's: the server's thread answers from it
+        self.holds = Holds(floor=time.time_ns())  # an old instance's generations: NO at once
+        self.unheld: set[str] = set()  # whose hold could not be made: freed at once
+        # a taken port raises PortInUseError, naming it and the config key to change
+        self.server = sc.SideChannelServer(host, port, identity, metadata=metadata,
+                                           secret=secret, holds=self.holds, lock=self.lock)
+
+    def hold(self, sends: Iterable[tuple[str, int]]) -> None:
+        """Hold each ``(request, generation)`` for the lease, from now."""
+        now = time.monotonic()
+        with self.lock:
+            for req, gen in sends:
+                try:
+                    self.holds.hold(req, now, self.lease, gen)
+                except ArgumentError as e:  # never held: no CONFIRM can succeed
+                    logger.error("kvplan: prefill req=%s cannot be held (%s); its blocks are "
+                                 "freed now and its decode will recompute", req, e)
+                    self.unheld.add(req)
+
+    def finished(self) -> tuple[set[str], dict[str, int]]:
+        """Requests whose hold ended since the last call (their blocks may be freed now), and
+        the cumulative counters: the table's and ``dropped`` (side channel messages)."""
+        now = time.monotonic()
+        with self.lock:
+            expired = self.holds.expire(now)
+            done = set(self.holds.finished(now)) | self.unheld
+            counts = dict(self.holds.counts)
+        self.unheld = set()
+        for r in expired:
+            logger.warning("kvplan: prefill req=%s lease of %g s ran out", r, self.lease)
+        for r in done.difference(expired):
+            logger.info("kvplan: prefill req=%s released", r)
+        counts["dropped"] = sum(self.server.stats[k] for k in DROPPED)
+        return done, counts
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class Control:
+    """A decode rank's control messages to prefill ranks, each bounded by ``timeout`` and run
+    on a pool of its own (a slow or dead prefill costs a pool thread, never the step)."""
+
+    def __init__(self, secret: str | None, timeout: float, workers: int = 8) -> None:
+        self.secret, self.timeout = secret, timeout
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvplan-ctl")
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self.pool.submit(fn, *args)
+        except RuntimeError:  # shut down: the prefill's lease frees what is left
+            pass
+
+    def send(self, load: Load, rank: int, verb: str, readers: int = 0) -> Verdict | str:
+        """One message to prefill rank ``rank`` of ``load`` (blocking, in a pool thread); its
+        verdict, or why it failed (a CONFIRM's LATER is asked again until the timeout)."""
+        kw = dict(identity=sc.server_identity(load.engine, rank), secret=self.secret,
+                  timeout=self.timeout)
+        try:
+            if verb == "CONFIRM":
+                ok = sc.confirm(load.host, load.port + rank, load.remote_req, load.generation,
+                                readers=readers, **kw)
+                return Verdict.YES if ok else Verdict.NO
+            return sc.control(load.host, load.port + rank, verb, load.remote_req,
+                              load.generation, **kw)
+        except (ExecutorError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    def release(self, load: Load, ranks: Iterable[int]) -> None:
+        """End ``load``'s holds on ``ranks`` (nobody reads them, or the pull failed)."""
+        ranks = list(ranks)
+        if not ranks:
+            return
+
+        def run() -> None:
+            for r in ranks:
+                v = self.send(load, r, "RELEASE")
+                if isinstance(v, str):  # the prefill's lease frees the blocks anyway
+                    logger.warning("kvplan: could not release req=%s on prefill rank %d: %s",
+                                   load.remote_req, r, v)
+        self.submit(run)
+
+    def close(self) -> None:
+        """Wait for the messages in flight (each bounded by the timeout); drop queued ones."""
+        self.pool.shutdown(wait=True, cancel_futures=True)

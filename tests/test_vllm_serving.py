@@ -1,0 +1,393 @@
+"""KvplanConnector as a serving team runs it, in real vLLM engines (vLLM 0.32.0's CPU build):
+no request is ever generated from KV the prefill no longer holds (holds, CONFIRM, heartbeats),
+the stats reach vLLM's log line and Prometheus and add up, and a slow, stopped or hostile side
+channel fails its own pulls without stalling the engine. See docs/vllm.md, "Serving".
+
+Three engines from tests/vllm_pool.py (``short``: leases of 3 s, side channel timeouts of 1 s,
+stats on): a prefill with 40 KV blocks (``few``: a freed block is soon given to another
+request), a decode under ``recompute`` and one under ``fail``. The first tests need no engine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests import vllm_env
+from tests.vllm_pool import (
+    FAILED,
+    REPO,
+    Engine,
+    Pool,
+    check_equal,
+    pd_equals_plain,
+    prompt,
+    remove_orphan_shm,
+    shm_files,
+    tails,
+)
+
+P, D, DF = "llama-p1-short-few", "llama-d1-short", "llama-d1-short-fail"
+LEASE = 3.0
+REMOTE = {"do_remote_decode": True}
+NOT_CONFIRMED = r"kvplan: pull req=\S+ from \S+ failed \(not confirmed by prefill rank"
+
+
+# -- without engines (in the vLLM venv: the connector package imports vLLM) -------------------
+
+SETTINGS_CHECK = r"""
+import contextlib, re
+from kvplan_nixl.errors import ArgumentError
+from kvplan_nixl.vllm.settings import Settings
+
+class pytest:  # the vLLM venv has no pytest: its raises(), enough for this check
+    @staticmethod
+    @contextlib.contextmanager
+    def raises(cls, match):
+        try:
+            yield
+        except cls as e:
+            assert re.search(match, str(e)), str(e)
+        else:
+            raise AssertionError(f"no {cls.__name__}")
+
+s = [Settings("e", "127.0.0.1", 5700, tp_size=2, dp_rank=dp) for dp in range(3)]
+assert [[x.rank_port(r) for r in range(2)] for x in s] == [[5700, 5701], [5702, 5703],
+                                                           [5704, 5705]]
+with pytest.raises(ArgumentError, match=r"side_channel_port 65535 .* above 65535"):
+    Settings("e", "h", 65535, tp_size=2).rank_port(1)
+s = Settings("e", "h", 5700, 1, extra={"lease_s": "0", "nixl_backends": "UCX, GDS"})
+with pytest.raises(ValueError, match=r"kv_connector_extra_config\['lease_s'\] must be"):
+    s.seconds("lease_s", 120)
+assert s.seconds("transfer_timeout_s", 30) == 30.0
+assert s.backends() == ("UCX", "GDS")
+assert Settings("e", "h", 5700, 1).backends() == ("UCX",)
+with pytest.raises(ValueError, match="nixl_backends"):
+    Settings("e", "h", 5700, 1, extra={"nixl_backends": []}).backends()
+print("ok")
+"""
+
+HOLDS_CHECK = r"""
+import time
+from types import SimpleNamespace
+from kvplan_nixl.holds import Verdict, new_generation
+from kvplan_nixl.vllm.control import Control, Sends
+
+sends = Sends("127.0.0.1", 0, "pre#0", b"md", secret="s", lease=0.5)
+ctl = Control("s", timeout=1.0)
+port = sends.server.port
+load = lambda req, gen: SimpleNamespace(engine="pre", host="127.0.0.1", port=port,
+                                        remote_req=req, generation=gen)
+g1, g2, g3 = new_generation(), new_generation(), new_generation()
+sends.hold([("a", g1), ("b", g2)])
+assert sends.finished()[0] == set()                      # held: not freed
+assert ctl.send(load("a", g1), 0, "RENEW") is Verdict.YES
+assert ctl.send(load("a", g1), 0, "CONFIRM", 2) is Verdict.YES  # 1 of 2 readers
+assert sends.finished()[0] == set()
+assert ctl.send(load("a", g1), 0, "CONFIRM", 2) is Verdict.YES  # the last reader
+assert ctl.send(load("a", g1), 0, "CONFIRM", 2) is Verdict.NO   # ended: never again
+time.sleep(0.6)                                          # b's lease runs out
+assert ctl.send(load("b", g2), 0, "CONFIRM", 1) is Verdict.NO
+done, counts = sends.finished()
+assert done == {"a", "b"} and counts["expired"] == 1 and counts["refused"] == 2, counts
+bad = Control("other secret", timeout=1.0).send(load("x", g3), 0, "RELEASE")
+assert isinstance(bad, str) and "forged" in bad, bad          # counted and dropped
+assert isinstance(ctl.send(load("x", g3), 1, "RENEW"), str)    # wrong rank's identity
+assert sends.finished()[1]["dropped"] == 1
+sends.hold([("c", 5)])                                   # a generation below the floor
+assert sends.finished()[0] == {"c"}                      # freed at once, never confirmable
+ctl.close(); sends.close()
+print("ok")
+"""
+
+
+def _in_vllm_venv(script: str) -> None:
+    try:
+        py = vllm_env.ensure()
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+    r = subprocess.run([str(py), "-c", script], capture_output=True, text=True,
+                       timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_ports_by_data_parallel_rank_and_config_keys_checked_by_name():
+    _in_vllm_venv(SETTINGS_CHECK)
+
+
+def test_prefill_holds_and_decode_control_messages_over_the_side_channel():
+    """control.py's two sides: holds end by the last reader's CONFIRM or the lease, only
+    ended holds are freed, a refused, forged or misaddressed message changes nothing."""
+    _in_vllm_venv(HOLDS_CHECK)
+
+
+def test_example_proxy_hands_the_prefill_params_to_the_decode():
+    """examples/pd_proxy.py against two fake engines: the prefill gets one token and
+    do_remote_decode, the decode the client's request with the prefill's params."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from examples import pd_proxy
+
+    seen: dict[str, dict] = {}
+
+    def engine(name: str, answer: dict) -> ThreadingHTTPServer:
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                seen[name] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                out = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a: object) -> None:
+                pass
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv
+
+    params = {"do_remote_prefill": True, "remote_generation": 2**62 + 1}
+    pre = engine("prefill", {"kv_transfer_params": params})
+    dec = engine("decode", {"choices": [{"text": "hi"}]})
+    proxy = pd_proxy.serve(f"http://127.0.0.1:{pre.server_address[1]}",
+                           f"http://127.0.0.1:{dec.server_address[1]}", port=0)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        import urllib.request
+
+        body = {"model": "m", "prompt": "x", "max_tokens": 7, "stream": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{proxy.server_address[1]}"
+                                     "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.loads(r.read()) == {"choices": [{"text": "hi"}]}
+    finally:
+        for srv in (proxy, pre, dec):
+            srv.shutdown()
+            srv.server_close()
+    assert seen["prefill"] == dict(body, max_tokens=1, stream=False,
+                                   kv_transfer_params={"do_remote_decode": True})
+    assert seen["decode"] == dict(body, kv_transfer_params=params)  # 63-bit int intact
+
+
+# -- real engines ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    try:
+        py = vllm_env.ensure()
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+    shm = shm_files()
+    p = Pool(py, tmp_path_factory.mktemp("vllm"))
+    yield p
+    p.close()
+    remove_orphan_shm(shm)
+
+
+def _metric(m: dict, name: str, field: str = "value") -> float:
+    """A metric's value (counters: vLLM's reader may name them with or without _total)."""
+    x = m.get(name) or m.get(name + "_total")
+    return 0.0 if x is None else float(x[field])
+
+
+def _wait_metric(e, name: str, low: float) -> float:
+    """``name`` once it reached ``low``: the connector reports its counts on the engine's next
+    step, so an idle engine is given one (a 1-token request) while waiting (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while (v := _metric(e.metrics(), name)) < low and time.monotonic() < deadline:
+        e.generate(prompt(999, 8), 1)
+        time.sleep(1.2)  # one stats interval
+    return v
+
+
+def _pull_numbers(line: str) -> tuple[int, int]:
+    return int(re.search(r"bytes=(\d+)", line).group(1)), int(re.search(r"runs=(\d+)",
+                                                                         line).group(1))
+
+
+def test_confirmed_pulls_and_stats_add_up(pool):
+    p, d = pool.only(P, D)
+    m0, pm0 = d.metrics(), p.metrics()
+    done0 = len(d.log_lines(r"kvplan: pull req=\S+ done in .*confirmed by prefill rank"))
+    pulls = []
+    for seed in (21, 22):
+        pulls.append(pd_equals_plain(p, d, prompt(seed), f"P -> D, seed {seed}")[-1])
+    # each pull was confirmed by the prefill before it was reported
+    deadline = time.monotonic() + 10
+    while len(d.log_lines(r"kvplan: pull req=\S+ done in .*confirmed by prefill rank"
+                          r"\(s\) \[0\]")) < done0 + 2:
+        assert time.monotonic() < deadline, f"pulls not confirmed{tails()}"
+        time.sleep(0.2)
+    time.sleep(1.5)  # one stats interval (VLLM_LOG_STATS_INTERVAL=1)
+    m1, pm1 = d.metrics(), p.metrics()
+    count = "vllm:kvplan_xfer_time_seconds"
+    assert _metric(m1, count, "count") - _metric(m0, count, "count") == 2, (m0, m1)
+    nbytes, runs = (sum(x) for x in zip(*map(_pull_numbers, pulls)))
+    assert nbytes > 0 and runs > 0
+    got = _metric(m1, "vllm:kvplan_bytes_transferred", "sum") \
+        - _metric(m0, "vllm:kvplan_bytes_transferred", "sum")
+    assert got == nbytes, (got, nbytes, pulls)
+    got = _metric(m1, "vllm:kvplan_num_runs", "sum") - _metric(m0, "vllm:kvplan_num_runs", "sum")
+    assert got == runs, (got, runs, pulls)
+    for m in (m1, pm1):  # nothing failed, expired or was refused
+        for k in ("num_failed_transfers", "num_confirmations_refused", "num_kv_expired_reqs"):
+            assert _metric(m, f"vllm:kvplan_{k}") == _metric(m0 if m is m1 else pm0,
+                                                             f"vllm:kvplan_{k}"), k
+    # vLLM's own log line carries them
+    lines = d.log_lines(r"KV Transfer metrics: .*Num successful transfers=[1-9]")
+    assert lines and "Num confirmations refused=" in lines[-1], d.tail()
+    # the prefill freed both requests on the decode's CONFIRM, not by its lease
+    assert len(p.log_lines(r"kvplan: prefill req=\S+ released$")) >= 2, p.tail()
+
+
+def test_lease_ran_out_before_the_pull_and_blocks_reused_is_recomputed(pool):
+    p, d = pool.only(P, D)
+    ids = prompt(31)
+    plain = p.generate(ids, 16)
+    a = p.generate(ids, 1, REMOTE)["params"]
+    refused0 = _metric(p.metrics(), "vllm:kvplan_num_confirmations_refused")
+    time.sleep(LEASE + 1)  # the hold runs out, then the prefill gives its blocks away
+    fillers = [p.generate(prompt(32 + i, 700), 1, REMOTE)["params"] for i in range(2)]
+    theirs = set().union(*(f["remote_block_ids"][0] for f in fillers))
+    reused = set(a["remote_block_ids"][0]) & theirs
+    assert reused, f"the prefill did not reuse {a['remote_block_ids']} ({theirs})"
+    assert p.log_lines(rf"kvplan: prefill req={re.escape(a['remote_request_id'])} lease of "
+                       r"3 s ran out"), p.tail()
+    before = len(d.log_lines(NOT_CONFIRMED))
+    got = d.generate(ids, 16, dict(a))  # reads the fillers' KV: refused, recomputed
+    assert got["error"] is None, got
+    check_equal(got, plain, "decode after its prefill's lease ran out (policy recompute)")
+    assert len(d.log_lines(NOT_CONFIRMED)) == before + 1, d.tail()
+    assert _wait_metric(p, "vllm:kvplan_num_confirmations_refused", refused0 + 1) \
+        == refused0 + 1
+
+
+def test_lease_ran_out_during_the_pull_is_recomputed_and_the_engine_serves_on(pool):
+    p, d = pool.only(P, D)
+    ids, other = prompt(41), prompt(42)
+    plain, plain_other = p.generate(ids, 16), p.generate(other, 16)
+    a = p.generate(ids, 1, REMOTE)["params"]
+    before, confirmed0 = len(d.log_lines(FAILED)), len(d.log_lines(NOT_CONFIRMED))
+    p.signal(signal.SIGSTOP)  # the prefill freezes: no heartbeat answered, no read served
+    resume = threading.Timer(LEASE + 2, p.signal, (signal.SIGCONT,))
+    resume.start()
+    try:
+        got, plain2 = d.batch([{"prompt": ids, "max_tokens": 16, "params": dict(a)},
+                               {"prompt": other, "max_tokens": 16, "params": None}])
+    finally:
+        resume.join()
+        p.signal(signal.SIGCONT)
+    check_equal(got, plain, "decode whose prefill froze past its lease (policy recompute)")
+    check_equal(plain2, plain_other, "a plain request beside it")
+    # the plain request finished while the prefill was still frozen: nothing waited for its
+    # side channel on the engine step
+    assert plain2["seconds"] < LEASE + 1, (plain2, got)
+    assert len(d.log_lines(FAILED)) == before + 1, d.tail()
+    assert len(d.log_lines(NOT_CONFIRMED)) == confirmed0 + 1, d.tail()
+    # the prefill serves on, and the next pull from it is confirmed
+    pd_equals_plain(p, d, prompt(43), "P -> D after the prefill resumed")
+
+
+class _Hostile(threading.Thread):
+    """A side channel that never answers (``silent``) or, after a valid banner, claims a
+    4 GiB metadata blob (``huge``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(daemon=True)
+        self.kind, self.conns = kind, []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            if self.kind == "huge":
+                c.sendall(b"KVPSC1 " + b"ab" * 16 + b" huge%230\n")
+                c.recv(16)
+                c.sendall(b"\xff\xff\xff\xff")
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_hostile_side_channels_fail_their_pulls_only(pool):
+    p, d = pool.only(P, D)
+    ids, other = prompt(51), prompt(52)
+    plain, plain_other = p.generate(ids, 16), p.generate(other, 16)
+    a = p.generate(ids, 1, REMOTE)["params"]
+    silent, huge = _Hostile("silent"), _Hostile("huge")
+    try:
+        t0 = time.monotonic()
+        res = d.batch([
+            {"prompt": ids, "max_tokens": 16,
+             "params": dict(a, remote_engine_id="silent", remote_port=silent.port)},
+            {"prompt": ids, "max_tokens": 16,
+             "params": dict(a, remote_engine_id="huge", remote_port=huge.port)},
+            {"prompt": other, "max_tokens": 16, "params": None}])
+        took = time.monotonic() - t0
+    finally:
+        silent.close()
+        huge.close()
+    check_equal(res[0], plain, "a pull from a silent side channel (recomputed)")
+    check_equal(res[1], plain, "a pull from a side channel claiming 4 GiB (recomputed)")
+    check_equal(res[2], plain_other, "a plain request beside them")
+    assert res[2]["seconds"] < res[0]["seconds"] and res[2]["seconds"] < 4, res
+    assert took < 30, took
+    assert d.log_lines(r"from silent failed \(handshake failed: rank 0: SideChannelTimeout"), \
+        d.tail()
+    assert d.log_lines(r"from huge failed \(handshake failed: rank 0: SideChannelProtocolError"
+                       r".*4294967295 bytes, above the limit"), d.tail()
+
+
+def test_fail_policy_fails_the_request_whose_hold_ended(pool):
+    p, d = pool.only(P, DF)
+    ids = prompt(61)
+    plain = p.generate(ids, 16)
+    a = p.generate(ids, 1, REMOTE)["params"]
+    time.sleep(LEASE + 1)
+    p.generate(prompt(62), 1)  # a step on the prefill: the ended hold is reported and freed
+    got = d.generate(ids, 16, dict(a))
+    # vLLM fails the request (no tokens from the unconfirmed KV), and decode serves on
+    assert got["error"] is not None or got["finish"] not in ("length", "stop"), got
+    assert got["tokens"] != plain["tokens"], got
+    assert d.log_lines(NOT_CONFIRMED), d.tail()
+    pd_equals_plain(p, d, prompt(63), "a confirmed pull under the fail policy")
+    assert _wait_metric(d, "vllm:kvplan_num_failed_transfers", 1) >= 1
+    assert _wait_metric(p, "vllm:kvplan_num_kv_expired_reqs", 2) >= 2
+
+
+
+def test_a_taken_port_is_named_with_its_config_key(pool):
+    pool.only()  # the cores back: one engine that fails at start-up
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        e = Engine("llama-p1-taken", pool.py, pool.model("llama"), pool.workdir, tp=1,
+                   cores="0", port=port)
+        try:
+            with pytest.raises(AssertionError, match="exited"):
+                e.wait_ready()
+            assert e.log_lines(rf"PortInUseError: side channel port {port} on 127.0.0.1 is "
+                               r"already in use: .*kv_connector_extra_config\['side_channel_"
+                               r"port'\]"), e.tail()
+        finally:
+            e.stop()
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
