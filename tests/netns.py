@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 #: Prefix of every namespace this module creates (and the only ones it ever deletes).
@@ -129,6 +130,7 @@ class TwoHosts:
                 _ip("addr", "add", f"{ADDRS[host]}/24", "dev", IFACE, ns=ns)
                 _ip("link", "set", IFACE, "up", ns=ns)
                 _ip("link", "set", "lo", "up", ns=ns)
+            self._wait_up()
         except BaseException:
             self.close()
             raise
@@ -136,6 +138,19 @@ class TwoHosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _wait_up(self, timeout: float = 20.0) -> None:
+        """Until the veth's carrier is up on both ends: UCX started before that finds no usable
+        device ("network device 'kvnet0' is not available"; seen once on a loaded machine)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = [_ip("-o", "link", "show", IFACE, ns=ns, check=False).stdout
+                      for ns in self.ns.values()]
+            if all("state UP" in x for x in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"veth {IFACE} not up after {timeout:.0f} s: {states}")
+            time.sleep(0.05)
 
     def spawn(self, host: str, cmd: Sequence[str], **popen) -> subprocess.Popen:
         """Start ``cmd`` inside host ``host`` (``"a"`` or ``"b"``); killed at close."""
