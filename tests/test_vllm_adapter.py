@@ -489,16 +489,20 @@ def test_gdn_and_mamba1_state_parts(tp):
     }
     for mtype, ((conv, temporal), units) in cases.items():
         nbytes = (int(np.prod(conv)) + int(np.prod(temporal))) * 4
-        pool = np.zeros(4 * 256, np.uint8)
-        t = FakeTensor(np.lib.stride_tricks.as_strided(pool, (4, 1, 1, nbytes),
-                                                       (256, nbytes, nbytes, 1)))
+        pool = np.zeros(4 * 1024, np.uint8)
+
+        def view(page, pool=pool, nbytes=nbytes):
+            return FakeTensor(np.lib.stride_tricks.as_strided(pool, (4, 1, 1, nbytes),
+                                                              (page, nbytes, nbytes, 1)))
         spec = MambaSpec(block_size=16, shapes=(conv, temporal), mamba_type=mtype,
                          dtypes=("torch.float32", "torch.float32"))
         cfg = SimpleNamespace(num_blocks=4, kv_cache_groups=[
             SimpleNamespace(layer_names=["m"], kv_cache_spec=spec)], kv_cache_tensors=[
             SimpleNamespace(size=pool.size, layers=["m"], layer_stride=pool.size,
                             block_stride=256, offset=0)])
-        r = spec_from_vllm({"m": t}, cfg, tp_size=tp).regions[0]
+        with pytest.raises(SpecError, match="padded state page outside a shared pool"):
+            spec_from_vllm({"m": view(nbytes + 64)}, cfg, tp_size=tp)  # slots hold less
+        r = spec_from_vllm({"m": view(nbytes)}, cfg, tp_size=tp).regions[0]
         got = {p.name: p.units for p in r.parts}
         assert {n: got[n] for n in units} == units, (mtype, got)
         assert sum(p.unit_bytes * max(1, p.units // tp) for p in r.parts) == nbytes

@@ -236,6 +236,13 @@ def spec_from_vllm(
             r = _region(name, kv_caches[name], layers[name], kt, num_blocks, alloc, ctx)
             if name in pools:
                 r["pool"], r["page_bytes"] = pools[name]
+            elif r["kind"] == "state":  # its slots step by its own page, which must be dense
+                t = kv_caches[name]
+                page, used = int(t.stride()[0]) * int(t.element_size()), int(t.shape[3])
+                if page != used:
+                    raise SpecError(f"layer {name!r}: state slots {page} bytes apart hold "
+                                    f"{used} bytes: a padded state page outside a shared pool "
+                                    "is not supported yet")
             regions.append(r)
     unplaced = sorted(set(layers) - seen)
     if unplaced:
@@ -303,7 +310,7 @@ def _region(name: str, t: Any, group_spec: tuple[int, Any], kt: Any, num_blocks:
         raise SpecError(f"layer {name!r}: the content axis C is not contiguous (byte stride "
                         f"{st[3]}, element size {es})")
     if kind == "state":
-        return _state_region(name, s, group, shape, dtype, st, num_blocks, alloc, ctx)
+        return _state_region(name, s, group, shape, dtype, num_blocks, alloc, ctx)
     if dtype not in DTYPE_SIZES or DTYPE_SIZES[dtype] != es:
         raise SpecError(f"layer {name!r}: dtype {dtype} ({es} bytes) is not one of "
                         f"{', '.join(DTYPE_SIZES)}")
@@ -344,7 +351,7 @@ def _region(name: str, t: Any, group_spec: tuple[int, Any], kt: Any, num_blocks:
 
 
 def _state_region(name: str, s: Any, group: int, shape: tuple[int, ...], dtype: str,
-                  st: tuple[int, ...], num_blocks: int, alloc: str | None,
+                  num_blocks: int, alloc: str | None,
                   ctx: _Context) -> dict[str, Any]:
     """A Mamba-family layer: one state slot per block, its page the conv state then the
     temporal state, as exact parts (see the module docstring)."""
@@ -362,7 +369,6 @@ def _state_region(name: str, s: Any, group: int, shape: tuple[int, ...], dtype: 
         raise SpecError(f"layer {name!r}: its state parts {[p['name'] for p in parts]} hold "
                         f"{have} bytes per slot on this rank, the tensor's page content is "
                         f"{c} bytes (MambaSpec shapes {tuple(map(tuple, s.shapes))})")
-    del st  # a slot's stride is the page: the pool's (or the region's own) block stride
     return {"name": name, "kind": "state", "group": group, "num_blocks": num_blocks,
             "dtype": state_dtype, "parts": parts}
 
