@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvplan import EngineSpec, Mode, TransferMap, TransferPlan
@@ -33,6 +33,7 @@ from kvplan_nixl.arguments import (
     check_int,
     check_mode,
     check_names,
+    check_notify,
     check_request,
     check_str,
 )
@@ -79,7 +80,7 @@ class Endpoint:
     ``memory`` declares which buffer is where, ``{buffer or region name: "DRAM" | "VRAM"}``:
     a buffer elsewhere raises :class:`BufferSizeError` naming it. The buffers must outlive the
     endpoint. ``telemetry=True`` records NIXL's descriptor counts. ``spread_pcp=False``: pull
-    maps read PCP replica 0 only (vLLM's choice; by default they spread over the replicas).
+    maps read PCP replica 0 only (by default they spread over the replicas).
 
     ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`,
     makes :meth:`connect` refuse metadata not signed with it before NIXL sees a byte, and seals
@@ -88,11 +89,7 @@ class Endpoint:
     100% while the endpoint lives; by default (False) the endpoint is progressed by its own
     calls (``Transfer.wait``/``poll``, :meth:`progress`, :meth:`notifications`).
 
-    ``num_threads`` (a non-negative int; 0, the default, keeps NIXL's default) is NIXL's agent
-    option of that name, handed to the UCX backend: worker threads that share the posting of a
-    transfer's descriptors, which helps requests of many small descriptors (scattered block
-    ids, hetero TP) and costs those threads in every agent, on top of the progress thread if
-    that is on. See docs/executor.md, "Parallel posting: num_threads".
+    ``num_threads`` (int >= 0; 0 keeps NIXL's default): UCX threads sharing a transfer's posting.
     """
 
     def __init__(
@@ -261,6 +258,10 @@ class Endpoint:
         deadline = None if timeout is None else time.monotonic() + timeout
         return RequestTransfer(self._poster, plan, remote, notify, deadline)
 
+    def notify(self, remote: str, ranks: int | Iterable[int], message: bytes | str) -> None:
+        """Send ``message`` to ``ranks`` of connected ``remote``, no transfer: :func:`_notify`."""
+        _notify(self, remote, ranks, message)
+
     # -- notifications and progress ----------------------------------------------------------
 
     def progress(self) -> int:
@@ -358,6 +359,28 @@ class Endpoint:
 
     def _check_plan(self, plan: TransferPlan, route: Route, remote: str, mode: Mode) -> None:
         self._routes_table.check_plan(plan, route, remote, mode)
+
+
+def _notify(ep: Endpoint, remote: Any, ranks: Any, message: Any) -> None:
+    """:meth:`Endpoint.notify` (sealed as a transfer's notify, unordered with transfers in
+    flight): ``ranks`` an int or ints, ``message`` bytes or str (a reserved
+    prefix refused, as a transfer's ``notify``); a rank never connected raises
+    :class:`NotConnectedError` and nothing is sent."""
+    check_str("remote", remote)
+    msg = check_notify(message)
+    if msg is None:
+        raise ArgumentError("notify: message must be bytes or str, got None")
+    ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise ArgumentError(f"notify: ranks must be ints, got {ranks!r}")
+    ep._require()
+    known = {r for (e, r) in ep._peers.peers if e == remote}
+    missing = sorted(set(ranks) - known)
+    if missing:
+        raise NotConnectedError(f"notify: ranks {missing} of engine {remote!r} are not "
+                                f"connected to {ep.engine!r} rank {ep.rank}; connected: "
+                                f"{sorted(known)}")
+    ep._poster.notify(remote, ranks, msg)
 
 
 def _wire(ep: Endpoint, label: str, spread_pcp: bool) -> None:
