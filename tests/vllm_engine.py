@@ -9,9 +9,10 @@ prefixed by :data:`MARK` (vLLM's own logs go to the same streams)::
     @@kvplan {"id": "a", "tokens": [...], "params": {...}, "finish": "length", "error": null}
 
 ``{"id": "b", "batch": [request, ...]}`` runs its requests together in one engine (each with a
-``seconds`` of its own: when it finished, from the batch's start), answered by one line with
-``"results"``; ``{"id": "m", "op": "metrics"}`` answers the engine's ``vllm:kvplan_*``
-Prometheus metrics (``--log-stats``) and logs vLLM's stats line now.
+``seconds`` of its own: when it finished, and a ``first``: when its first token came, both from
+the batch's start), answered by one line with ``"results"``; ``{"id": "m", "op": "metrics"}``
+answers the engine's Prometheus metrics whose names start with ``"prefix"`` (default
+``vllm:kvplan``; ``--log-stats``) and logs vLLM's stats line now.
 
 The engine uses ``KvplanConnector`` (``--connector kvplan``), vLLM's own ``NixlConnector``
 (``--connector nixl``, for comparison) or none. The main guard matters: vLLM
@@ -173,18 +174,21 @@ def serve(args: argparse.Namespace) -> None:
                 llm.llm_engine.do_log_stats()
                 res = {"id": req["id"], "error": None, "metrics": [
                     dict(vars(m), kind=type(m).__name__) for m in llm.get_metrics()
-                    if m.name.startswith("vllm:kvplan")]}
+                    if m.name.startswith(req.get("prefix", "vllm:kvplan"))]}
             elif "batch" in req:  # together in one engine, each timed on its own
-                eng, done = llm.llm_engine, {}
+                eng, done, first = llm.llm_engine, {}, {}
                 for r in req["batch"]:
                     eng.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]),
                                     params(r))
                 while eng.has_unfinished_requests():
                     for out in eng.step():
+                        now = round(time.monotonic() - t0, 4)
+                        if out.outputs and out.outputs[0].token_ids:
+                            first.setdefault(out.request_id, now)
                         if out.finished:
                             done[out.request_id] = dict(
-                                result(out.request_id, out),
-                                seconds=round(time.monotonic() - t0, 3))
+                                result(out.request_id, out), seconds=now,
+                                first=first.get(out.request_id, now))
                 res = {"id": req["id"], "error": None,
                        "results": [done[r["id"]] for r in req["batch"]]}
             else:

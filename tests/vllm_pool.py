@@ -48,11 +48,12 @@ ROLES = {"p1": (1, "0"), "d1": (1, "1"), "t2": (2, "nobind")}
 #: variant -> engine options, named after the role (``llama-p1-short-few``), several allowed.
 #: ``short``: leases of 3 s (heartbeats every second), handshakes and control messages of 1 s,
 #: vLLM's stats log and metrics; ``few``: 40 KV blocks, so that freed blocks are soon reused;
-#: ``fail``: ``kv_load_failure_policy="fail"``.
+#: ``fail``: ``kv_load_failure_policy="fail"``; ``stats``: vLLM's stats log and metrics alone.
 VARIANTS = {
     "short": {"extra": {"lease_s": 3, "handshake_timeout_s": 1}, "log_stats": True},
     "few": {"num_blocks": 40},
     "fail": {"policy": "fail"},
+    "stats": {"log_stats": True},
 }
 
 
@@ -98,7 +99,11 @@ class Engine:
             PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1",
             UCX_NET_DEVICES="lo", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
             VLLM_CPU_OMP_THREADS_BIND=cores,
-            TORCHINDUCTOR_CACHE_DIR=str(workdir / f"inductor-{name}"),
+            # one inductor cache for all engines: vLLM compiles some ops even eager (MLA's
+            # first request compiled C++ for 60 s per engine, and timed out in CI with three
+            # engines compiling at once); kernels differ by source (threads included), so
+            # engines share only identical ones
+            TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
             VLLM_CACHE_ROOT=str(workdir / f"vllm-cache-{name}"),
             VLLM_LOG_STATS_INTERVAL="1",
         )
@@ -174,12 +179,13 @@ class Engine:
         assert r["id"] == rid and r["error"] is None, r
         return r["results"]
 
-    def metrics(self) -> dict[str, dict]:
-        """The engine's ``vllm:kvplan_*`` metrics by name (``--log-stats`` engines)."""
+    def metrics(self, prefix: str = "vllm:kvplan") -> dict[str, dict]:
+        """The engine's metrics whose names start with ``prefix``, by name (``--log-stats``
+        engines; NixlConnector's are ``vllm:nixl_*``)."""
         self.wait_ready()
         self.n += 1
         rid = f"{self.name}-{self.n}"
-        self.proc.stdin.write(json.dumps({"id": rid, "op": "metrics"}) + "\n")
+        self.proc.stdin.write(json.dumps({"id": rid, "op": "metrics", "prefix": prefix}) + "\n")
         self.proc.stdin.flush()
         r = self._get(REQUEST_TIMEOUT, f"metrics {rid}")
         assert r["error"] is None, r
@@ -277,9 +283,14 @@ class Pool:
             e.wait_ready()
         return engines
 
+    def stop(self, *names: str) -> None:
+        """Stop these engines (a hung one included); the next ``only`` starts them afresh."""
+        for n in names:
+            if n in _LIVE:
+                _LIVE.pop(n).stop()
+
     def close(self) -> None:
-        for n in list(_LIVE):
-            _LIVE.pop(n).stop()
+        self.stop(*_LIVE)
 
 
 SHM = "/dev/shm"
