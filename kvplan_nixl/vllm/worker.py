@@ -57,6 +57,7 @@ class Pull:
     descriptors: int
     next_beat: float
     confirming: bool = False
+    seen_done: float = 0.0  # monotonic time the read was seen complete (the CONFIRM's start)
     beating: bool = False  # a heartbeat job is running (never two at once)
 
 
@@ -167,7 +168,7 @@ class Worker:
                     self.ctl.submit(self._renew, p)
                 continue
             if p.t.ok:  # the read completed: reported only once every rank read confirms
-                p.confirming = True
+                p.confirming, p.seen_done = True, now
                 self.ctl.submit(self._confirm, p)
             else:
                 del self.inflight[req_id]
@@ -288,7 +289,8 @@ class Worker:
                 self.stats.record_transfer(p.t.seconds or 0.0, p.post_s, p.t.plan.nbytes,
                                            p.runs, p.descriptors)
                 logger.info("kvplan: pull req=%s done in %.4f s, confirmed by prefill "
-                            "rank(s) %s", p.load.req_id, p.t.seconds or 0.0, list(p.peers))
+                            "rank(s) %s in %.4f s", p.load.req_id, p.t.seconds or 0.0,
+                            list(p.peers), time.monotonic() - p.seen_done)
                 return
             self.stats.record("num_failed_transfers")
             self._fail(p.load, f"not confirmed by prefill rank(s) {refused}: the prefill "

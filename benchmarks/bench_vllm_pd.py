@@ -1,0 +1,178 @@
+"""P/D handover in real vLLM engines: KvplanConnector against vLLM's own NixlConnector.
+
+The same tiny Llama (tests/vllm_engine.py: 2 layers, 2 KV heads of 64, float32, blocks of 32)
+is served as a prefill/decode pair of CPU engines at TP1 -> TP1 (one core each), once with each
+connector, one pair at a time. For every prompt length and concurrency ``c``, rounds of ``c``
+new prompts run:
+
+1. plain: the prompts on the prefill engine, no connector involved (the reference tokens);
+2. prefill: the prompts with ``do_remote_decode``, one token each (their transfer params);
+3. decode: the prompts on the decode engine with those params, ``c`` at once: the KV is pulled;
+4. local: the same prompts again on the decode engine, alone: now a prefix-cache hit on the
+   blocks the pull wrote, so only the prompt's tail is computed.
+
+TTFT is the decode's time to first token (from submitting the round); **handover** is a
+request's decode TTFT minus its local TTFT: what the request paid for the connector (waiting for
+the pull, the pull, its completion reaching the scheduler) beyond the compute of its tail. Pull
+time, post time, bytes and descriptors per pull are the connector's own stats (Prometheus
+histograms through vLLM's KV connector stats: ``vllm:nixl_*`` and ``vllm:kvplan_*``), as deltas
+over each length and concurrency. Every decode's tokens must equal the plain run's.
+
+Run (about 6 minutes; serialise with other engine runs)::
+
+    flock /tmp/vllm-engines.lock python benchmarks/bench_vllm_pd.py
+    python benchmarks/bench_vllm_pd.py --quick --check   # a smoke run; exit 1 on wrong output
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests import vllm_env  # noqa: E402  (the repo's test helpers build and drive the engines)
+from tests.vllm_pool import Pool, prompt  # noqa: E402
+
+#: connector -> (prefill engine, decode engine, its metrics' prefix, its transfer_mode)
+CONNECTORS = {
+    "nixl": ("llama-p1-nixl-stats", "llama-d1-nixl-stats", "vllm:nixl_", "pull"),
+    "kvplan": ("llama-p1-stats", "llama-d1-stats", "vllm:kvplan_", "kvplan"),
+}
+#: what we read from each connector's histograms (the names after the prefix)
+HISTOGRAMS = {"pull_s": "xfer_time_seconds", "post_s": "post_time_seconds",
+              "bytes": "bytes_transferred", "descriptors": "num_descriptors"}
+DECODE_TOKENS = 8
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def histograms(engine, prefix: str) -> dict[str, tuple[float, int]]:
+    """(sum, count) of each of HISTOGRAMS on ``engine`` now."""
+    m = engine.metrics(prefix)
+    return {k: (m[prefix + n]["sum"], m[prefix + n]["count"]) if prefix + n in m else (0.0, 0)
+            for k, n in HISTOGRAMS.items()}
+
+
+def per_pull(before: dict, after: dict) -> dict[str, float]:
+    out = {}
+    for k in HISTOGRAMS:
+        s, n = after[k][0] - before[k][0], after[k][1] - before[k][1]
+        out[k] = s / n if n else float("nan")
+    out["pulls"] = after["pull_s"][1] - before["pull_s"][1]
+    return out
+
+
+def run_connector(pool: Pool, name: str, lengths: list[int], concurrency: list[int],
+                  requests: int) -> list[dict]:
+    pname, dname, prefix, mode = CONNECTORS[name]
+    p, d = pool.only(pname, dname)
+    warm = prompt(9999, 64)  # the first pull pays the handshake: not measured
+    pre = p.batch([{"prompt": warm, "max_tokens": 1, "params": {"do_remote_decode": True}}])
+    d.batch([{"prompt": warm, "max_tokens": 1, "params": pre[0]["params"]}])
+    rows = []
+    for n in lengths:
+        for c in concurrency:
+            before = histograms(d, prefix)
+            ttft, local, handover, wrong = [], [], [], 0
+            for r in range(max(1, requests // c)):
+                ids = [prompt(100_000 * n + 1000 * c + 10 * r + i, n) for i in range(c)]
+                plain = p.batch([{"prompt": x, "max_tokens": DECODE_TOKENS} for x in ids])
+                pre = p.batch([{"prompt": x, "max_tokens": 1,
+                                "params": {"do_remote_decode": True}} for x in ids])
+                for q in pre:
+                    assert q["params"] and q["params"].get("transfer_mode") == mode, q
+                dec = d.batch([{"prompt": x, "max_tokens": DECODE_TOKENS, "params": q["params"]}
+                               for x, q in zip(ids, pre)])
+                loc = d.batch([{"prompt": x, "max_tokens": DECODE_TOKENS} for x in ids])
+                for a, b, want in zip(dec, loc, plain):
+                    ttft.append(a["first"])
+                    local.append(b["first"])
+                    handover.append(a["first"] - b["first"])
+                    wrong += a["tokens"] != want["tokens"]
+            stats = per_pull(before, histograms(d, prefix))
+            rows.append({"connector": name, "tokens": n, "concurrency": c,
+                         "requests": len(ttft), "wrong": wrong,
+                         "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
+                         "local_p50": pct(local, 0.5),
+                         "handover_p50": pct(handover, 0.5), "handover_p90": pct(handover, 0.9),
+                         "handover_mean": statistics.fmean(handover), **stats})
+            print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _line(r: dict) -> str:
+    ms = 1e3
+    return (f"{r['connector']:>6} {r['tokens']:>4} tok c={r['concurrency']} n={r['requests']:>2}"
+            f"  TTFT p50 {r['ttft_p50'] * ms:6.1f} p90 {r['ttft_p90'] * ms:6.1f} ms"
+            f"  handover p50 {r['handover_p50'] * ms:6.1f} p90 {r['handover_p90'] * ms:6.1f} ms"
+            f"  pull {r['pull_s'] * ms:5.2f} ms post {r['post_s'] * ms:5.2f} ms"
+            f"  {r['bytes'] / 1024:7.1f} KiB {r['descriptors']:6.1f} desc"
+            f"  pulls={r['pulls']} wrong={r['wrong']}")
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """KvplanConnector / NixlConnector for every length and concurrency."""
+    ref = {(r["tokens"], r["concurrency"]): r for r in rows if r["connector"] == "nixl"}
+    out = []
+    for r in rows:
+        b = ref.get((r["tokens"], r["concurrency"]))
+        if r["connector"] != "kvplan" or b is None:
+            continue
+        out.append({"tokens": r["tokens"], "concurrency": r["concurrency"], **{
+            k: r[k] / b[k] if b[k] else float("nan")
+            for k in ("ttft_p50", "ttft_p90", "handover_p50", "handover_p90", "pull_s",
+                      "post_s", "bytes", "descriptors")}})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 320, 960],
+                    help="prompt lengths in tokens (blocks of 32; at most 1016)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--requests", type=int, default=16,
+                    help="requests per length and concurrency")
+    ap.add_argument("--connectors", nargs="+", default=list(CONNECTORS), choices=CONNECTORS)
+    ap.add_argument("--quick", action="store_true", help="4 requests, two lengths")
+    ap.add_argument("--check", action="store_true", help="exit 1 if any decode was wrong")
+    ap.add_argument("--json", type=Path, help="write the rows and ratios here")
+    ap.add_argument("--logs", type=Path, help="keep the engines' logs here (default: removed)")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.lengths = 4, [64, 960]
+    py = vllm_env.ensure()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-pd-") as tmp:
+        workdir = args.logs or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        pool = Pool(py, workdir)
+        try:
+            for name in args.connectors:
+                rows += run_connector(pool, name, args.lengths, args.concurrency,
+                                      args.requests)
+        finally:
+            pool.close()
+    print("\nKvplanConnector / NixlConnector (<= 1.0: kvplan as fast or faster)")
+    rs = ratios(rows)
+    for r in rs:
+        print(f"  {r['tokens']:>4} tok c={r['concurrency']}: "
+              + "  ".join(f"{k} {v:.2f}" for k, v in r.items()
+                          if k not in ("tokens", "concurrency")))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "ratios": rs}, indent=1))
+    wrong = sum(r["wrong"] for r in rows)
+    print(f"\n{sum(r['requests'] for r in rows)} requests, {wrong} decoded wrong")
+    return 1 if args.check and wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
