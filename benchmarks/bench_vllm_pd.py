@@ -18,7 +18,7 @@ time, post time, bytes and descriptors per pull are the connector's own stats (P
 histograms through vLLM's KV connector stats: ``vllm:nixl_*`` and ``vllm:kvplan_*``), as deltas
 over each length and concurrency. Every decode's tokens must equal the plain run's.
 
-Run (about 6 minutes; serialise with other engine runs)::
+Run (about 9 minutes; serialise with other engine runs)::
 
     flock /tmp/vllm-engines.lock python benchmarks/bench_vllm_pd.py
     python benchmarks/bench_vllm_pd.py --quick --check   # a smoke run; exit 1 on wrong output
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -104,7 +103,7 @@ def run_connector(pool: Pool, name: str, lengths: list[int], concurrency: list[i
                          "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
                          "local_p50": pct(local, 0.5),
                          "handover_p50": pct(handover, 0.5), "handover_p90": pct(handover, 0.9),
-                         "handover_mean": statistics.fmean(handover), **stats})
+                         **stats})
             print(_line(rows[-1]), flush=True)
     return rows
 
@@ -113,6 +112,7 @@ def _line(r: dict) -> str:
     ms = 1e3
     return (f"{r['connector']:>6} {r['tokens']:>4} tok c={r['concurrency']} n={r['requests']:>2}"
             f"  TTFT p50 {r['ttft_p50'] * ms:6.1f} p90 {r['ttft_p90'] * ms:6.1f} ms"
+            f" (local p50 {r['local_p50'] * ms:6.1f})"
             f"  handover p50 {r['handover_p50'] * ms:6.1f} p90 {r['handover_p90'] * ms:6.1f} ms"
             f"  pull {r['pull_s'] * ms:5.2f} ms post {r['post_s'] * ms:5.2f} ms"
             f"  {r['bytes'] / 1024:7.1f} KiB {r['descriptors']:6.1f} desc"
