@@ -1,4 +1,5 @@
-"""P/D handover in real vLLM engines: KvplanConnector against vLLM's own NixlConnector.
+"""P/D handover in real vLLM engines: KvplanConnector against vLLM's own NixlConnector, and
+KvplanConnector's pull against its push and layer-wise push.
 
 The same tiny Llama (tests/vllm_engine.py: 2 layers, 2 KV heads of 64, float32, blocks of 32)
 is served as a prefill/decode pair of CPU engines at TP1 -> TP1 (one core each), once with each
@@ -18,25 +19,41 @@ time, post time, bytes and descriptors per pull are the connector's own stats (P
 histograms through vLLM's KV connector stats: ``vllm:nixl_*`` and ``vllm:kvplan_*``), as deltas
 over each length and concurrency. Every decode's tokens must equal the plain run's.
 
-Run (about 9 minutes; serialise with other engine runs)::
+A second part compares KvplanConnector's own modes on a deeper model (``llama-deep``: 16
+layers, 4 KV heads of 64, 32 KiB of KV per token, so that a transfer is visible beside the
+compute), TP1 -> TP1: pull, push (the prefill writes once the request finished) and layer-wise
+push (each layer written from the forward), by the TTFT a proxy sees (from the first leg sent)
+and the handover beyond the plain prefill's TTFT (:func:`run_modes`).
+
+Run (about 9 minutes for each part; serialise with other engine runs)::
 
     flock /tmp/vllm-engines.lock python benchmarks/bench_vllm_pd.py
     python benchmarks/bench_vllm_pd.py --quick --check   # a smoke run; exit 1 on wrong output
+    python benchmarks/bench_vllm_pd.py --connectors      # the modes part alone
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests import vllm_env  # noqa: E402  (the repo's test helpers build and drive the engines)
-from tests.vllm_pool import Pool, prompt  # noqa: E402
+from tests.vllm_pool import (  # noqa: E402
+    LAYERED,
+    PUSH_REGISTERED,
+    Pool,
+    pd_push,
+    prompt,
+    push_params,
+)
 
 #: connector -> (prefill engine, decode engine, its metrics' prefix, its transfer_mode)
 CONNECTORS = {
@@ -108,6 +125,94 @@ def run_connector(pool: Pool, name: str, lengths: list[int], concurrency: list[i
     return rows
 
 
+#: KvplanConnector's handover modes on the deep model (prefill engine, decode engine)
+MODE_ENGINES = ("deep-p1", "deep-d1")
+MODES = ("pull", "push", "layerwise")
+
+
+def run_modes(pool: Pool, lengths: list[int], concurrency: list[int],
+              requests: int) -> list[dict]:
+    """Pull, push and layer-wise push on the deep model, as a proxy sees them.
+
+    **client TTFT**: from the first leg's submission to the decode's first token. Pull: the
+    prefill leg, then (its params back) the decode leg. Push and layer-wise: the decode leg,
+    then (once every prefill rank has its registration: the order the flow needs, its wait
+    counted) the prefill leg. **handover**: client TTFT minus the same prompt's TTFT on the
+    prefill engine alone (the plain run): what disaggregation cost beyond computing the
+    prompt once.
+    """
+    p, d = pool.only(*MODE_ENGINES)
+    warm = prompt(9998, 64)  # connect both ways first: a handshake is not measured
+    pre = p.batch([{"prompt": warm, "max_tokens": 1, "params": {"do_remote_decode": True}}])
+    d.batch([{"prompt": warm, "max_tokens": 1, "params": pre[0]["params"]}])
+    pd_push(p, d, prompt(9997, 64), "bench-warm")
+    rows = []
+    for n in lengths:
+        for c in concurrency:
+            for mode in MODES:
+                rows.append(_mode_row(p, d, mode, n, c, requests))
+                print(_mode_line(rows[-1]), flush=True)
+    return rows
+
+
+def _mode_row(p, d, mode: str, n: int, c: int, requests: int) -> dict:
+    ttft, handover, wrong, layered = [], [], 0, len(p.log_lines(LAYERED))
+    for r in range(max(1, requests // c)):
+        seeds = [200_000 * n + 1000 * c + 10 * r + i for i in range(c)]
+        ids = [prompt(x + MODES.index(mode) * 7919, n) for x in seeds]  # new prompts per mode
+        plain = p.batch([{"prompt": x, "max_tokens": DECODE_TOKENS} for x in ids])
+        keys = [f"bench-{mode}-{n}-{c}-{r}-{i}" for i in range(c)]
+        if mode == "pull":
+            t0 = time.perf_counter()
+            pre = p.batch([{"prompt": x, "max_tokens": 1, "params": {"do_remote_decode": True}}
+                           for x in ids])
+            waited = time.perf_counter() - t0
+            dec = d.batch([{"prompt": x, "max_tokens": DECODE_TOKENS, "params": q["params"]}
+                           for x, q in zip(ids, pre)])
+        else:
+            at = p.log_path.stat().st_size  # read only what comes after: the log grows
+            rid = d.submit_batch([{"prompt": x, "max_tokens": DECODE_TOKENS,
+                                   "params": push_params(p, k)} for x, k in zip(ids, keys)])
+            while _count_after(p, at, PUSH_REGISTERED) < c * p.tp:
+                time.sleep(0.002)
+            p.batch([{"prompt": x, "max_tokens": 1, "params": {
+                "do_remote_decode": True, "transfer_mode": mode, "transfer_id": k}}
+                for x, k in zip(ids, keys)])
+            dec, waited = d.collect_batch(rid), 0.0
+        for a, want in zip(dec, plain):
+            ttft.append(waited + a["first"])
+            handover.append(waited + a["first"] - want["first"])
+            wrong += a["tokens"] != want["tokens"]
+    return {"mode": mode, "tokens": n, "concurrency": c, "requests": len(ttft), "wrong": wrong,
+            "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
+            "handover_p50": pct(handover, 0.5), "handover_p90": pct(handover, 0.9),
+            "layered": len(p.log_lines(LAYERED)) - layered}
+
+
+def _count_after(engine, offset: int, pattern: str) -> int:
+    """Lines matching ``pattern`` in ``engine``'s log past byte ``offset``."""
+    with open(engine.log_path, "rb") as f:
+        f.seek(offset)
+        return len(re.findall(pattern.encode(), f.read()))
+
+
+def _mode_line(r: dict) -> str:
+    ms = 1e3
+    return (f"{r['mode']:>9} {r['tokens']:>4} tok c={r['concurrency']} n={r['requests']:>2}"
+            f"  client TTFT p50 {r['ttft_p50'] * ms:6.1f} p90 {r['ttft_p90'] * ms:6.1f} ms"
+            f"  handover p50 {r['handover_p50'] * ms:6.1f} p90 {r['handover_p90'] * ms:6.1f} ms"
+            f"  layer-wise {r['layered']}/{r['requests']}  wrong={r['wrong']}")
+
+
+def mode_ratios(rows: list[dict]) -> list[dict]:
+    """Push and layer-wise push / pull, for every length and concurrency."""
+    ref = {(r["tokens"], r["concurrency"]): r for r in rows if r["mode"] == "pull"}
+    return [{"mode": r["mode"], "tokens": r["tokens"], "concurrency": r["concurrency"],
+             **{k: r[k] / ref[(r["tokens"], r["concurrency"])][k]
+                for k in ("ttft_p50", "ttft_p90", "handover_p50", "handover_p90")}}
+            for r in rows if r["mode"] != "pull"]
+
+
 def _line(r: dict) -> str:
     ms = 1e3
     return (f"{r['connector']:>6} {r['tokens']:>4} tok c={r['concurrency']} n={r['requests']:>2}"
@@ -141,14 +246,18 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--requests", type=int, default=16,
                     help="requests per length and concurrency")
-    ap.add_argument("--connectors", nargs="+", default=list(CONNECTORS), choices=CONNECTORS)
+    ap.add_argument("--connectors", nargs="*", default=list(CONNECTORS), choices=CONNECTORS,
+                    help="connectors to compare on the tiny model (none: skip that part)")
+    ap.add_argument("--modes", action=argparse.BooleanOptionalAction, default=True,
+                    help="pull vs push vs layer-wise push on the deep model")
+    ap.add_argument("--mode-lengths", type=int, nargs="+", default=[320, 960])
     ap.add_argument("--quick", action="store_true", help="4 requests, two lengths")
     ap.add_argument("--check", action="store_true", help="exit 1 if any decode was wrong")
     ap.add_argument("--json", type=Path, help="write the rows and ratios here")
     ap.add_argument("--logs", type=Path, help="keep the engines' logs here (default: removed)")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.lengths = 4, [64, 960]
+        args.requests, args.lengths, args.mode_lengths = 4, [64, 960], [960]
     py = vllm_env.ensure()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-pd-") as tmp:
@@ -159,6 +268,8 @@ def main() -> int:
             for name in args.connectors:
                 rows += run_connector(pool, name, args.lengths, args.concurrency,
                                       args.requests)
+            mrows = run_modes(pool, args.mode_lengths, args.concurrency, args.requests) \
+                if args.modes else []
         finally:
             pool.close()
     print("\nKvplanConnector / NixlConnector (<= 1.0: kvplan as fast or faster)")
@@ -167,10 +278,18 @@ def main() -> int:
         print(f"  {r['tokens']:>4} tok c={r['concurrency']}: "
               + "  ".join(f"{k} {v:.2f}" for k, v in r.items()
                           if k not in ("tokens", "concurrency")))
+    mrs = mode_ratios(mrows)
+    if mrs:
+        print("\nKvplanConnector push and layer-wise push / its pull (< 1.0: faster than pull)")
+    for r in mrs:
+        print(f"  {r['mode']:>9} {r['tokens']:>4} tok c={r['concurrency']}: "
+              + "  ".join(f"{k} {v:.2f}" for k, v in r.items()
+                          if k not in ("mode", "tokens", "concurrency")))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "ratios": rs}, indent=1))
-    wrong = sum(r["wrong"] for r in rows)
-    print(f"\n{sum(r['requests'] for r in rows)} requests, {wrong} decoded wrong")
+        args.json.write_text(json.dumps({"rows": rows, "ratios": rs, "mode_rows": mrows,
+                                         "mode_ratios": mrs}, indent=1))
+    wrong = sum(r["wrong"] for r in rows + mrows)
+    print(f"\n{sum(r['requests'] for r in rows + mrows)} requests, {wrong} decoded wrong")
     return 1 if args.check and wrong else 0
 
 

@@ -11,6 +11,14 @@ the decode. Only the standard library::
     python examples/pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         --port 8000
 
+Push mode (``--push ENGINE_ID,PORT,TP``, the prefill's ``kv_transfer_config.engine_id``, its
+side channel base port and TP size; ``--push-host``, default the prefill URL's host;
+``--mode push`` or ``layerwise``): both legs go at once under one fresh ``transfer_id``. The
+decode leg names the prefill engine, so the decode registers its blocks with it; the prefill
+leg asks for a push, and the prefill writes the KV into those blocks. Either leg may reach its
+engine first (docs/vllm.md, "Push mode"); a layer-wise push whose registration comes after the
+prefill's forward started is written whole after it.
+
 One prefill and one decode; a production router would balance several of each and retry a
 failed prefill elsewhere.
 """
@@ -19,8 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import threading
 import urllib.error
+import urllib.parse
 import urllib.request
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 GENERATE = ("/v1/completions", "/v1/chat/completions")
@@ -37,7 +49,18 @@ def prefill_request(body: dict) -> dict:
     return out
 
 
-def make_handler(prefill: str, decode: str, timeout: float) -> type[BaseHTTPRequestHandler]:
+def push_params(push: dict, transfer_id: str) -> tuple[dict, dict]:
+    """Push mode: the (prefill leg's, decode leg's) ``kv_transfer_params``. ``push`` names the
+    prefill: ``engine_id``, ``host``, ``port`` (side channel base), ``tp``, ``mode``."""
+    return ({"do_remote_decode": True, "transfer_mode": push["mode"],
+             "transfer_id": transfer_id},
+            {"do_remote_prefill": True, "remote_engine_id": push["engine_id"],
+             "remote_host": push["host"], "remote_port": push["port"],
+             "tp_size": push["tp"], "transfer_id": transfer_id})
+
+
+def make_handler(prefill: str, decode: str, timeout: float,
+                 push: dict | None = None) -> type[BaseHTTPRequestHandler]:
     class Proxy(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -64,6 +87,8 @@ def make_handler(prefill: str, decode: str, timeout: float) -> type[BaseHTTPRequ
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if self.path not in GENERATE:
                 return self._forward(decode + self.path, raw, "POST")
+            if push is not None:
+                return self._push(raw)
             try:
                 body = json.loads(raw)
                 pre = urllib.request.Request(
@@ -72,16 +97,39 @@ def make_handler(prefill: str, decode: str, timeout: float) -> type[BaseHTTPRequ
                 with urllib.request.urlopen(pre, timeout=timeout) as r:
                     params = json.loads(r.read()).get("kv_transfer_params")
             except (OSError, ValueError) as e:
-                msg = json.dumps({"error": f"prefill {prefill} failed: {e}"}).encode()
-                self.send_response(502)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(msg)))
-                self.end_headers()
-                self.wfile.write(msg)
-                return None
+                return self._error(502, f"prefill {prefill} failed: {e}")
             # no params (the prefill did not keep the KV): decode computes the prompt itself
             body["kv_transfer_params"] = params
             return self._forward(decode + self.path, json.dumps(body).encode(), "POST")
+
+        def _push(self, raw: bytes) -> None:
+            """Both legs at once: the prefill's in a thread, the decode's relayed."""
+            try:
+                body = json.loads(raw)
+            except ValueError as e:
+                return self._error(400, f"bad request body: {e}")
+            pre_params, body["kv_transfer_params"] = push_params(push, uuid.uuid4().hex)
+            pre_body = dict(prefill_request(body), kv_transfer_params=pre_params)
+
+            def run() -> None:  # a failed prefill: the decode recomputes at its deadline
+                req = urllib.request.Request(
+                    prefill + self.path, data=json.dumps(pre_body).encode(),
+                    headers={"Content-Type": "application/json"}, method="POST")
+                try:
+                    with urllib.request.urlopen(req, timeout=timeout) as r:
+                        r.read()
+                except (OSError, ValueError) as e:
+                    print(f"pd_proxy: prefill {prefill} failed: {e}", file=sys.stderr)
+            threading.Thread(target=run, daemon=True).start()
+            return self._forward(decode + self.path, json.dumps(body).encode(), "POST")
+
+        def _error(self, code: int, why: str) -> None:
+            msg = json.dumps({"error": why}).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(msg)))
+            self.end_headers()
+            self.wfile.write(msg)
 
         def do_GET(self) -> None:
             self._forward(decode + self.path, None, "GET")
@@ -93,10 +141,11 @@ def make_handler(prefill: str, decode: str, timeout: float) -> type[BaseHTTPRequ
 
 
 def serve(prefill: str, decode: str, host: str = "127.0.0.1", port: int = 8000,
-          timeout: float = 600.0) -> ThreadingHTTPServer:
-    """The proxy's server (call ``serve_forever()``; port 0 picks one)."""
+          timeout: float = 600.0, push: dict | None = None) -> ThreadingHTTPServer:
+    """The proxy's server (call ``serve_forever()``; port 0 picks one); ``push`` as for
+    :func:`push_params` (None: pull mode)."""
     return ThreadingHTTPServer((host, port), make_handler(prefill.rstrip("/"),
-                                                          decode.rstrip("/"), timeout))
+                                                          decode.rstrip("/"), timeout, push))
 
 
 def main() -> None:
@@ -106,8 +155,20 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per engine request")
+    ap.add_argument("--push", metavar="ENGINE_ID,PORT,TP",
+                    help="push mode: the prefill's engine id, side channel base port, TP size")
+    ap.add_argument("--push-host", help="the prefill's side channel host (default: its URL's)")
+    ap.add_argument("--mode", choices=["push", "layerwise"], default="push")
     a = ap.parse_args()
-    srv = serve(a.prefill, a.decode, a.host, a.port, a.timeout)
+    push = None
+    if a.push:
+        try:
+            engine_id, port, tp = a.push.split(",")
+            push = {"engine_id": engine_id, "port": int(port), "tp": int(tp), "mode": a.mode,
+                    "host": a.push_host or urllib.parse.urlparse(a.prefill).hostname}
+        except ValueError:
+            ap.error(f"--push takes ENGINE_ID,PORT,TP (e.g. prefill-0,5700,1), got {a.push!r}")
+    srv = serve(a.prefill, a.decode, a.host, a.port, a.timeout, push)
     print(f"P/D proxy on http://{a.host}:{srv.server_address[1]} -> prefill {a.prefill}, "
           f"decode {a.decode}", flush=True)
     srv.serve_forever()

@@ -18,6 +18,7 @@ killed as a group).
 from __future__ import annotations
 
 import re
+import signal
 import sys
 import time
 
@@ -30,8 +31,12 @@ from tests.vllm_pool import (
     free_base_port,
     pd,
     pd_equals_plain,
+    pd_push,
     prompt,
+    push_equals_plain,
+    push_params,
     tails,
+    wait_lines,
 )
 
 
@@ -97,6 +102,37 @@ def test_tp1_to_tp2_equals_plain_run(pool):
     assert {re.search(r"rank=(\d)", x).group(1) for x in pulls} == {"0", "1"}, pulls
 
 
+def test_push_equals_plain_run_at_tp1_and_tp2(pool):
+    # the decode registers first, the prefill writes its blocks (push mode, chosen per request)
+    p1, d1, t2 = pool.only("llama-p1", "llama-d1", "llama-t2")
+    released = len(p1.log_lines(r"kvplan: prefill req=\S+ released$"))
+    done = push_equals_plain(p1, d1, prompt(20), "push P TP1 -> D TP1", "push-a")
+    assert "written by prefill rank(s) [0]" in done[0], done
+    # the bytes a pull of a prompt as long moves: 2 blocks of 32 (the pages move whole)
+    pull = pd_equals_plain(p1, d1, prompt(19), "pull of a prompt as long")[-1]
+    assert re.search(r"bytes=(\d+)", done[0]).group(1) == re.search(r"bytes=(\d+)",
+                                                                     pull).group(1)
+    push_equals_plain(p1, t2, prompt(21, 70), "push P TP1 -> D TP2", "push-b")
+    done = push_equals_plain(t2, d1, prompt(22, 70), "push P TP2 -> D TP1", "push-c")
+    assert "written by prefill rank(s) [0, 1]" in done[0], done  # both halves
+    # a decode written with another prompt's KV generates other tokens
+    ids = prompt(23)
+    got = pd_push(p1, d1, ids, "push-d", prefill_ids=prompt(24))
+    assert got["tokens"] != p1.generate(ids, 16)["tokens"], f"push ignored{tails()}"
+    # layer-wise: each layer written from the prefill's forward as soon as it is computed
+    for i, (p, d) in enumerate(((p1, d1), (p1, t2), (t2, d1))):
+        push_equals_plain(p, d, prompt(26 + i, 70), f"layer-wise {p.name} -> {d.name}",
+                          f"layers-{i}", mode="layerwise")
+    ids = prompt(29)
+    got = pd_push(p1, d1, ids, "layers-neg", prefill_ids=prompt(30), mode="layerwise")
+    assert got["tokens"] != p1.generate(ids, 16)["tokens"], f"layer-wise push ignored{tails()}"
+    # the prefill's holds ended with their writes (and the pull's CONFIRM): blocks freed
+    deadline = time.monotonic() + 30
+    while len(p1.log_lines(r"kvplan: prefill req=\S+ released$")) < released + 7:
+        assert time.monotonic() < deadline, f"prefill never released pushed blocks{tails()}"
+        time.sleep(0.5)
+
+
 def test_tp2_to_tp1_equals_plain_run_then_prefill_killed(pool):
     _, d1, p2 = pool.only("llama-p1", "llama-d1", "llama-t2")
     pulls = pd_equals_plain(p2, d1, prompt(9, 70), "P TP2 -> D TP1")
@@ -118,6 +154,51 @@ def test_tp2_to_tp1_equals_plain_run_then_prefill_killed(pool):
     assert time.monotonic() - t0 < 90
     assert d1.log_lines(r"kvplan: pull req=\S+ from \S+ failed")
     assert d1.generate(prompt(11), 4)["error"] is None  # decode still serves
+
+
+def _push_cut_off(p1, d1, ids: list[int], key: str, cut) -> None:
+    """A push decode of ``ids`` whose prefill ``cut()`` hits right after the registration
+    reached it: the decode recomputes at its deadline (push_timeout_s 20 + handshake_timeout_s
+    5), equal to the plain run, never generating from blocks nobody wrote."""
+    plain = p1.generate(ids, 16)
+    seen = len(p1.log_lines(rf"push registration of \S+ req=\S+ key={key} at"))
+    rid = d1.submit(ids, 16, push_params(p1, key))
+    wait_lines(p1, rf"push registration of \S+ req=\S+ key={key} at", seen + 1)
+    cut()
+    got = d1.collect(rid)
+    assert got["error"] is None, got
+    check_equal(got, plain, f"push decode after its prefill was cut off ({key}, recompute)")
+    assert d1.log_lines(r"kvplan: push req=\S+ from \S+ failed \(prefill rank\(s\) \[0\] did "
+                        r"not write within")
+    assert d1.generate(prompt(11), 4)["error"] is None  # decode still serves
+
+
+def test_push_prefill_stalled_past_the_window_never_writes_late(pool):
+    # the prefill freezes (SIGSTOP) after the decode registered: the decode gives up at its
+    # deadline and recomputes; the prefill, resumed later, finds the registration's window
+    # closed and never writes into blocks the decode has given up (and reused)
+    p1, d1 = pool.only("llama-p1", "llama-d1")
+    ids = prompt(31)
+    try:
+        _push_cut_off(p1, d1, ids, "push-stalled", lambda: p1.signal(signal.SIGSTOP))
+    finally:
+        p1.signal(signal.SIGCONT)
+    pre = p1.generate(ids, 1, {"do_remote_decode": True, "transfer_mode": "layerwise",
+                               "transfer_id": "push-stalled"})
+    assert pre["error"] is None, pre
+    assert d1.generate(prompt(32), 16)["tokens"] == p1.generate(prompt(32), 16)["tokens"]
+    # the registration expired unused, and nothing was written to the decode's request
+    reg = p1.log_lines(r"push registration of \S+ req=\S+ key=push-stalled at")[-1]
+    dreq = re.search(r"req=(\S+) key=", reg).group(1)
+    assert p1.log_lines(r"key=push-stalled expired"), f"registration never expired{tails()}"
+    assert not p1.log_lines(rf"kvplan: push req=\S+ .*to \S+ req={re.escape(dreq)} "), \
+        f"the prefill wrote after the decode gave up{tails()}"
+
+
+def test_push_prefill_killed_after_registration_is_recomputed(pool):
+    # the decode registered its blocks, then the prefill died: it never writes
+    p1, d1 = pool.only("llama-p1", "llama-d1")
+    _push_cut_off(p1, d1, prompt(25), "push-killed", p1.kill)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from tests.vllm_pool import (
     pd,
     pd_equals_plain,
     prompt,
+    push_equals_plain,
     tails,
 )
 
@@ -54,6 +55,14 @@ def _hetero_pairs(pool, key: str, seed: int) -> None:
     assert {re.search(r"rank=(\d)", x).group(1) for x in pulls[-2:]} == {"0", "1"}, pulls
     pulls = pd_equals_plain(t2, d1, prompt(seed + 4, 70), f"{key} P TP2 -> D TP1")
     assert "peers=[0, 1]" in pulls[-1], pulls  # one decode rank gathers both halves
+    # push mode: the prefill writes into the blocks (and state slots) the decode registered,
+    # once finished, then layer-wise from its forward (the attention layer when computed, the
+    # state regions after the forward's last update)
+    for mode, first in (("push", 5), ("layerwise", 8)):
+        for i, (p, d) in enumerate(((p1, d1), (p1, t2), (t2, d1))):
+            push_equals_plain(p, d, prompt(seed + first + i, 70),
+                              f"{key} {mode} {p.name} -> {d.name}", f"{key}-{seed}-{mode}-{i}",
+                              mode=mode)
 
 
 def test_mamba2_one_group_replicated_at_tp2(pool):
@@ -88,6 +97,9 @@ def test_sliding_window_and_full_attention_groups(pool):
     plain = p1.generate(ids, 16)
     assert pd(p1, d1, ids, prefill_ids=prompt(302))["tokens"] != plain["tokens"]
     pd_equals_plain(p1, t2, prompt(303, 70), "gemma3 P TP1 -> D TP2")
+    push_equals_plain(p1, t2, prompt(307, 70), "gemma3 push P TP1 -> D TP2", "gemma3-push")
+    push_equals_plain(p1, t2, prompt(308, 70), "gemma3 layer-wise push P TP1 -> D TP2",
+                      "gemma3-layers", mode="layerwise")
     # a prefix-cache hit on decode, in both groups: the second request pulls only its third
     # block of 32 (positions [64, 96)), and still equals its plain run
     shared = prompt(304, 64)

@@ -129,54 +129,87 @@ def test_prefill_holds_and_decode_control_messages_over_the_side_channel():
     _in_vllm_venv(HOLDS_CHECK)
 
 
-def test_example_proxy_hands_the_prefill_params_to_the_decode():
-    """examples/pd_proxy.py against two fake engines: the prefill gets one token and
-    do_remote_decode, the decode the client's request with the prefill's params."""
+def _fake_engine(name: str, seen: dict, answer: dict, before=None):
+    """An HTTP server standing in for an engine: records each POST body in ``seen[name]``,
+    calls ``before()`` (if any), answers ``answer``."""
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    class H(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen[name] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if before is not None:
+                before()
+            out = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a: object) -> None:
+            pass
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def _through_proxy(pre, dec, body: dict, push: dict | None = None) -> dict:
+    """``body`` POSTed to examples/pd_proxy.py between the fake engines; its answer."""
+    import json
+    import urllib.request
+
     from examples import pd_proxy
 
-    seen: dict[str, dict] = {}
-
-    def engine(name: str, answer: dict) -> ThreadingHTTPServer:
-        class H(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                seen[name] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                out = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *a: object) -> None:
-                pass
-        srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        return srv
-
-    params = {"do_remote_prefill": True, "remote_generation": 2**62 + 1}
-    pre = engine("prefill", {"kv_transfer_params": params})
-    dec = engine("decode", {"choices": [{"text": "hi"}]})
     proxy = pd_proxy.serve(f"http://127.0.0.1:{pre.server_address[1]}",
-                           f"http://127.0.0.1:{dec.server_address[1]}", port=0)
+                           f"http://127.0.0.1:{dec.server_address[1]}", port=0, push=push)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
-        import urllib.request
-
-        body = {"model": "m", "prompt": "x", "max_tokens": 7, "stream": True}
         req = urllib.request.Request(f"http://127.0.0.1:{proxy.server_address[1]}"
                                      "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            assert json.loads(r.read()) == {"choices": [{"text": "hi"}]}
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return json.loads(r.read())
     finally:
         for srv in (proxy, pre, dec):
             srv.shutdown()
             srv.server_close()
+
+
+def test_example_proxy_hands_the_prefill_params_to_the_decode():
+    """examples/pd_proxy.py against two fake engines: the prefill gets one token and
+    do_remote_decode, the decode the client's request with the prefill's params."""
+    seen: dict[str, dict] = {}
+    params = {"do_remote_prefill": True, "remote_generation": 2**62 + 1}
+    pre = _fake_engine("prefill", seen, {"kv_transfer_params": params})
+    dec = _fake_engine("decode", seen, {"choices": [{"text": "hi"}]})
+    body = {"model": "m", "prompt": "x", "max_tokens": 7, "stream": True}
+    assert _through_proxy(pre, dec, body) == {"choices": [{"text": "hi"}]}
     assert seen["prefill"] == dict(body, max_tokens=1, stream=False,
                                    kv_transfer_params={"do_remote_decode": True})
     assert seen["decode"] == dict(body, kv_transfer_params=params)  # 63-bit int intact
+
+
+def test_example_proxy_in_push_mode_sends_both_legs_under_one_transfer_id():
+    """examples/pd_proxy.py with ``push``: the decode leg names the prefill engine (no block
+    ids), the prefill leg asks for the push mode, both under one fresh transfer_id."""
+    seen: dict[str, dict] = {}
+    got_prefill = threading.Event()
+    pre = _fake_engine("prefill", seen, {"choices": [{"text": "prefill"}]}, got_prefill.set)
+    # the decode answers once the prefill leg came (as a push decode waits for its write)
+    dec = _fake_engine("decode", seen, {"choices": [{"text": "decode"}]},
+                       lambda: got_prefill.wait(10))
+    push = {"engine_id": "prefill-0", "host": "10.0.0.1", "port": 5700, "tp": 2,
+            "mode": "layerwise"}
+    body = {"model": "m", "prompt": "x", "max_tokens": 7}
+    assert _through_proxy(pre, dec, body, push) == {"choices": [{"text": "decode"}]}
+    assert got_prefill.is_set()
+    tid = seen["decode"]["kv_transfer_params"]["transfer_id"]
+    assert len(tid) == 32
+    assert seen["decode"] == dict(body, kv_transfer_params={
+        "do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "10.0.0.1",
+        "remote_port": 5700, "tp_size": 2, "transfer_id": tid})
+    assert seen["prefill"] == dict(body, max_tokens=1, stream=False, kv_transfer_params={
+        "do_remote_decode": True, "transfer_mode": "layerwise", "transfer_id": tid})
 
 
 # -- real engines ------------------------------------------------------------------------------

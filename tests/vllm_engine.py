@@ -31,13 +31,15 @@ MARK = "@@kvplan "
 
 
 #: The tiny models the tests write (``model DIR --kind KIND``).
-KINDS = ("llama", "mla", "nemotron-h", "gemma3")
+KINDS = ("llama", "llama-deep", "mla", "nemotron-h", "gemma3")
 
 
 def model_config(kind: str, *, n_groups: int = 1) -> dict:
     """config.json of a tiny float32 model of ``kind`` (vocab 1024, hidden 256).
 
     - ``llama``: 2 layers, 4 heads, 2 KV heads of 64.
+    - ``llama-deep``: 16 layers, 4 heads, 4 KV heads of 64 (32 KiB of KV per token: the
+      benchmarks' model, where a transfer is visible beside the compute).
     - ``mla``: DeepSeek-V2 shape, latent 512 + 64 = 576 values per token (the only size vLLM's
       CPU_MLA backend takes, ``cpu_mla.py``, ``get_supported_head_sizes``), dense MLPs.
     - ``nemotron-h``: a Mamba2 hybrid (NemotronH), layers mamba, attention, mamba; Mamba2 of
@@ -81,11 +83,12 @@ def model_config(kind: str, *, n_groups: int = 1) -> dict:
                 "query_pre_attn_scalar": 64, "rms_norm_eps": 1e-6,
                 "rope_theta": 10000.0, "rope_local_base_freq": 10000.0,
                 "hidden_activation": "gelu_pytorch_tanh"}
-    if kind == "llama":
+    if kind in ("llama", "llama-deep"):
+        layers, kv_heads = (2, 2) if kind == "llama" else (16, 4)
         return {**common,
                 "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6,
+                "intermediate_size": 512, "num_hidden_layers": layers, "num_attention_heads": 4,
+                "num_key_value_heads": kv_heads, "head_dim": 64, "rms_norm_eps": 1e-6,
                 "rope_theta": 10000.0, "hidden_act": "silu"}
     raise ValueError(f"model kind {kind!r} is not one of {KINDS}")
 
@@ -130,7 +133,8 @@ def serve(args: argparse.Namespace) -> None:
     kw = {}
     if args.connector == "kvplan":
         extra = {"secret": args.secret, "side_channel_port": args.side_port,
-                 "transfer_timeout_s": args.transfer_timeout, **json.loads(args.extra)}
+                 "transfer_timeout_s": args.transfer_timeout,
+                 "push_timeout_s": args.transfer_timeout, **json.loads(args.extra)}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvplanConnector", kv_connector_module_path="kvplan_nixl.vllm",
             kv_role="kv_both", kv_buffer_device="cpu",
@@ -149,7 +153,8 @@ def serve(args: argparse.Namespace) -> None:
               distributed_executor_backend="mp" if args.tp > 1 else None,
               num_gpu_blocks_override=args.num_blocks or None,
               disable_log_stats=not args.log_stats, **kw)
-    print(MARK + json.dumps({"id": "ready"}), flush=True)
+    cfg = llm.llm_engine.vllm_config.kv_transfer_config
+    emit({"id": "ready", "engine_id": cfg.engine_id if cfg else None})
 
     def params(req: dict) -> SamplingParams:
         extra = {"kv_transfer_params": req["params"]} if req.get("params") else None
@@ -198,7 +203,14 @@ def serve(args: argparse.Namespace) -> None:
         except Exception as e:  # reported to the test, which decides
             res = {"id": req["id"], "tokens": None, "error": f"{type(e).__name__}: {e}"}
         res["seconds"] = round(time.monotonic() - t0, 3)
-        print(MARK + json.dumps(res), flush=True)
+        emit(res)
+
+
+def emit(res: dict) -> None:
+    """One result line in one write: the engine's worker processes log to the same pipe, and
+    a line written in pieces (text, then newline) can get one of their lines in between."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (MARK + json.dumps(res) + "\n").encode())
 
 
 def main() -> None:

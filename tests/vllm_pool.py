@@ -33,6 +33,7 @@ REQUEST_TIMEOUT = 240.0
 #: model key -> (tests/vllm_engine.py model kind, extra `model` args, engine options)
 MODELS = {
     "llama": ("llama", [], {}),
+    "deep": ("llama-deep", [], {}),
     "mla": ("mla", [], {"block_size": 16, "attention_backend": "CPU_MLA"}),
     # hybrid engines take vLLM's block size: Mamba's aligned prefix caching needs blocks of
     # whole scan chunks (blocks of 32 fail in the Mamba2 kernel with chunks of 64)
@@ -128,21 +129,28 @@ class Engine:
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         self.ready = False
+        self.engine_id: str | None = None  # its kv_transfer_config.engine_id, once ready
         self.n = 0
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.log.write(line)
             self.log.flush()
-            if line.startswith(MARK):
-                self.results.put(json.loads(line[len(MARK):]))
+            at = line.find(MARK)
+            if at < 0:
+                continue
+            try:  # a worker's log line may still follow the result before its newline
+                self.results.put(json.JSONDecoder().raw_decode(line, at + len(MARK))[0])
+            except ValueError as e:  # never die: the waiting test fails with the line instead
+                self.results.put({"id": None, "error": f"unparsable result line ({e}): "
+                                                       f"{line[:300]!r}"})
         self.results.put(None)  # the process closed its stdout: it died
 
     def wait_ready(self) -> None:
         if not self.ready:
             r = self._get(START_TIMEOUT, "start")
             assert r.get("id") == "ready", r
-            self.ready = True
+            self.ready, self.engine_id = True, r.get("engine_id")
 
     def _get(self, timeout: float, what: str) -> dict:
         try:
@@ -156,12 +164,21 @@ class Engine:
         return r
 
     def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> dict:
+        return self.collect(self.submit(prompt, max_tokens, params))
+
+    def submit(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> str:
+        """Send one request without waiting (:meth:`collect` its result): a push decode waits
+        for a prefill the test runs meanwhile."""
         self.wait_ready()
         self.n += 1
         rid = f"{self.name}-{self.n}"
         req = {"id": rid, "prompt": prompt, "max_tokens": max_tokens, "params": params}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
+        return rid
+
+    def collect(self, rid: str) -> dict:
+        """The result of request ``rid`` (the one :meth:`submit` sent last)."""
         r = self._get(REQUEST_TIMEOUT, f"request {rid}")
         assert r["id"] == rid, r
         return r
@@ -169,12 +186,19 @@ class Engine:
     def batch(self, reqs: list[dict]) -> list[dict]:
         """Run ``reqs`` (``{"prompt", "max_tokens", "params"}``) together; each result's
         ``seconds`` is when it finished, from the batch's start."""
+        return self.collect_batch(self.submit_batch(reqs))
+
+    def submit_batch(self, reqs: list[dict]) -> str:
+        """Send a :meth:`batch` without waiting (:meth:`collect_batch` its results)."""
         self.wait_ready()
         self.n += 1
         rid = f"{self.name}-{self.n}"
         batch = [dict(r, id=f"{rid}.{i}") for i, r in enumerate(reqs)]
         self.proc.stdin.write(json.dumps({"id": rid, "batch": batch}) + "\n")
         self.proc.stdin.flush()
+        return rid
+
+    def collect_batch(self, rid: str) -> list[dict]:
         r = self._get(REQUEST_TIMEOUT, f"batch {rid}")
         assert r["id"] == rid and r["error"] is None, r
         return r["results"]
@@ -335,7 +359,7 @@ def prompt(seed: int, n: int = 45) -> list[int]:
 
 
 PULL = r"kvplan: pull req=\S+ remote="  # the line a decode worker logs per posted pull
-FAILED = r"kvplan: pull req=\S+ from \S+ failed"  # ... and per pull that failed
+FAILED = r"kvplan: pu(ll|sh) req=\S+ from \S+ failed"  # ... and per pull (or push) that failed
 
 
 def pd(p: Engine, d: Engine, ids: list[int], *, prefill_ids: list[int] | None = None,
@@ -348,6 +372,67 @@ def pd(p: Engine, d: Engine, ids: list[int], *, prefill_ids: list[int] | None = 
     out = d.generate(ids, 16, dict(pre["params"]))
     assert out["error"] is None, f"{out}{tails()}"
     return out
+
+
+PUSH_DONE = r"kvplan: push req=\S+ rank=\d+ written by prefill rank"  # a decode rank written
+PUSH_REGISTERED = r"kvplan: push registration of \S+ req=\S+ key=\S+ at rank"  # prefill got it
+LAYERED = r"kvplan: push req=\S+ to \S+ req=\S+ done layer-wise in"  # a prefill rank wrote
+
+
+def push_params(p: Engine, key: str) -> dict:
+    """A push decode's ``kv_transfer_params``: the prefill engine named, no blocks (as a
+    proxy sends them before the prefill ran)."""
+    return {"do_remote_prefill": True, "transfer_id": key, "remote_engine_id": p.engine_id,
+            "remote_host": "127.0.0.1", "remote_port": p.port, "tp_size": p.tp}
+
+
+def wait_lines(e: Engine, pattern: str, count: int, timeout: float = 60.0) -> list[str]:
+    """Wait until ``e``'s log has ``count`` lines matching ``pattern``; those lines."""
+    deadline = time.monotonic() + timeout
+    while len(lines := e.log_lines(pattern)) < count:
+        assert time.monotonic() < deadline, (f"{e.name}: {len(lines)} of {count} lines "
+                                             f"{pattern!r} after {timeout:g} s{tails()}")
+        time.sleep(0.05)
+    return lines
+
+
+def pd_push(p: Engine, d: Engine, ids: list[int], key: str, *,
+            prefill_ids: list[int] | None = None, mode: str = "push") -> dict:
+    """Push mode (``mode``: ``push`` or ``layerwise``): the decode of ``ids`` on ``d`` first,
+    then, once every rank of ``p`` has its registration, the prefill of ``prefill_ids``
+    (default ``ids``) on ``p``, which writes them; the decode result."""
+    before = len(p.log_lines(PUSH_REGISTERED))
+    rid = d.submit(ids, 16, push_params(p, key))
+    wait_lines(p, PUSH_REGISTERED, before + p.tp)
+    pre = p.generate(prefill_ids or ids, 1,
+                     {"do_remote_decode": True, "transfer_mode": mode, "transfer_id": key})
+    assert pre["error"] is None and pre["params"], f"{pre}{tails()}"
+    assert pre["params"]["transfer_mode"] == mode and \
+        pre["params"]["transfer_id"] == key, pre
+    out = d.collect(rid)
+    assert out["error"] is None, f"{out}{tails()}"
+    return out
+
+
+def push_equals_plain(p: Engine, d: Engine, ids: list[int], what: str, key: str, *,
+                      mode: str = "push") -> list[str]:
+    """The plain run of ``ids`` on ``p``, then a push P -> D: decode's tokens must equal it and
+    every decode rank must have been written (no recompute); layer-wise, every prefill rank
+    must have written it in parts from the forward (not whole after it). The decode's written
+    lines."""
+    plain = p.generate(ids, 16)
+    failed = len(d.log_lines(FAILED))
+    before = len(d.log_lines(PUSH_DONE))
+    layered = len(p.log_lines(LAYERED))
+    check_equal(pd_push(p, d, ids, key, mode=mode), plain, what)
+    assert len(d.log_lines(FAILED)) == failed, f"{what}: a push failed{tails()}"
+    done = d.log_lines(PUSH_DONE)[before:]
+    assert len(done) == d.tp, f"{what}: {len(done)} of {d.tp} decode ranks written{tails()}"
+    if mode == "layerwise":  # each prefill rank wrote it, a part from a layer's hook at least
+        hooked = [int(re.search(r"(\d+) from layer hooks", x).group(1))
+                  for x in wait_lines(p, LAYERED, layered + p.tp, 30)[layered:]]
+        assert min(hooked) >= 1, f"{what}: {hooked} parts from layer hooks{tails()}"
+    return done
 
 
 def check_equal(got: dict, plain: dict, what: str, *, atol: float = 1e-4) -> None:

@@ -43,6 +43,14 @@ step.
   ``get_block_ids_with_load_errors`` (one KV-cache group; with several, the request through
   ``failed_recving``); vLLM's ``kv_load_failure_policy`` then recomputes them or fails the
   request.
+- **Push mode** (``mode``: ``"push"`` or ``"layerwise"``, or a prefill request's
+  ``transfer_mode``; :mod:`kvplan_nixl.pushes`, :mod:`.pushing`): the decode request comes
+  first, naming its prefill engine; the decode registers its blocks with every prefill rank,
+  and the prefill writes the KV into them with its push map (after the request finished, or
+  layer-wise from ``save_kv_layer`` during the forward, state regions from
+  ``wait_for_save``). A decode rank proceeds once every prefill rank that writes it said the
+  write completed; a failed write, a dead prefill or ``push_timeout_s`` plus a grace goes to
+  ``kv_load_failure_policy``.
 - **Stats**: ``get_kv_connector_stats`` (:mod:`kvplan_nixl.vllm_stats`): vLLM's periodic
   "KV Transfer metrics" log line and ``vllm:kvplan_*`` Prometheus metrics.
 
@@ -51,7 +59,8 @@ same on every engine), ``side_channel_host`` (default ``$VLLM_HOST_IP`` or 127.0
 ``side_channel_port`` (base port, default 5700: rank ``r`` of DP rank ``dp`` listens on
 ``base + dp * tp_size + r``), ``transfer_timeout_s`` (default 30), ``handshake_timeout_s``
 (default 5), ``lease_s`` (default 120), ``heartbeat_s`` (default ``lease_s / 3``),
-``nixl_backends`` (default ``["UCX"]``). See docs/vllm.md.
+``nixl_backends`` (default ``["UCX"]``), ``mode`` (``"pull"``, ``"push"`` or ``"layerwise"``;
+default ``"pull"``), ``push_timeout_s`` (default 60). See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -134,8 +143,9 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
         self._scheduler.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """This step's pulls and newly finished prefill sends, for every worker."""
-        return self._scheduler.meta()
+        """This step's pulls, newly finished prefill sends and pushes, and the layer-wise
+        pushes whose prompt this step computes, for every worker."""
+        return self._scheduler.meta(scheduler_output)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -154,6 +164,14 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
         """Derive this rank's spec from the tensors, register them, serve the metadata."""
         self._worker.register(kv_caches, self._kv_cache_config)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take the step's metadata and open its layer-wise pushes: vLLM 0.32 binds it before
+        the forward but calls :meth:`start_load_kv` after it (unless a load is synchronous:
+        ``_get_kv_connector_output`` in ``v1/worker/kv_connector_model_runner_mixin.py``)."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KvplanMetadata) and connector_metadata.layered:
+            self._worker.begin_layers(connector_metadata.layered)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Post this step's pulls (non-blocking)."""
         meta = self._get_connector_metadata()
@@ -165,10 +183,15 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Nothing to save: decode pulls from the prefill's own blocks."""
+        """Layer-wise push: post the writes of ``layer_name``'s region (the forward has just
+        written its KV) for this step's layer-wise requests; nothing otherwise."""
+        self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing to save."""
+        """Layer-wise push: post what no layer hook posted (state regions, after the forward's
+        last update) and close the step's layer-wise writes; they complete in the
+        background, their blocks held until they end."""
+        self._worker.end_layers()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(prefill sends released, decode pulls finished) since the last call."""

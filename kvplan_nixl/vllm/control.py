@@ -54,6 +54,11 @@ class Sends:
                                  "freed now and its decode will recompute", req, e)
                     self.unheld.add(req)
 
+    def release(self, req: str, generation: int) -> None:
+        """End ``req``'s hold under ``generation`` here (its push ended)."""
+        with self.lock:
+            self.holds.release(req, generation)
+
     def finished(self) -> tuple[set[str], dict[str, int]]:
         """Requests whose hold ended since the last call (their blocks may be freed now), and
         the cumulative counters: the table's and ``dropped`` (side channel messages)."""

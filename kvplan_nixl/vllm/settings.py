@@ -9,6 +9,9 @@ from typing import Any
 
 from kvplan_nixl.sidechannel import side_channel_port
 
+#: The values of ``mode`` (and of a prefill request's ``transfer_mode``).
+MODES = ("pull", "push", "layerwise")
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -41,6 +44,18 @@ class Settings:
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number of seconds "
                              f"> 0, got {v!r}")
         return s
+
+    def mode(self) -> str:
+        """``extra["mode"]``: how a prefill hands its KV to a decode by default, ``"pull"``
+        (the decode reads it; the default), ``"push"`` (the prefill writes it into blocks the
+        decode registered, once the request finished) or ``"layerwise"`` (push, each layer
+        written as soon as the forward computed it); a request's
+        ``kv_transfer_params["transfer_mode"]`` overrides it."""
+        v = self.extra.get("mode", "pull")
+        if v not in MODES:
+            raise ValueError(f"kv_connector_extra_config['mode'] must be one of "
+                             f"{', '.join(map(repr, MODES))}, got {v!r}")
+        return v
 
     def backends(self) -> tuple[str, ...]:
         """``extra["nixl_backends"]``: NIXL backends the endpoint creates (a list, or a

@@ -1,10 +1,6 @@
 """The worker half of ``KvplanConnector``, one per TP rank: the endpoint, the side channel
-(metadata and hold control), the progress thread, the pulls.
-
-Each pull is one kvplan plan over every KV-cache group: the prefill's handed lists and the
-decode's own blocks become kvplan lists (:class:`kvplan.adapters.vllm.TransferGroups`: null
-blocks absent, a state group's running slot), ``tokens=(held, end)`` bounds the token
-groups, and state slots move whole.
+(metadata and hold control), the progress thread, and the rank's parts that move requests:
+pulls (:mod:`.pulling`), pushes to wait for and to write (:mod:`.pushing`).
 
 Never serving freed KV (docs/vllm.md, "Holds, CONFIRM and heartbeats"): a prefill rank holds
 each request under the generation its scheduler chose (:class:`kvplan_nixl.holds.Holds`) and
@@ -20,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.logger import init_logger
@@ -32,33 +26,19 @@ import kvplan
 from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, whole_pages
 from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.handshakes import Handshakes
-from kvplan_nixl.holds import Verdict
 from kvplan_nixl.vllm.control import Control, Sends
+from kvplan_nixl.vllm.pulling import Pulls
+from kvplan_nixl.vllm.pushing import Receives, Writes
+from kvplan_nixl.vllm.spans import lacking
 from kvplan_nixl.vllm_stats import KvplanStats
 
 if TYPE_CHECKING:
+    from kvplan_nixl.pushes import PushSend
     from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load
     from kvplan_nixl.vllm.settings import Settings
 
 # a child of vLLM's logger, so that its handlers and level apply
 logger = init_logger("vllm.kvplan_nixl")
-
-
-@dataclass
-class Pull:
-    """One request's pull on this decode rank, from posting until it is reported."""
-
-    load: Load
-    t: Any  # kvplan_nixl.Transfer
-    counts: list[int]  # decode ranks reading each prefill rank (CONFIRM's readers)
-    peers: tuple[int, ...]  # the prefill ranks this rank reads
-    post_s: float
-    runs: int
-    descriptors: int
-    next_beat: float
-    confirming: bool = False
-    seen_done: float = 0.0  # monotonic time the read was seen complete (the CONFIRM's start)
-    beating: bool = False  # a heartbeat job is running (never two at once)
 
 
 class Worker:
@@ -86,11 +66,14 @@ class Worker:
         self.sends: Sends | None = None  # prefill: the holds and the side channel
         self.stop = threading.Event()
         self.hs: Handshakes | None = None
+        self.receives: Receives | None = None  # decode: pushes to wait for
+        self.writes: Writes | None = None  # prefill: pushes to write
+        self.cuda = False  # the KV caches are CUDA tensors (register)
         # RENEW / CONFIRM / RELEASE: each bounded by handshake_timeout_s, never on the step
         self.ctl = Control(self.secret, self.hs_timeout)
         self.engines: dict[str, tuple[Any, list[int]]] = {}  # prefill engine -> map, counts
         self.waiting: dict[str, tuple[Load, float]] = {}  # handshake pending -> deadline
-        self.inflight: dict[str, Pull] = {}
+        self.pulls = Pulls(self)
         self.recv_done: set[str] = set()
         self.recv_failed: set[str] = set()
         self.errors: set[int] = set()
@@ -115,7 +98,8 @@ class Worker:
         self.whole = whole_pages(backend)
         bufs: dict[str, Any] = dict(vllm_buffers(kv_caches, spec, self.rank))
         first = next(iter(kv_caches.values()))
-        if first.device.type == "cuda":  # NIXL needs the device: flat views of the buffers
+        self.cuda = first.device.type == "cuda"
+        if self.cuda:  # NIXL needs the device: flat views of the buffers
             bufs = {k: _flat(kv_caches, a, n) for k, (a, n) in bufs.items()}
         self.ep = Endpoint(self.c.engine_id, spec, self.rank, bufs, secret=self.secret,
                            backends=self.backends)
@@ -136,6 +120,7 @@ class Worker:
                     self.c.host, port, self.c.port, self.c.dp_rank)
         self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
                              workers=2, retry_after_s=min(5.0, self.lease))
+        self.receives, self.writes = Receives(self), Writes(self)
         threading.Thread(target=self._progress_loop, daemon=True,
                          name="kvplan-progress").start()
 
@@ -152,51 +137,66 @@ class Worker:
                     logger.exception("kvplan: progress failed")
 
     def _progress(self) -> None:
-        # reads carry no notification any more; drained so that a stray one cannot pile up
-        # (the envelope counts forged ones: num_side_channel_dropped)
-        self.ep.notifications()
         now = time.monotonic()
+        # push mode's words (the envelope drops forged ones: num_side_channel_dropped); any
+        # other is drained so that a stray one cannot pile up
+        for n in self.ep.notifications():
+            if not self.writes.notice(n, now) and not self.receives.notice(n, now):
+                logger.debug("kvplan: ignored a notification from %s rank %d", n.engine,
+                             n.rank)
+        self.writes.progress(now)
+        self.receives.progress(now)
         if self.waiting:
             self._poll_waiting(now)
-        for req_id, p in list(self.inflight.items()):
-            if p.confirming:
-                continue
-            p.t.poll()
-            if not p.t.done:
-                if now >= p.next_beat and not p.beating:
-                    p.next_beat, p.beating = now + self.heartbeat, True
-                    self.ctl.submit(self._renew, p)
-                continue
-            if p.t.ok:  # the read completed: reported only once every rank read confirms
-                p.confirming, p.seen_done = True, now
-                self.ctl.submit(self._confirm, p)
-            else:
-                del self.inflight[req_id]
-                self.stats.record("num_failed_transfers")
-                # the prefill may have died or restarted: the next request handshakes again
-                # (connecting a live peer again is a no-op) instead of reading a dead one
-                self.hs.forget(p.load.engine)
-                self.engines.pop(p.load.engine, None)
-                self._fail(p.load, str(p.t.error()), p.peers)
+        self.pulls.progress(now)
+
+    # -- prefill: layer-wise pushes, from the forward ----------------------------------------
+
+    def begin_layers(self, layered: list[PushSend]) -> None:
+        """Before the forward: open the layer-wise pushes of the requests it computes."""
+        if self.writes is not None:
+            with self.lock:
+                self.writes.begin(layered, time.monotonic())
+
+    def save_layer(self, name: str) -> None:
+        """The forward wrote layer ``name``'s KV: post its writes (layer-wise pushes)."""
+        if self.writes is None or not self.writes.open:
+            return
+        if self.cuda:  # the kernels that wrote it may still run: NIXL must read what they wrote
+            torch.cuda.current_stream().synchronize()
+        with self.lock:
+            self.writes.save_layer(name)
+
+    def end_layers(self) -> None:
+        """The forward is over: post what is left of this step's layer-wise pushes."""
+        if self.writes is None or not self.writes.open:
+            return
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+        with self.lock:
+            self.writes.end_layers(time.monotonic())
 
     # -- decode: handshakes and pulls --------------------------------------------------------
 
     def start(self, meta: KvplanMetadata) -> None:
         if meta.sends and self.sends is not None:
             self.sends.hold(meta.sends)
+        if meta.pushes and self.writes is not None:
+            with self.lock:
+                self.writes.add(meta.pushes, time.monotonic())
         if not meta.loads:
             return
         with self.lock:
             now = time.monotonic()
             for load in meta.loads:
                 if not load.local_ids:  # nothing to read: just let the prefill free its blocks
-                    if self.rank == 0:
+                    if self.rank == 0 and not load.push:  # (a push's: its lease frees them)
                         self.ctl.release(load, range(load.remote_tp))
                     continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
                     self.hs.start(load.engine, _address(load))
                 except Exception as e:
-                    self._fail(load, f"{type(e).__name__}: {e}")
+                    self.fail(load, f"{type(e).__name__}: {e}")
                     continue
                 # bounded: a handshake takes at most a few handshake_timeout_s per rank
                 self.waiting[load.req_id] = (load, now + self.timeout)
@@ -206,7 +206,9 @@ class Worker:
         """Handshakes' ``connect`` (under self.lock): connect one prefill rank; the ranks this
         rank's pull map reads, once the first rank's spec is in."""
         self.ep.connect(blob, mode="pull")
-        return tuple(self.ep.map(engine).peers)
+        tmap = self.ep.map(engine)
+        # rank 0 connects every prefill rank: a push registration goes to each of them
+        return tuple(range(tmap.src.tp_size)) if self.rank == 0 else tuple(tmap.peers)
 
     def _poll_waiting(self, now: float) -> None:
         for req_id, (load, deadline) in list(self.waiting.items()):
@@ -217,41 +219,25 @@ class Worker:
                 if now > deadline:
                     del self.waiting[req_id]
                     self.stats.record("num_failed_handshakes")
-                    self._fail(load, f"handshake with {load.engine} at {load.host}:"
+                    self.fail(load, f"handshake with {load.engine} at {load.host}:"
                                      f"{load.port} not done within {self.timeout:g} s")
                 continue
             del self.waiting[req_id]
             if st.failed:
                 self.stats.record("num_failed_handshakes")
-                self._fail(load, f"handshake failed: {st.reason}")
+                self.fail(load, f"handshake failed: {st.reason}")
                 continue
             try:
                 self._post(load)
             except Exception as e:  # a refused pair, bad params
-                self._fail(load, f"{type(e).__name__}: {e}")
+                self.fail(load, f"{type(e).__name__}: {e}")
 
     def _post(self, load: Load) -> None:
         tmap, counts = self._engine(load.engine)
-        src = self.groups.remote(load.remote_ids, load.remote_first)
-        dst = self.groups.local(load.local_ids)
-        start, end = _span(self.groups, self.whole, load, src, dst)
-        plan = tmap.plan(src, dst, tokens=(start, end))
-        t0 = time.perf_counter()
-        t = self.ep.read(plan, load.engine, timeout=self.timeout)
-        post_s = time.perf_counter() - t0
-        written = _lacking(self.groups, dst, start, end)
-        blocks = max((len(w) for w, k in zip(written, self.groups.kinds) if k != "state"),
-                     default=0)
-        logger.info("kvplan: pull req=%s remote=%s rank=%d blocks=%d tokens=[%d,%d) bytes=%d "
-                    "runs=%d peers=%s prompt=%d groups=%s", load.req_id, load.remote_req,
-                    self.rank, blocks, start, end, plan.nbytes, len(plan), list(tmap.peers),
-                    load.end, "+".join(self.groups.kinds))
-        if self.rank == 0 and 0 in counts:  # prefill ranks nobody reads: release them now
-            self.ctl.release(load, [p for p, n in enumerate(counts) if n == 0])
-        # a pull shorter than heartbeat_s (the usual one) sends no RENEW at all
-        self.inflight[load.req_id] = Pull(load, t, counts, tuple(tmap.peers), post_s,
-                                          len(plan), sum(t.runs().values()),
-                                          time.monotonic() + self.heartbeat)
+        if load.push:  # the prefill writes: register and wait
+            self.receives.register(load, tmap, time.monotonic())
+            return
+        self.pulls.post(load, tmap, counts)
 
     def _engine(self, engine: str) -> tuple[Any, list[int]]:
         """The pull map of a connected prefill engine, and how many decode ranks read each of
@@ -261,53 +247,20 @@ class Worker:
             self.engines[engine] = (tmap, _readers(tmap, engine, self.whole))
         return self.engines[engine]
 
-    # -- decode: control messages, on self.ctl's threads --------------------------------------
-
-    def _renew(self, p: Pull) -> None:
-        try:
-            for r in p.peers:
-                v = self.ctl.send(p.load, r, "RENEW")
-                if v is not Verdict.YES:  # the CONFIRM will say; logged to explain it early
-                    logger.warning("kvplan: heartbeat of req=%s to prefill rank %d: %s",
-                                   p.load.req_id, r, getattr(v, "value", v))
-        finally:
-            p.beating = False
-
-    def _confirm(self, p: Pull) -> None:
-        try:
-            answers = {r: self.ctl.send(p.load, r, "CONFIRM", p.counts[r]) for r in p.peers}
-            refused = {r: getattr(v, "value", v) for r, v in answers.items()
-                       if v is not Verdict.YES}
-        except Exception as e:  # never leave the pull unreported: not confirmed
-            refused = {"?": f"{type(e).__name__}: {e}"}
-        with self.lock:
-            if self.inflight.pop(p.load.req_id, None) is None or self.ep is None \
-                    or self.ep.closed:
-                return
-            if not refused:
-                self.recv_done.add(p.load.req_id)
-                self.stats.record_transfer(p.t.seconds or 0.0, p.post_s, p.t.plan.nbytes,
-                                           p.runs, p.descriptors)
-                logger.info("kvplan: pull req=%s done in %.4f s, confirmed by prefill "
-                            "rank(s) %s in %.4f s", p.load.req_id, p.t.seconds or 0.0,
-                            list(p.peers), time.monotonic() - p.seen_done)
-                return
-            self.stats.record("num_failed_transfers")
-            self._fail(p.load, f"not confirmed by prefill rank(s) {refused}: the prefill "
-                               "may no longer hold the blocks read (its lease ran out or the "
-                               "request was released), so the KV read is not used", p.peers)
-
-    def _fail(self, load: Load, why: str, peers: tuple[int, ...] = ()) -> None:
-        logger.error("kvplan: pull req=%s from %s failed (%s); its blocks go to vLLM's "
-                     "kv_load_failure_policy", load.req_id, load.engine, why)
-        # end the holds: rank 0 for every prefill rank, the others for those they read
-        self.ctl.release(load, range(load.remote_tp) if self.rank == 0 else peers)
+    def fail(self, load: Load, why: str, peers: tuple[int, ...] = ()) -> None:
+        logger.error("kvplan: %s req=%s from %s failed (%s); its blocks go to vLLM's "
+                     "kv_load_failure_policy", "push" if load.push else "pull", load.req_id,
+                     load.engine, why)
+        # end the holds: rank 0 for every prefill rank, the others for those they read (a
+        # push's holds end when its write ends, or at their lease)
+        if not load.push:
+            self.ctl.release(load, range(load.remote_tp) if self.rank == 0 else peers)
         if not load.parked:
             return
         self.recv_done.add(load.req_id)
         if len(self.groups.kinds) == 1:
             dst = self.groups.local(load.local_ids)
-            self.errors.update(int(b) for b in _lacking(self.groups, dst, load.start,
+            self.errors.update(int(b) for b in lacking(self.groups, dst, load.start,
                                                          load.end)[0])
         else:  # block ids are per group: vLLM wants the request instead
             self.recv_failed.add(load.req_id)
@@ -351,6 +304,8 @@ class Worker:
         # outside self.lock: their jobs take it to report
         if self.hs is not None:
             self.hs.close()
+        if self.writes is not None:
+            self.writes.close()
         self.ctl.close()
         if self.sends is not None:
             self.sends.close()
@@ -358,20 +313,6 @@ class Worker:
             if self.ep is not None:
                 with contextlib.suppress(Exception):
                     self.ep.close()
-
-
-def _span(groups: TransferGroups, whole: bool, load: Load, src: list[np.ndarray],
-          dst: list[np.ndarray]) -> tuple[int, int]:
-    """The positions to copy: ``[held, end)``, rounded out to whole blocks of the token groups
-    where the backend's pages move only whole (what the prefill left past the prompt in the
-    last block is overwritten as decode generates)."""
-    start, end = load.start, load.end
-    token = [g for g, k in enumerate(groups.kinds) if k != "state"]
-    if not whole or not token:
-        return start, end
-    bs = groups.block_sizes[token[0]]
-    cover = min(min(len(src[g]), len(dst[g])) * groups.block_sizes[g] for g in token)
-    return start // bs * bs, max(start // bs * bs, min(-(-end // bs) * bs, cover))
 
 
 def _readers(tmap: Any, engine: str, whole: bool) -> list[int]:
@@ -393,21 +334,6 @@ def _readers(tmap: Any, engine: str, whole: bool) -> list[int]:
 def _address(load: Load) -> Any:
     """Handshakes' ``address`` for ``load``'s prefill engine: rank r's host, port, identity."""
     return lambda r: (load.host, load.port + r, sc.server_identity(load.engine, r))
-
-
-def _lacking(groups: TransferGroups, dst: list[np.ndarray], start: int,
-             end: int) -> list[np.ndarray]:
-    """Per group, the destination blocks the pull writes: those holding positions
-    ``[start, end)`` (the slot of a state group), absent ones left out."""
-    out = []
-    for g, ids in enumerate(dst):
-        if groups.kinds[g] == "state":
-            out.append(ids)
-            continue
-        bs = groups.block_sizes[g]
-        part = ids[start // bs: -(-end // bs)]
-        out.append(part[part != kvplan.ABSENT])
-    return out
 
 
 #: Backends of state layers (Mamba, GDN, ...): they keep no attention pages.

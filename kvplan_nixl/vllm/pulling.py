@@ -1,0 +1,138 @@
+"""Pull mode of ``KvplanConnector`` on one decode rank: post a request's read, renew the
+prefill's holds while it is in flight, confirm it before it is reported (docs/vllm.md, "Never
+serving freed KV").
+
+Each pull is one kvplan plan over every KV-cache group: the prefill's handed lists and the
+decode's own blocks become kvplan lists (:class:`kvplan.adapters.vllm.TransferGroups`: null
+blocks absent, a state group's running slot), ``tokens=(held, end)`` bounds the token
+groups, and state slots move whole. A read that completed is reported only once every
+prefill rank it read answered its CONFIRM yes; RENEW and CONFIRM run on the rank's
+:class:`kvplan_nixl.vllm.control.Control` pool, never on the engine step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from kvplan_nixl.holds import Verdict
+from kvplan_nixl.vllm.spans import lacking, span
+
+if TYPE_CHECKING:
+    from kvplan_nixl.vllm.rank import Rank
+    from kvplan_nixl.vllm.scheduler import Load
+
+logger = init_logger("vllm.kvplan_nixl")
+
+
+@dataclass
+class Pull:
+    """One request's pull on this decode rank, from posting until it is reported."""
+
+    load: Load
+    t: Any  # kvplan_nixl.Transfer
+    counts: list[int]  # decode ranks reading each prefill rank (CONFIRM's readers)
+    peers: tuple[int, ...]  # the prefill ranks this rank reads
+    post_s: float
+    runs: int
+    descriptors: int
+    next_beat: float
+    confirming: bool = False
+    seen_done: float = 0.0  # monotonic time the read was seen complete (the CONFIRM's start)
+    beating: bool = False  # a heartbeat job is running (never two at once)
+
+
+class Pulls:
+    """A decode rank's pulls in flight (see the module docstring)."""
+
+    def __init__(self, rank: Rank) -> None:
+        self.w = rank
+        self.inflight: dict[str, Pull] = {}
+
+    def post(self, load: Load, tmap: Any, counts: list[int]) -> None:
+        """Plan ``load`` with the pull map ``tmap`` of its connected prefill and post it."""
+        w = self.w
+        src = w.groups.remote(load.remote_ids, load.remote_first)
+        dst = w.groups.local(load.local_ids)
+        start, end = span(w.groups, w.whole, load.start, load.end, src, dst)
+        plan = tmap.plan(src, dst, tokens=(start, end))
+        t0 = time.perf_counter()
+        t = w.ep.read(plan, load.engine, timeout=w.timeout)
+        post_s = time.perf_counter() - t0
+        written = lacking(w.groups, dst, start, end)
+        blocks = max((len(x) for x, k in zip(written, w.groups.kinds) if k != "state"),
+                     default=0)
+        logger.info("kvplan: pull req=%s remote=%s rank=%d blocks=%d tokens=[%d,%d) bytes=%d "
+                    "runs=%d peers=%s prompt=%d groups=%s", load.req_id, load.remote_req,
+                    w.rank, blocks, start, end, plan.nbytes, len(plan), list(tmap.peers),
+                    load.end, "+".join(w.groups.kinds))
+        if w.rank == 0 and 0 in counts:  # prefill ranks nobody reads: release them now
+            w.ctl.release(load, [p for p, n in enumerate(counts) if n == 0])
+        # a pull shorter than heartbeat_s (the usual one) sends no RENEW at all
+        self.inflight[load.req_id] = Pull(load, t, counts, tuple(tmap.peers), post_s,
+                                          len(plan), sum(t.runs().values()),
+                                          time.monotonic() + w.heartbeat)
+
+    def progress(self, now: float) -> None:
+        """Poll the reads in flight: heartbeats while pending, CONFIRM once complete."""
+        w = self.w
+        for req_id, p in list(self.inflight.items()):
+            if p.confirming:
+                continue
+            p.t.poll()
+            if not p.t.done:
+                if now >= p.next_beat and not p.beating:
+                    p.next_beat, p.beating = now + w.heartbeat, True
+                    w.ctl.submit(self._renew, p)
+                continue
+            if p.t.ok:  # the read completed: reported only once every rank read confirms
+                p.confirming, p.seen_done = True, now
+                w.ctl.submit(self._confirm, p)
+            else:
+                del self.inflight[req_id]
+                w.stats.record("num_failed_transfers")
+                # the prefill may have died or restarted: the next request handshakes again
+                # (connecting a live peer again is a no-op) instead of reading a dead one
+                w.hs.forget(p.load.engine)
+                w.engines.pop(p.load.engine, None)
+                w.fail(p.load, str(p.t.error()), p.peers)
+
+    # -- control messages, on the rank's Control pool ----------------------------------------
+
+    def _renew(self, p: Pull) -> None:
+        try:
+            for r in p.peers:
+                v = self.w.ctl.send(p.load, r, "RENEW")
+                if v is not Verdict.YES:  # the CONFIRM will say; logged to explain it early
+                    logger.warning("kvplan: heartbeat of req=%s to prefill rank %d: %s",
+                                   p.load.req_id, r, getattr(v, "value", v))
+        finally:
+            p.beating = False
+
+    def _confirm(self, p: Pull) -> None:
+        w = self.w
+        try:
+            answers = {r: w.ctl.send(p.load, r, "CONFIRM", p.counts[r]) for r in p.peers}
+            refused = {r: getattr(v, "value", v) for r, v in answers.items()
+                       if v is not Verdict.YES}
+        except Exception as e:  # never leave the pull unreported: not confirmed
+            refused = {"?": f"{type(e).__name__}: {e}"}
+        with w.lock:
+            if self.inflight.pop(p.load.req_id, None) is None or w.ep is None \
+                    or w.ep.closed:
+                return
+            if not refused:
+                w.recv_done.add(p.load.req_id)
+                w.stats.record_transfer(p.t.seconds or 0.0, p.post_s, p.t.plan.nbytes,
+                                        p.runs, p.descriptors)
+                logger.info("kvplan: pull req=%s done in %.4f s, confirmed by prefill "
+                            "rank(s) %s in %.4f s", p.load.req_id, p.t.seconds or 0.0,
+                            list(p.peers), time.monotonic() - p.seen_done)
+                return
+            w.stats.record("num_failed_transfers")
+            w.fail(p.load, f"not confirmed by prefill rank(s) {refused}: the prefill "
+                           "may no longer hold the blocks read (its lease ran out or the "
+                           "request was released), so the KV read is not used", p.peers)

@@ -1,0 +1,45 @@
+"""What one worker rank of ``KvplanConnector`` offers the parts that move its requests
+(:mod:`.pulling`, :mod:`.pushing`): :class:`Rank`, the attributes they read and the one
+method they call, as a typing protocol.
+
+The worker (:class:`kvplan_nixl.vllm.worker.Worker`) has them; the parts name this protocol
+instead of the worker, so the worker imports its parts and no part imports the worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kvplan.adapters.vllm import TransferGroups
+    from kvplan_nixl.handshakes import Handshakes
+    from kvplan_nixl.vllm.control import Control, Sends
+    from kvplan_nixl.vllm.scheduler import Load
+    from kvplan_nixl.vllm.settings import Settings
+    from kvplan_nixl.vllm_stats import KvplanStats
+
+
+class Rank(Protocol):
+    """One TP rank's state that its pulls and pushes share (under ``lock``)."""
+
+    c: Settings
+    rank: int
+    lock: threading.Lock  # held for every Endpoint call
+    ep: Any  # kvplan_nixl.Endpoint
+    groups: TransferGroups
+    whole: bool  # the backend moves whole pages only
+    timeout: float  # transfer_timeout_s
+    hs_timeout: float  # handshake_timeout_s
+    lease: float  # lease_s
+    heartbeat: float  # heartbeat_s
+    stats: KvplanStats
+    sends: Sends | None
+    ctl: Control
+    hs: Handshakes | None
+    engines: dict[str, tuple[Any, list[int]]]  # prefill engine -> pull map, readers per rank
+    recv_done: set[str]  # decode requests whose KV is loaded (or failed), to report
+
+    def fail(self, load: Load, why: str, peers: tuple[int, ...] = ()) -> None:
+        """``load`` failed: end its holds, hand its blocks to vLLM's failure policy."""
+        ...
