@@ -137,9 +137,10 @@ def run_modes(pool: Pool, lengths: list[int], concurrency: list[int],
     **client TTFT**: from the first leg's submission to the decode's first token. Pull: the
     prefill leg, then (its params back) the decode leg. Push and layer-wise: the decode leg,
     then (once every prefill rank has its registration: the order the flow needs, its wait
-    counted) the prefill leg. **handover**: client TTFT minus the same prompt's TTFT on the
-    prefill engine alone (the plain run): what disaggregation cost beyond computing the
-    prompt once.
+    counted) the prefill leg. **handover**: client TTFT minus the TTFT of a fresh prompt as
+    long on the prefill engine alone, in the same round: what disaggregation cost beyond
+    computing the prompt once. The reference tokens are the prefill engine's own run of each
+    prompt after the legs (from its KV, in its prefix cache by then).
     """
     p, d = pool.only(*MODE_ENGINES)
     warm = prompt(9998, 64)  # connect both ways first: a handshake is not measured
@@ -156,11 +157,15 @@ def run_modes(pool: Pool, lengths: list[int], concurrency: list[int],
 
 
 def _mode_row(p, d, mode: str, n: int, c: int, requests: int) -> dict:
-    ttft, handover, wrong, layered = [], [], 0, len(p.log_lines(LAYERED))
+    ttft, handover, leg, base_ttft = [], [], [], []
+    wrong, layered = 0, len(p.log_lines(LAYERED))
     for r in range(max(1, requests // c)):
-        seeds = [200_000 * n + 1000 * c + 10 * r + i for i in range(c)]
-        ids = [prompt(x + MODES.index(mode) * 7919, n) for x in seeds]  # new prompts per mode
-        plain = p.batch([{"prompt": x, "max_tokens": DECODE_TOKENS} for x in ids])
+        seeds = [200_000 * n + 1000 * c + 10 * r + i + MODES.index(mode) * 7919
+                 for i in range(c)]
+        ids = [prompt(x, n) for x in seeds]  # new prompts per round and mode
+        # the compute alone: as many fresh prompts as long on the prefill engine (the legs'
+        # own prompts must not be in its prefix cache before the prefill leg)
+        base = p.batch([{"prompt": prompt(x + 3_000_000, n), "max_tokens": 1} for x in seeds])
         keys = [f"bench-{mode}-{n}-{c}-{r}-{i}" for i in range(c)]
         if mode == "pull":
             t0 = time.perf_counter()
@@ -175,17 +180,22 @@ def _mode_row(p, d, mode: str, n: int, c: int, requests: int) -> dict:
                                    "params": push_params(p, k)} for x, k in zip(ids, keys)])
             while _count_after(p, at, PUSH_REGISTERED) < c * p.tp:
                 time.sleep(0.002)
-            p.batch([{"prompt": x, "max_tokens": 1, "params": {
+            pre = p.batch([{"prompt": x, "max_tokens": 1, "params": {
                 "do_remote_decode": True, "transfer_mode": mode, "transfer_id": k}}
                 for x, k in zip(ids, keys)])
             dec, waited = d.collect_batch(rid), 0.0
-        for a, want in zip(dec, plain):
+        # the reference tokens: the prefill engine continuing from its own KV of the prompts
+        plain = p.batch([{"prompt": x, "max_tokens": DECODE_TOKENS} for x in ids])
+        for a, b, q, want in zip(dec, base, pre, plain):
+            leg.append(q["first"])
+            base_ttft.append(b["first"])
             ttft.append(waited + a["first"])
-            handover.append(waited + a["first"] - want["first"])
+            handover.append(waited + a["first"] - b["first"])
             wrong += a["tokens"] != want["tokens"]
     return {"mode": mode, "tokens": n, "concurrency": c, "requests": len(ttft), "wrong": wrong,
             "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
             "handover_p50": pct(handover, 0.5), "handover_p90": pct(handover, 0.9),
+            "compute_p50": pct(base_ttft, 0.5), "prefill_leg_p50": pct(leg, 0.5),
             "layered": len(p.log_lines(LAYERED)) - layered}
 
 
@@ -201,6 +211,8 @@ def _mode_line(r: dict) -> str:
     return (f"{r['mode']:>9} {r['tokens']:>4} tok c={r['concurrency']} n={r['requests']:>2}"
             f"  client TTFT p50 {r['ttft_p50'] * ms:6.1f} p90 {r['ttft_p90'] * ms:6.1f} ms"
             f"  handover p50 {r['handover_p50'] * ms:6.1f} p90 {r['handover_p90'] * ms:6.1f} ms"
+            f"  (compute p50 {r['compute_p50'] * ms:6.1f}, prefill leg p50"
+            f" {r['prefill_leg_p50'] * ms:6.1f} ms)"
             f"  layer-wise {r['layered']}/{r['requests']}  wrong={r['wrong']}")
 
 
