@@ -73,8 +73,14 @@ class Receives:
         self.waiting: dict[str, Receive] = {}
         self.early: dict[str, dict[int, tuple[bool, dict[str, Any]]]] = {}
 
-    def register(self, load: Load, tmap: Any, now: float) -> None:
-        """``load``'s prefill is connected: register (rank 0) and wait for its writers."""
+    def register(self, load: Load, tmap: Any, now: float, connect_by: float) -> None:
+        """``load``'s prefill is connected: register (rank 0) and wait for its writers.
+
+        Rank 0 sent the registration now, so it may give up ``ttl + grace`` from now. Another
+        rank does not know when rank 0 sent it (its own handshake may have been slower), only
+        that it was by ``connect_by`` (the handshake deadline every rank's load shares): it
+        waits until ``ttl + grace`` after that, so that no rank frees blocks a write may
+        still reach."""
         w = self.w
         if not load.key:
             raise ValueError("the request's transfer key is empty or too long: set "
@@ -86,7 +92,8 @@ class Receives:
                                start=load.start, end=load.end, ttl=self.ttl,
                                sent=time.time())
             w.ep.notify(load.engine, range(load.remote_tp), reg.encode())
-        r = Receive(load, frozenset(tmap.peers), now + self.ttl + self.grace, now)
+        sent_by = now if w.rank == 0 else max(now, connect_by)
+        r = Receive(load, frozenset(tmap.peers), sent_by + self.ttl + self.grace, now)
         self.waiting[load.req_id] = r
         logger.info("kvplan: push req=%s key=%s rank=%d waits for prefill rank(s) %s of %s "
                     "(tokens [%d,%d))", load.req_id, load.key, w.rank, sorted(r.expect),

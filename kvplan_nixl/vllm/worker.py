@@ -228,14 +228,16 @@ class Worker:
                 self.fail(load, f"handshake failed: {st.reason}")
                 continue
             try:
-                self._post(load)
+                self._post(load, deadline)
             except Exception as e:  # a refused pair, bad params
                 self.fail(load, f"{type(e).__name__}: {e}")
 
-    def _post(self, load: Load) -> None:
+    def _post(self, load: Load, connect_by: float) -> None:
+        """Start ``load`` (its prefill connected): pull it, or register its push and wait.
+        ``connect_by``: the latest its handshake could have completed on any rank."""
         tmap, counts = self._engine(load.engine)
         if load.push:  # the prefill writes: register and wait
-            self.receives.register(load, tmap, time.monotonic())
+            self.receives.register(load, tmap, time.monotonic(), connect_by)
             return
         self.pulls.post(load, tmap, counts)
 
