@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -178,7 +177,7 @@ def _mode_row(p, d, mode: str, n: int, c: int, requests: int) -> dict:
             at = p.log_path.stat().st_size  # read only what comes after: the log grows
             rid = d.submit_batch([{"prompt": x, "max_tokens": DECODE_TOKENS,
                                    "params": push_params(p, k)} for x, k in zip(ids, keys)])
-            while _count_after(p, at, PUSH_REGISTERED) < c * p.tp:
+            while len(p.log_lines(PUSH_REGISTERED, since=at)) < c * p.tp:
                 time.sleep(0.002)
             pre = p.batch([{"prompt": x, "max_tokens": 1, "params": {
                 "do_remote_decode": True, "transfer_mode": mode, "transfer_id": k}}
@@ -199,13 +198,6 @@ def _mode_row(p, d, mode: str, n: int, c: int, requests: int) -> dict:
             "layered": len(p.log_lines(LAYERED)) - layered}
 
 
-def _count_after(engine, offset: int, pattern: str) -> int:
-    """Lines matching ``pattern`` in ``engine``'s log past byte ``offset``."""
-    with open(engine.log_path, "rb") as f:
-        f.seek(offset)
-        return len(re.findall(pattern.encode(), f.read()))
-
-
 def _mode_line(r: dict) -> str:
     ms = 1e3
     return (f"{r['mode']:>9} {r['tokens']:>4} tok c={r['concurrency']} n={r['requests']:>2}"
@@ -214,15 +206,6 @@ def _mode_line(r: dict) -> str:
             f"  (compute p50 {r['compute_p50'] * ms:6.1f}, prefill leg p50"
             f" {r['prefill_leg_p50'] * ms:6.1f} ms)"
             f"  layer-wise {r['layered']}/{r['requests']}  wrong={r['wrong']}")
-
-
-def mode_ratios(rows: list[dict]) -> list[dict]:
-    """Push and layer-wise push / pull, for every length and concurrency."""
-    ref = {(r["tokens"], r["concurrency"]): r for r in rows if r["mode"] == "pull"}
-    return [{"mode": r["mode"], "tokens": r["tokens"], "concurrency": r["concurrency"],
-             **{k: r[k] / ref[(r["tokens"], r["concurrency"])][k]
-                for k in ("ttft_p50", "ttft_p90", "handover_p50", "handover_p90")}}
-            for r in rows if r["mode"] != "pull"]
 
 
 def _line(r: dict) -> str:
@@ -236,19 +219,32 @@ def _line(r: dict) -> str:
             f"  pulls={r['pulls']} wrong={r['wrong']}")
 
 
-def ratios(rows: list[dict]) -> list[dict]:
-    """KvplanConnector / NixlConnector for every length and concurrency."""
-    ref = {(r["tokens"], r["concurrency"]): r for r in rows if r["connector"] == "nixl"}
+#: the quantities a ratio row compares
+RATIO_KEYS = ("ttft_p50", "ttft_p90", "handover_p50", "handover_p90")
+
+
+def ratios(rows: list[dict], by: str, base: str, keys: tuple[str, ...] = RATIO_KEYS
+           ) -> list[dict]:
+    """Each row's ``keys`` over those of the row of ``rows`` with ``row[by] == base`` and the
+    same length and concurrency (KvplanConnector / NixlConnector; push / pull)."""
+    ref = {(r["tokens"], r["concurrency"]): r for r in rows if r[by] == base}
     out = []
     for r in rows:
         b = ref.get((r["tokens"], r["concurrency"]))
-        if r["connector"] != "kvplan" or b is None:
+        if r[by] == base or b is None:
             continue
-        out.append({"tokens": r["tokens"], "concurrency": r["concurrency"], **{
-            k: r[k] / b[k] if b[k] else float("nan")
-            for k in ("ttft_p50", "ttft_p90", "handover_p50", "handover_p90", "pull_s",
-                      "post_s", "bytes", "descriptors")}})
+        out.append({by: r[by], "tokens": r["tokens"], "concurrency": r["concurrency"],
+                    **{k: r[k] / b[k] if b[k] else float("nan") for k in keys}})
     return out
+
+
+def _print_ratios(title: str, rs: list[dict], by: str) -> None:
+    if rs:
+        print(f"\n{title}")
+    for r in rs:
+        print(f"  {r[by]:>9} {r['tokens']:>4} tok c={r['concurrency']}: "
+              + "  ".join(f"{k} {v:.2f}" for k, v in r.items()
+                          if k not in (by, "tokens", "concurrency")))
 
 
 def main() -> int:
@@ -284,19 +280,13 @@ def main() -> int:
                 if args.modes else []
         finally:
             pool.close()
-    print("\nKvplanConnector / NixlConnector (<= 1.0: kvplan as fast or faster)")
-    rs = ratios(rows)
-    for r in rs:
-        print(f"  {r['tokens']:>4} tok c={r['concurrency']}: "
-              + "  ".join(f"{k} {v:.2f}" for k, v in r.items()
-                          if k not in ("tokens", "concurrency")))
-    mrs = mode_ratios(mrows)
-    if mrs:
-        print("\nKvplanConnector push and layer-wise push / its pull (< 1.0: faster than pull)")
-    for r in mrs:
-        print(f"  {r['mode']:>9} {r['tokens']:>4} tok c={r['concurrency']}: "
-              + "  ".join(f"{k} {v:.2f}" for k, v in r.items()
-                          if k not in ("mode", "tokens", "concurrency")))
+    rs = ratios(rows, "connector", "nixl",
+                (*RATIO_KEYS, "pull_s", "post_s", "bytes", "descriptors"))
+    _print_ratios("KvplanConnector / NixlConnector (<= 1.0: kvplan as fast or faster)", rs,
+                  "connector")
+    mrs = ratios(mrows, "mode", "pull")
+    _print_ratios("KvplanConnector push and layer-wise push / its pull (< 1.0: faster than "
+                  "pull)", mrs, "mode")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "ratios": rs, "mode_rows": mrows,
                                          "mode_ratios": mrs}, indent=1))

@@ -91,16 +91,20 @@ def make_handler(prefill: str, decode: str, timeout: float,
                 return self._push(raw)
             try:
                 body = json.loads(raw)
-                pre = urllib.request.Request(
-                    prefill + self.path, data=json.dumps(prefill_request(body)).encode(),
-                    headers={"Content-Type": "application/json"}, method="POST")
-                with urllib.request.urlopen(pre, timeout=timeout) as r:
-                    params = json.loads(r.read()).get("kv_transfer_params")
+                params = self._prefill(prefill_request(body)).get("kv_transfer_params")
             except (OSError, ValueError) as e:
                 return self._error(502, f"prefill {prefill} failed: {e}")
             # no params (the prefill did not keep the KV): decode computes the prompt itself
             body["kv_transfer_params"] = params
             return self._forward(decode + self.path, json.dumps(body).encode(), "POST")
+
+        def _prefill(self, body: dict) -> dict:
+            """POST ``body`` to the prefill engine; its JSON answer (OSError, ValueError)."""
+            req = urllib.request.Request(prefill + self.path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"},
+                                         method="POST")
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
 
         def _push(self, raw: bytes) -> None:
             """Both legs at once: the prefill's in a thread, the decode's relayed."""
@@ -112,12 +116,8 @@ def make_handler(prefill: str, decode: str, timeout: float,
             pre_body = dict(prefill_request(body), kv_transfer_params=pre_params)
 
             def run() -> None:  # a failed prefill: the decode recomputes at its deadline
-                req = urllib.request.Request(
-                    prefill + self.path, data=json.dumps(pre_body).encode(),
-                    headers={"Content-Type": "application/json"}, method="POST")
                 try:
-                    with urllib.request.urlopen(req, timeout=timeout) as r:
-                        r.read()
+                    self._prefill(pre_body)
                 except (OSError, ValueError) as e:
                     print(f"pd_proxy: prefill {prefill} failed: {e}", file=sys.stderr)
             threading.Thread(target=run, daemon=True).start()

@@ -184,6 +184,11 @@ class Pusher:
         self.sends[send.key] = (send, now + lease)
         return None
 
+    def registration(self, key: str, now: float) -> Registration | None:
+        """The registration of ``key`` waiting for its send, if still valid (not taken)."""
+        got = self.regs.get(key)
+        return got[0] if got is not None and got[1] > now else None
+
     def add_registration(self, reg: Registration, now: float, age: float) -> Match | None:
         """``age``: how long ago the decode sent ``reg`` by the wall clocks (this host's
         ``time.time()`` less ``reg.sent``). The window ends ``ttl`` after the send, clipped

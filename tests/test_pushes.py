@@ -89,6 +89,11 @@ def test_pusher_matches_either_order_once():
 
 def test_pusher_never_matches_an_expired_registration_and_expires_both_sides():
     t = Pusher()
+    t.add_registration(reg("v", ttl=1.0), now=0.0, age=0.0)
+    assert t.registration("v", now=0.5) == reg("v", ttl=1.0)  # seen, not taken
+    assert t.registration("v", now=1.0) is None and t.registration("w", now=0.0) is None
+    assert t.add_send(send("v"), now=0.5, lease=5.0) is not None  # taken by its send
+    assert t.registration("v", now=0.5) is None
     t.add_registration(reg("a", ttl=1.0), now=0.0, age=0.0)
     assert t.add_send(send("a"), now=1.0, lease=5.0) is None  # the window closed at 1.0
     t.add_registration(reg("b", ttl=2.0), now=0.0, age=0.0)

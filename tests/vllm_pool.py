@@ -219,9 +219,14 @@ class Engine:
         """Send ``sig`` to every process of the engine (its session), e.g. SIGSTOP/SIGCONT."""
         os.killpg(self.proc.pid, sig)
 
-    def log_lines(self, pattern: str) -> list[str]:
+    def log_lines(self, pattern: str, since: int = 0) -> list[str]:
+        """The log's lines matching ``pattern``, from byte ``since`` on (a position taken
+        with ``log_path.stat().st_size``: a loop that polls reads only what is new)."""
         self.log.flush()
-        return [x for x in self.log_path.read_text().splitlines() if re.search(pattern, x)]
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        return [x for x in text.splitlines() if re.search(pattern, x)]
 
     def tail(self, n: int = 40) -> str:
         self.log.flush()

@@ -220,15 +220,15 @@ class Writes:
         """Open the layer-wise pushes of this step's forward: those whose registration is in
         and whose decode is connected (the others are pushed whole once finished)."""
         for s in sends:
-            got = self.table.regs.get(s.key)
-            st = None if got is None else self.hs.state(got[0].engine)
-            if got is None or got[1] <= now or st is None or st.pending or st.failed:
+            reg = self.table.registration(s.key, now)
+            st = None if reg is None else self.hs.state(reg.engine)
+            if st is None or st.pending or st.failed:
                 logger.info("kvplan: push req=%s key=%s: %s before its forward; it is pushed "
                             "whole once it finished", s.req_id, s.key,
-                            "no registration" if got is None else "decode not connected")
+                            "no registration" if reg is None else "decode not connected")
                 continue
-            del self.table.regs[s.key]
-            m = Match(s, got[0], got[1])
+            m = self.table.add_send(s, now, self.w.lease)  # takes the registration
+            assert m is not None, "a valid registration always matches its send"
             lw = Layered(m, None, set(), time.perf_counter())
             self.layers[s.req_id] = lw
             try:
