@@ -75,6 +75,67 @@ with pytest.raises(ValueError, match="nixl_backends"):
 print("ok")
 """
 
+ADDRESS_CHECK = r"""
+import os
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from kvplan_nixl.errors import ArgumentError
+from kvplan_nixl.vllm import KvplanConnector
+
+def connector(extra):
+    cfg = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="KvplanConnector", kv_connector_module_path="kvplan_nixl.vllm",
+        kv_role="kv_producer", kv_buffer_device="cpu", engine_id="pre",
+        kv_connector_extra_config=extra))
+    return KvplanConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
+os.environ.pop("VLLM_HOST_IP", None)
+s = connector({"side_channel_host": "0.0.0.0", "side_channel_advertise_host": "10.0.0.1"})
+assert (s.settings.listen_host, s.settings.host) == ("0.0.0.0", "10.0.0.1"), s.settings
+assert connector({}).settings.listen_host == connector({}).settings.host == "127.0.0.1"
+for extra, env, key in [({"side_channel_host": "0.0.0.0"}, None, "'side_channel_host'"),
+                        ({}, "::", "$VLLM_HOST_IP"),
+                        ({"side_channel_host": "0.0.0.0",
+                          "side_channel_advertise_host": "127.0.0.1"}, None,
+                         "'side_channel_advertise_host'")]:
+    if env:
+        os.environ["VLLM_HOST_IP"] = env
+    try:
+        connector(extra)
+    except ArgumentError as e:
+        assert key in str(e) and "side_channel_advertise_host" in str(e), str(e)
+    else:
+        raise AssertionError(f"{extra} {env} accepted")
+    os.environ.pop("VLLM_HOST_IP", None)
+print("ok")
+"""
+
+OUTCOMES_CHECK = r"""
+from vllm.v1.outputs import KVConnectorOutput
+from kvplan_nixl.vllm.outcomes import LoadOutcomes
+from kvplan_nixl.vllm.scheduler import Load
+
+def load(req, blocks, parked=True):
+    return Load(req_id=req, remote_req="r" + req, engine="pre", host="10.0.0.1", port=5700,
+                remote_tp=1, remote_ids=[[1, 2]], remote_first=[0], local_ids=[blocks],
+                start=0, end=64, parked=parked)
+
+o = LoadOutcomes("recompute")
+for x in (load("a", [3, 4]), load("b", [5, 6]), load("c", [7]), load("d", [8], parked=False)):
+    o.started(x)
+o.update(KVConnectorOutput(finished_recving={"a", "b"}, invalid_block_ids={6}))
+o.update(KVConnectorOutput(finished_recving={"c"}, failed_recving={"c"}))
+assert o.finished("a") is None                      # loaded: nothing added
+assert o.finished("b") == {"kvplan_load_failed": {"remote_engine_id": "pre",
+    "remote_host": "10.0.0.1", "remote_port": 5700, "policy": "recompute"}}
+assert o.finished("c")["kvplan_load_failed"]["policy"] == "recompute"  # a hybrid's, by id
+assert o.finished("b") is None and o.finished("d") is None  # once; an unparked load: never
+st = o.take_stats()
+assert st.data["num_failed_loads"] == [1, 1] and st.reduce()["Num failed loads"] == 2
+assert o.take_stats() is None and not o.pending
+print("ok")
+"""
+
 HOLDS_CHECK = r"""
 import time
 from types import SimpleNamespace
@@ -121,6 +182,19 @@ def _in_vllm_venv(script: str) -> None:
 
 def test_ports_by_data_parallel_rank_and_config_keys_checked_by_name():
     _in_vllm_venv(SETTINGS_CHECK)
+
+
+def test_addresses_that_cannot_work_are_refused_when_the_connector_is_made():
+    """The facade reads the bind and advertised addresses (kvplan_nixl.addresses): a wildcard
+    or a loopback advertised beside a bind that serves other hosts stops the engine at start,
+    naming the key or variable; a wildcard bind with an advertised address is taken."""
+    _in_vllm_venv(ADDRESS_CHECK)
+
+
+def test_failed_loads_are_told_once_per_request():
+    """The scheduler learns a load failed from the workers' output (blocks, or the request
+    for several groups), adds ``kvplan_load_failed`` to its params once, and counts it."""
+    _in_vllm_venv(OUTCOMES_CHECK)
 
 
 def test_prefill_holds_and_decode_control_messages_over_the_side_channel():
@@ -366,6 +440,7 @@ def test_hostile_side_channels_fail_their_pulls_only(pool):
     plain, plain_other = p.generate(ids, 16), p.generate(other, 16)
     a = p.generate(ids, 1, REMOTE)["params"]
     silent, huge = _Hostile("silent"), _Hostile("huge")
+    failed_loads = _metric(d.metrics(), "vllm:kvplan_num_failed_loads")
     try:
         t0 = time.monotonic()
         res = d.batch([
@@ -373,7 +448,11 @@ def test_hostile_side_channels_fail_their_pulls_only(pool):
              "params": dict(a, remote_engine_id="silent", remote_port=silent.port)},
             {"prompt": ids, "max_tokens": 16,
              "params": dict(a, remote_engine_id="huge", remote_port=huge.port)},
-            {"prompt": other, "max_tokens": 16, "params": None}])
+            {"prompt": other, "max_tokens": 16, "params": None},
+            # finding 9: a prefill that advertised loopback from another host makes the
+            # decode dial its own side channel, which answers as itself
+            {"prompt": ids, "max_tokens": 16,
+             "params": dict(a, remote_engine_id="elsewhere", remote_port=d.port)}])
         took = time.monotonic() - t0
     finally:
         silent.close()
@@ -381,12 +460,29 @@ def test_hostile_side_channels_fail_their_pulls_only(pool):
     check_equal(res[0], plain, "a pull from a silent side channel (recomputed)")
     check_equal(res[1], plain, "a pull from a side channel claiming 4 GiB (recomputed)")
     check_equal(res[2], plain_other, "a plain request beside them")
+    check_equal(res[3], plain, "a pull that dialled the decode's own side channel")
     assert res[2]["seconds"] < res[0]["seconds"] and res[2]["seconds"] < 4, res
     assert took < 30, took
     assert d.log_lines(r"from silent failed \(handshake failed: rank 0: SideChannelTimeout"), \
         d.tail()
     assert d.log_lines(r"from huge failed \(handshake failed: rank 0: SideChannelProtocolError"
                        r".*4294967295 bytes, above the limit"), d.tail()
+    # never a silent recompute: the cause with the address dialled, a WARNING per request,
+    # the response's kv_transfer_params and a count once per request
+    assert d.log_lines(rf"from elsewhere failed \(handshake failed: rank 0: SideChannelRejected"
+                       rf".*; dialled 127\.0\.0\.1:{d.port}, as the prefill advertised; a "
+                       r"loopback address: a prefill on another host must advertise"), d.tail()
+    for r, engine, port in ((res[0], "silent", silent.port), (res[1], "huge", huge.port),
+                            (res[3], "elsewhere", d.port)):
+        assert r["params"] == {"kvplan_load_failed": {
+            "remote_engine_id": engine, "remote_host": "127.0.0.1", "remote_port": port,
+            "policy": "recompute"}}, r
+        rid = re.escape(r["id"])
+        assert d.log_lines(rf"WARNING.*kvplan: decode req={rid}\S* loaded no KV from prefill "
+                           rf"{engine} at 127\.0\.0\.1:{port} \(pull mode\): vLLM's "
+                           r"kv_load_failure_policy=recompute recomputes its prompt"), d.tail()
+    assert res[2]["params"] is None, res[2]
+    assert _wait_metric(d, "vllm:kvplan_num_failed_loads", failed_loads + 3) == failed_loads + 3
 
 
 def test_fail_policy_fails_the_request_whose_hold_ended(pool):
@@ -421,6 +517,21 @@ def test_a_taken_port_is_named_with_its_config_key(pool):
                                r"port'\]"), e.tail()
         finally:
             e.stop()
+
+
+def test_a_wildcard_side_channel_address_stops_the_engine_at_start(pool):
+    """``side_channel_host: 0.0.0.0`` with nothing advertised: the engine does not start (it
+    used to start and advertise 0.0.0.0, failing every pull); the log names the key."""
+    pool.only()
+    e = Engine("llama-p1-wildcard", pool.py, pool.model("llama"), pool.workdir, tp=1,
+               cores="0", extra={"side_channel_host": "0.0.0.0"})
+    try:
+        with pytest.raises(AssertionError, match="exited"):
+            e.wait_ready()
+        assert e.log_lines(r"ArgumentError: kv_connector_extra_config\['side_channel_host'\] "
+                           r"is '0.0.0.0', a wildcard: .*side_channel_advertise_host"), e.tail()
+    finally:
+        e.stop()
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))
