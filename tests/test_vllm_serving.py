@@ -10,10 +10,12 @@ request), a decode under ``recompute`` and one under ``fail``. The first tests n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -28,6 +30,7 @@ from tests.vllm_pool import (
     Engine,
     Pool,
     check_equal,
+    free_base_port,
     pd_equals_plain,
     prompt,
     remove_orphan_shm,
@@ -284,6 +287,180 @@ def test_example_proxy_in_push_mode_sends_both_legs_under_one_transfer_id():
         "remote_port": 5700, "tp_size": 2, "transfer_id": tid})
     assert seen["prefill"] == dict(body, max_tokens=1, stream=False, kv_transfer_params={
         "do_remote_decode": True, "transfer_mode": "layerwise", "transfer_id": tid})
+
+
+class _Prefill:
+    """A prefill's HTTP server (fake) and its rank side channels (real, with a hold table):
+    answers one kvplan pull's params for request ``req`` held under a fresh generation."""
+
+    def __init__(self, seen: dict, tp: int = 2, secret: str = "s") -> None:
+        from kvplan_nixl import sidechannel as sc
+        from kvplan_nixl.holds import Holds, new_generation
+
+        self.req, self.gen = "pre-req-1", new_generation()
+        base = free_base_port(tp)  # rank r listens on base + r, as an engine's ranks do
+        self.holds = [Holds() for _ in range(tp)]
+        self.servers = [sc.SideChannelServer("127.0.0.1", base + r, sc.server_identity("pre", r),
+                                             secret=secret, holds=h)
+                        for r, h in enumerate(self.holds)]
+        for h in self.holds:
+            h.hold(self.req, time.monotonic(), 120.0, self.gen)
+        self.params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]],
+                       "remote_engine_id": "pre", "remote_request_id": self.req,
+                       "remote_host": "127.0.0.1", "remote_port": base, "tp_size": tp,
+                       "transfer_mode": "kvplan", "remote_generation": str(self.gen)}
+        self.http = _fake_engine("prefill", seen, {"kv_transfer_params": self.params})
+
+    def held(self) -> list[bool]:
+        out = []
+        for srv, h in zip(self.servers, self.holds):
+            with srv.lock:
+                out.append(self.req in h)
+        return out
+
+    def close(self) -> None:
+        for srv in self.servers:
+            srv.close()
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def _post(proxy, body: dict, timeout: float = 20) -> tuple[int, bytes]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{proxy.server_address[1]}/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _proxy(pre: _Prefill, decode_url: str, secret: str | None = "s"):
+    from examples import pd_proxy
+
+    proxy = pd_proxy.serve(f"http://127.0.0.1:{pre.http.server_address[1]}", decode_url,
+                           port=0, secret=secret)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    return proxy
+
+
+def _wait(cond, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_example_proxy_answers_a_dead_decode_502_and_releases_the_prefill(capfd):
+    """The decode down: a 502 naming it (not an empty reply), and every prefill rank's hold
+    ended at once by the proxy's RELEASE (it used to stay for lease_s)."""
+    import json
+
+    seen: dict[str, dict] = {}
+    pre = _Prefill(seen)
+    with socket.socket() as gone:
+        gone.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{gone.getsockname()[1]}"
+    proxy = _proxy(pre, dead)
+    try:
+        assert pre.held() == [True, True]
+        status, body = _post(proxy, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
+        assert status == 502, body
+        err = json.loads(body)["error"]
+        assert err.startswith(f"decode {dead} failed: ") and "refused" in err, err
+        assert pre.held() == [False, False]  # released before the 502 went out
+        assert [h.counts["released"] for h in pre.holds] == [1, 1]
+        log = capfd.readouterr().err
+        assert "pd_proxy: decode unreachable" in log and "RELEASE of prefill req=pre-req-1: " \
+            "rank 0 at 127.0.0.1" in log and log.count(": YES") == 2, log
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        pre.close()
+
+
+def test_example_proxy_releases_after_a_decode_error_not_after_a_decode_answer():
+    """A decode's own HTTP error is relayed as is and releases the prefill's hold; a decode
+    that answered leaves it alone (its pull's CONFIRM ends it)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: dict[str, dict] = {}
+    pre = _Prefill(seen, tp=1)
+    codes = [200, 500]
+
+    class Decode(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            out = b'{"choices": []}' if codes[0] == 200 else b'{"error": "boom"}'
+            self.send_response(codes[0])
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a: object) -> None:
+            pass
+    dec = ThreadingHTTPServer(("127.0.0.1", 0), Decode)
+    threading.Thread(target=dec.serve_forever, daemon=True).start()
+    proxy = _proxy(pre, f"http://127.0.0.1:{dec.server_address[1]}")
+    try:
+        assert _post(proxy, {"model": "m", "prompt": "x"}) == (200, b'{"choices": []}')
+        assert seen["prefill"]["kv_transfer_params"] == {"do_remote_decode": True}
+        assert pre.held() == [True]  # answered: not the proxy's to release
+        codes.pop(0)
+        assert _post(proxy, {"model": "m", "prompt": "x"}) == (500, b'{"error": "boom"}')
+        assert pre.held() == [False]
+    finally:
+        for srv in (proxy, dec):
+            srv.shutdown()
+            srv.server_close()
+        pre.close()
+
+
+def test_example_proxy_releases_when_the_client_leaves_mid_stream():
+    """The client gone while the decode streams: the proxy stops relaying and releases."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: dict[str, dict] = {}
+    pre = _Prefill(seen, tp=1)
+
+    class Decode(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(400):  # a long stream of tokens, 20 s at most
+                    self.wfile.write(b"%x\r\n%s\r\n" % (4096, b"t" * 4096))
+                    self.wfile.flush()
+                    time.sleep(0.05)
+
+        def log_message(self, *a: object) -> None:
+            pass
+    dec = ThreadingHTTPServer(("127.0.0.1", 0), Decode)
+    threading.Thread(target=dec.serve_forever, daemon=True).start()
+    proxy = _proxy(pre, f"http://127.0.0.1:{dec.server_address[1]}")
+    try:
+        body = b'{"model": "m", "prompt": "x", "stream": true}'
+        with socket.create_connection(("127.0.0.1", proxy.server_address[1])) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert c.recv(64).startswith(b"HTTP/1.1 200")  # the stream started
+            assert pre.held() == [True]
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset
+        assert _wait(lambda: pre.held() == [False]), "the hold outlived the client"
+    finally:
+        for srv in (proxy, dec):
+            srv.shutdown()
+            srv.server_close()
+        pre.close()
 
 
 # -- real engines ------------------------------------------------------------------------------
