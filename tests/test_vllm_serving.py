@@ -206,9 +206,10 @@ def test_prefill_holds_and_decode_control_messages_over_the_side_channel():
     _in_vllm_venv(HOLDS_CHECK)
 
 
-def _fake_engine(name: str, seen: dict, answer: dict, before=None):
+def _fake_engine(name: str, seen: dict, answer, before=None):
     """An HTTP server standing in for an engine: records each POST body in ``seen[name]``,
-    calls ``before()`` (if any), answers ``answer``."""
+    calls ``before()`` (if any), answers ``answer`` (a JSON body with status 200, or a
+    callable returning ``(status, body)``)."""
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -217,8 +218,9 @@ def _fake_engine(name: str, seen: dict, answer: dict, before=None):
             seen[name] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if before is not None:
                 before()
-            out = json.dumps(answer).encode()
-            self.send_response(200)
+            code, body = answer() if callable(answer) else (200, answer)
+            out = json.dumps(body).encode()
+            self.send_response(code)
             self.send_header("Content-Length", str(len(out)))
             self.end_headers()
             self.wfile.write(out)
@@ -387,31 +389,16 @@ def test_example_proxy_answers_a_dead_decode_502_and_releases_the_prefill(capfd)
 def test_example_proxy_releases_after_a_decode_error_not_after_a_decode_answer():
     """A decode's own HTTP error is relayed as is and releases the prefill's hold; a decode
     that answered leaves it alone (its pull's CONFIRM ends it)."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     seen: dict[str, dict] = {}
     pre = _Prefill(seen, tp=1)
-    codes = [200, 500]
-
-    class Decode(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            out = b'{"choices": []}' if codes[0] == 200 else b'{"error": "boom"}'
-            self.send_response(codes[0])
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-        def log_message(self, *a: object) -> None:
-            pass
-    dec = ThreadingHTTPServer(("127.0.0.1", 0), Decode)
-    threading.Thread(target=dec.serve_forever, daemon=True).start()
+    answers = [(200, {"choices": []}), (500, {"error": "boom"})]
+    dec = _fake_engine("decode", seen, lambda: answers[0])
     proxy = _proxy(pre, f"http://127.0.0.1:{dec.server_address[1]}")
     try:
         assert _post(proxy, {"model": "m", "prompt": "x"}) == (200, b'{"choices": []}')
         assert seen["prefill"]["kv_transfer_params"] == {"do_remote_decode": True}
         assert pre.held() == [True]  # answered: not the proxy's to release
-        codes.pop(0)
+        answers.pop(0)
         assert _post(proxy, {"model": "m", "prompt": "x"}) == (500, b'{"error": "boom"}')
         assert pre.held() == [False]
     finally:

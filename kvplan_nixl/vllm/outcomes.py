@@ -14,14 +14,11 @@ OpenAI server returns in its response.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm.logger import init_logger
 
 from kvplan_nixl.vllm_stats import KvplanStats
-
-if TYPE_CHECKING:
-    from kvplan_nixl.vllm.scheduler import Load
 
 logger = init_logger("vllm.kvplan_nixl")
 
@@ -34,12 +31,14 @@ class LoadOutcomes:
 
     def __init__(self, policy: str) -> None:
         self.policy = policy  # vLLM's kv_load_failure_policy: "recompute" or "fail"
-        self.pending: dict[str, tuple[Load, frozenset[int]]] = {}
+        # a scheduler Load each (typed Any: the scheduler imports this module)
+        self.pending: dict[str, tuple[Any, frozenset[int]]] = {}
         self.failed: dict[str, dict[str, Any]] = {}
         self.stats = KvplanStats()
 
-    def started(self, load: Load) -> None:
-        """``load`` (parked: the request waits for it) goes to the workers this step."""
+    def started(self, load: Any) -> None:
+        """``load`` (a :class:`~kvplan_nixl.vllm.scheduler.Load`; parked: the request waits
+        for it) goes to the workers this step."""
         if load.parked:
             blocks = frozenset(int(b) for g in load.local_ids[:1] for b in g)
             self.pending[load.req_id] = (load, blocks)
@@ -58,7 +57,7 @@ class LoadOutcomes:
             elif req in done:
                 del self.pending[req]
 
-    def _failed(self, load: Load) -> None:
+    def _failed(self, load: Any) -> None:
         what = "recomputes its prompt" if self.policy == "recompute" else "fails the request"
         logger.warning("kvplan: decode req=%s loaded no KV from prefill %s at %s:%d (%s mode): "
                        "vLLM's kv_load_failure_policy=%s %s; the worker's error above says "
