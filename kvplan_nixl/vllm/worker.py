@@ -25,7 +25,7 @@ from vllm.logger import init_logger
 import kvplan
 from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, whole_pages
 from kvplan_nixl import sidechannel as sc
-from kvplan_nixl.handshakes import Handshakes
+from kvplan_nixl.handshakes import Handshakes, identity
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.pulling import Pulls
 from kvplan_nixl.vllm.pushing import Receives, Writes
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
 # a child of vLLM's logger, so that its handlers and level apply
 logger = init_logger("vllm.kvplan_nixl")
+
+#: Handshake threads (each mostly waits on a socket): handshakes with distinct hosts run
+#: side by side up to this, so requests naming silent hosts cannot hold up a genuine one.
+HANDSHAKE_WORKERS = 8
 
 
 class Worker:
@@ -119,7 +123,8 @@ class Worker:
         logger.info("kvplan: rank %d side channel on %s:%d (base %d, dp rank %d)", self.rank,
                     self.c.host, port, self.c.port, self.c.dp_rank)
         self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
-                             workers=2, retry_after_s=min(5.0, self.lease))
+                             identify=identity(self.secret), workers=HANDSHAKE_WORKERS,
+                             retry_after_s=min(5.0, self.lease))
         self.receives, self.writes = Receives(self), Writes(self)
         threading.Thread(target=self._progress_loop, daemon=True,
                          name="kvplan-progress").start()
@@ -194,7 +199,7 @@ class Worker:
                         self.ctl.release(load, range(load.remote_tp))
                     continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
-                    self.hs.start(load.engine, _address(load))
+                    self.hs.start(load.engine, load.host, load.port)
                 except Exception as e:
                     self.fail(load, f"{type(e).__name__}: {e}")
                     continue
@@ -212,9 +217,9 @@ class Worker:
 
     def _poll_waiting(self, now: float) -> None:
         for req_id, (load, deadline) in list(self.waiting.items()):
-            st = self.hs.state(load.engine)
-            if st is None:  # forgotten meanwhile: start again
-                st = self.hs.start(load.engine, _address(load))
+            st = self.hs.state(load.engine, load.host, load.port)
+            if st is None:  # forgotten meanwhile, or the pool was full: start again
+                st = self.hs.start(load.engine, load.host, load.port)
             if st.pending:
                 if now > deadline:
                     del self.waiting[req_id]
@@ -331,11 +336,6 @@ def _readers(tmap: Any, engine: str, whole: bool) -> list[int]:
         for p in kvplan.pull_map(src, dst, d).peers:
             counts[p] += 1
     return counts
-
-
-def _address(load: Load) -> Any:
-    """Handshakes' ``address`` for ``load``'s prefill engine: rank r's host, port, identity."""
-    return lambda r: (load.host, load.port + r, sc.server_identity(load.engine, r))
 
 
 #: Backends of state layers (Mamba, GDN, ...): they keep no attention pages.
