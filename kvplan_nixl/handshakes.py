@@ -16,12 +16,14 @@ verified (``identify``: signed under the deployment secret) to be that engine's 
 an address serving another rank's metadata fails, so READY means every rank verified its own
 rank, and nothing of a wrong claim reaches ``connect``.
 
-**Bounded.** The jobs run on :class:`~kvplan_nixl.lanes.Lanes`: a fixed number of threads, a
-few per host and one per address, hosts served in turn, a bounded number waiting (beyond, the
-handshake fails at once, unrecorded, so the next request tries again). Requests naming silent
-side channels on one host cost that host's slots for one timeout each, and delay no handshake
-with another host. The table holds at most :data:`MAX_STATES` addresses (failed ones past
-their retry time are dropped first).
+**Bounded.** The jobs run on :class:`~kvplan_nixl.lanes.Lanes`: a fixed number of threads,
+a quarter of them per host and one per address, hosts served in turn, a bounded number
+waiting, a quarter of them per host (beyond, the handshake fails at once, unrecorded, so the
+next request tries again). Requests naming silent side channels on one host cost that host's
+slots for one timeout each and delay no handshake with another host; a handshake waits only
+while requests name that many silent addresses at once, each for at most one timeout. The
+table holds at most :data:`MAX_STATES` addresses (failed ones past their retry time are
+dropped first).
 
 The fetches and the identity checks run without any lock; the caller's ``connect`` runs under
 the lock passed in (the one every use of the Endpoint takes), one rank at a time, and says
@@ -101,14 +103,16 @@ class HandshakeState:
 class Handshakes:
     """Background handshakes with prefill engines (see the module docstring).
 
-    ``timeout``: the deadline of each metadata fetch. ``workers`` threads in all,
-    ``per_host`` of them for one host, ``queued`` handshakes waiting at most.
+    ``timeout``: the deadline of each metadata fetch. ``workers`` threads in all (each
+    mostly waits on a socket: many are cheap, and requests must name that many silent
+    addresses at once to make a handshake wait), ``per_host`` of them for one host,
+    ``queued`` handshakes waiting at most (a quarter of them for one host).
     ``retry_after_s``: a failed handshake is tried again by a :meth:`start` this long after
     it failed (a restarted prefill comes back); before that, :meth:`start` returns the failure.
     """
 
     def __init__(self, connect: Connect, *, lock: threading.Lock, identify: Identify,
-                 timeout: float = 5.0, workers: int = 8, per_host: int = 2,
+                 timeout: float = 5.0, workers: int = 32, per_host: int = 8,
                  queued: int = 64, retry_after_s: float = 5.0,
                  fetch: Callable[..., bytes] = fetch_metadata,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -121,7 +125,7 @@ class Handshakes:
         # one job per address at a time: a second engine id named at the same silent port
         # waits behind the first instead of taking another thread
         self._lanes = Lanes("kvplan-hs", workers=workers, per_host=per_host, per_address=1,
-                            queued=queued)
+                            queued=queued, queued_per_host=max(1, queued // 4))
         self._mu = threading.Lock()  # guards the table below (never held while waiting)
         self._states: dict[Key, HandshakeState] = {}
         # the epoch of each key's current job, from one counter: a job whose epoch is no
@@ -159,8 +163,10 @@ class Handshakes:
             with self._mu:  # refused: forgotten, so that the next request tries again
                 if self._epochs.get(key) == epoch:
                     del self._states[key], self._epochs[key]
-            return HandshakeState(FAILED, f"{self._lanes.waiting} handshakes are waiting "
-                                  f"already (at most {self._lanes.queued}); try again later",
+            lanes = self._lanes
+            return HandshakeState(FAILED, f"the handshake pool is full ({lanes.waiting} "
+                                  f"waiting; at most {lanes.queued} in all and "
+                                  f"{lanes.queued_per_host} for host {host}); try again later",
                                   self._clock())
         return s
 

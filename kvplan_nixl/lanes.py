@@ -11,8 +11,9 @@ while genuine requests queue behind them. Here:
   no more, and distinct hosts run side by side;
 * waiting jobs are served host by host in turn (round-robin), and within a host port by port,
   so a new host's job starts as soon as a thread is free, ahead of a second job of any host;
-* at most ``queued`` jobs wait in all: :meth:`Lanes.submit` refuses more at once (the caller
-  fails or drops that job; nothing queues without bound);
+* at most ``queued`` jobs wait in all, and at most ``queued_per_host`` for one host:
+  :meth:`Lanes.submit` refuses more at once (the caller fails or drops that job; nothing
+  queues without bound, and requests naming one host cannot fill the queue for the others);
 * a job whose ``key`` is waiting or running already is not added twice (the same RELEASE sent
   for many requests' failures is sent once).
 
@@ -42,19 +43,24 @@ class Lanes:
     """Jobs by address on a bounded pool, fair across hosts (see the module docstring)."""
 
     def __init__(self, name: str, *, workers: int, per_host: int, per_address: int,
-                 queued: int) -> None:
+                 queued: int, queued_per_host: int | None = None) -> None:
+        if queued_per_host is None:
+            queued_per_host = queued
         for what, v in (("workers", workers), ("per_host", per_host),
-                        ("per_address", per_address), ("queued", queued)):
+                        ("per_address", per_address), ("queued", queued),
+                        ("queued_per_host", queued_per_host)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ArgumentError(f"{what} must be an int >= 1, got {v!r}")
         self.workers, self.per_host, self.per_address, self.queued = \
             workers, per_host, per_address, queued
+        self.queued_per_host = queued_per_host
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._mu = threading.Lock()
         # waiting jobs: host -> port -> [(key, job)]; both levels in serving order
         self._waiting: collections.OrderedDict[
             str, collections.OrderedDict[int, collections.deque]] = collections.OrderedDict()
         self._count = 0  # jobs waiting
+        self._host_waiting: collections.Counter[str] = collections.Counter()
         self._hosts: collections.Counter[str] = collections.Counter()  # running per host
         self._addresses: collections.Counter[Where] = collections.Counter()  # running
         self._running = 0
@@ -74,20 +80,23 @@ class Lanes:
     def submit(self, where: Where, job: Callable[[], object],
                key: Hashable | None = None) -> bool:
         """Run ``job()`` on a thread once ``where``'s host and address have a free slot.
-        False when refused: ``queued`` jobs wait already, or the pool is closed. A ``key``
+        False when refused: ``queued`` jobs wait already (or ``queued_per_host`` for that
+        host), or the pool is closed. A ``key``
         already waiting or running: not added again (True: that job will run)."""
         with self._mu:
             if self._closed:
                 return False
             if key is not None and key in self._keys:
                 return True
-            if self._count >= self.queued:
+            if self._count >= self.queued \
+                    or self._host_waiting[where[0]] >= self.queued_per_host:
                 return False
             if key is not None:
                 self._keys.add(key)
             ports = self._waiting.setdefault(where[0], collections.OrderedDict())
             ports.setdefault(where[1], collections.deque()).append((key, job))
             self._count += 1
+            self._host_waiting[where[0]] += 1
             self._dispatch()
         return True
 
@@ -97,6 +106,7 @@ class Lanes:
         with self._mu:
             self._closed = True
             self._waiting.clear()
+            self._host_waiting.clear()
             self._count = 0
         self._pool.shutdown(wait=True, cancel_futures=True)
 
@@ -123,6 +133,9 @@ class Lanes:
                     continue
                 key, job = jobs.popleft()
                 self._count -= 1
+                self._host_waiting[host] -= 1
+                if not self._host_waiting[host]:
+                    del self._host_waiting[host]
                 if jobs:
                     ports.move_to_end(port)
                 else:

@@ -166,16 +166,19 @@ def test_a_port_serving_another_ranks_metadata_fails_before_connect():
 
 
 def test_a_full_pool_refuses_at_once_and_records_nothing():
-    silent = socket.create_server((HOST, 0))
-    port = silent.getsockname()[1]
-    with closing(silent), hshakes(timeout=1, workers=1, per_host=1, queued=1) as hs:
+    with ExitStack() as stack:
+        port, other = (stack.enter_context(closing(socket.create_server((h, 0)))).getsockname()[1]
+                       for h in (HOST, "127.0.0.2"))
+        hs = stack.enter_context(hshakes(timeout=1, workers=1, per_host=1, queued=4))
         assert hs.start("A", HOST, port).pending  # runs
         assert hs.start("B", HOST, port).pending  # waits: one per address
         t0 = time.monotonic()
-        s = hs.start("C", HOST, port)
+        s = hs.start("C", HOST, port)  # a quarter of the queue for one host: full
         assert time.monotonic() - t0 < 0.05
-        assert s.failed and "1 handshakes are waiting already (at most 1)" in s.reason
+        assert s.failed and "pool is full (1 waiting; at most 4 in all and 1 for host " \
+            "127.0.0.1)" in s.reason
         assert hs.state("C", HOST, port) is None  # the next request tries again
+        assert hs.start("D", "127.0.0.2", other).pending  # another host still gets in
 
 
 def test_close_during_a_handshake_joins_its_thread():

@@ -31,7 +31,7 @@ URGENT_QUEUE = 1024
 #: RELEASE jobs waiting at most (beyond, dropped: the prefill's lease frees the blocks).
 RELEASE_QUEUE = 1024
 #: Threads sending RELEASE messages.
-RELEASE_WORKERS = 4
+RELEASE_WORKERS = 8
 
 
 class Sends:
@@ -96,18 +96,22 @@ class Control:
     (:meth:`submit`; a pull is reported only after its CONFIRM) run on ``workers`` threads
     that RELEASE never takes, so no RELEASE to a silent host, however many, delays them.
     RELEASE (:meth:`release`) is one job per prefill rank on a small pool of its own, at most
-    :data:`RELEASE_QUEUE` waiting and each (address, request, generation) once; one that
+    :data:`RELEASE_QUEUE` waiting (an eighth of them for one host) and each (address,
+    request, generation) once; one that
     does not fit is dropped with a warning: nothing waits on it, and the prefill's lease
     frees the blocks it would have freed. Both pools serve hosts in turn, a few threads per
     host, so messages to one host never queue behind those to another.
     """
 
-    def __init__(self, secret: str | None, timeout: float, workers: int = 8) -> None:
+    def __init__(self, secret: str | None, timeout: float, workers: int = 16) -> None:
         self.secret, self.timeout = secret, timeout
-        self.urgent = Lanes("kvplan-ctl", workers=workers, per_host=max(1, workers // 2),
-                            per_address=max(1, workers // 2), queued=URGENT_QUEUE)
+        # a quarter per host: a host that answers nothing holds up no other host's CONFIRMs
+        self.urgent = Lanes("kvplan-ctl", workers=workers, per_host=max(1, workers // 4),
+                            per_address=max(1, workers // 4), queued=URGENT_QUEUE,
+                            queued_per_host=URGENT_QUEUE // 4)
         self.releases = Lanes("kvplan-release", workers=RELEASE_WORKERS, per_host=2,
-                              per_address=1, queued=RELEASE_QUEUE)
+                              per_address=1, queued=RELEASE_QUEUE,
+                              queued_per_host=RELEASE_QUEUE // 8)
 
     def submit(self, load: Load, fn: Callable[..., Any], *args: Any) -> bool:
         """Run ``fn(*args)`` (a CONFIRM or RENEW of ``load``) on the pool; False when the
@@ -136,9 +140,10 @@ class Control:
             where = (load.host, load.port + r)
             if not self.releases.submit(where, lambda r=r: self._release(load, r),
                                         key=(*where, load.remote_req, load.generation)):
-                logger.warning("kvplan: %d RELEASE messages are waiting; req=%s is not "
-                               "released on prefill rank %d and after (their lease frees the "
-                               "blocks)", self.releases.waiting, load.remote_req, r)
+                logger.warning("kvplan: the RELEASE queue is full (%d waiting, at most %d for "
+                               "host %s); req=%s is not released on prefill rank %d and after "
+                               "(their lease frees the blocks)", self.releases.waiting,
+                               self.releases.queued_per_host, load.host, load.remote_req, r)
                 return
 
     def _release(self, load: Load, rank: int) -> None:

@@ -40,10 +40,6 @@ if TYPE_CHECKING:
 # a child of vLLM's logger, so that its handlers and level apply
 logger = init_logger("vllm.kvplan_nixl")
 
-#: Handshake threads (each mostly waits on a socket): handshakes with distinct hosts run
-#: side by side up to this, so requests naming silent hosts cannot hold up a genuine one.
-HANDSHAKE_WORKERS = 8
-
 
 class Worker:
     """The worker half, one per TP rank: endpoint, side channel, progress thread, pulls."""
@@ -123,7 +119,7 @@ class Worker:
         logger.info("kvplan: rank %d side channel on %s:%d (base %d, dp rank %d)", self.rank,
                     self.c.host, port, self.c.port, self.c.dp_rank)
         self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
-                             identify=identity(self.secret), workers=HANDSHAKE_WORKERS,
+                             identify=identity(self.secret),
                              retry_after_s=min(5.0, self.lease))
         self.receives, self.writes = Receives(self), Writes(self)
         threading.Thread(target=self._progress_loop, daemon=True,
