@@ -22,6 +22,7 @@ import pytest
 from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.handshakes import FAILED, READY, Handshakes, identity
 from tests.nixl_util import attn, pair, spec
+from tests.test_handshakes import wait_for
 from tests.test_vllm_serving import _in_vllm_venv
 
 KEY = b"kvplan-test-deployment-secret-36"
@@ -71,14 +72,6 @@ def world():
         hs = stack.enter_context(Handshakes(connect, lock=lock, identify=identity(KEY),
                                             timeout=2.0, retry_after_s=60))
         yield pr, hs, lock, base, stack
-
-
-def wait_for(hs: Handshakes, key: tuple, kind: str, within: float = 10.0):
-    end = time.monotonic() + within
-    while (s := hs.state(*key)) is None or s.kind != kind:
-        assert time.monotonic() < end, s
-        time.sleep(0.002)
-    return s
 
 
 def genuine_ready(pr, hs: Handshakes, lock, base: int) -> float:
