@@ -97,10 +97,10 @@ class Control:
     that RELEASE never takes, so no RELEASE to a silent host, however many, delays them.
     RELEASE (:meth:`release`) is one job per prefill rank on a small pool of its own, at most
     :data:`RELEASE_QUEUE` waiting (an eighth of them for one host) and each (address,
-    request, generation) once; one that
-    does not fit is dropped with a warning: nothing waits on it, and the prefill's lease
-    frees the blocks it would have freed. Both pools serve hosts in turn, a few threads per
-    host, so messages to one host never queue behind those to another.
+    request, generation) once; one that does not fit is dropped with a warning: nothing
+    waits on it, and the prefill's lease frees the blocks it would have freed. Both pools
+    serve hosts in turn, a few threads per host, so messages to one host never queue behind
+    those to another.
     """
 
     def __init__(self, secret: str | None, timeout: float, workers: int = 16) -> None:
