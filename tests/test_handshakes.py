@@ -13,6 +13,7 @@ from contextlib import ExitStack, closing
 
 import pytest
 
+from kvplan_nixl import handshakes
 from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.errors import ClosedError, MetadataError
 from kvplan_nixl.handshakes import FAILED, PENDING, READY, Handshakes
@@ -193,3 +194,23 @@ def test_close_during_a_handshake_joins_its_thread():
     assert threading.active_count() == before
     with pytest.raises(ClosedError):
         hs.start("S", HOST, 1)
+
+
+def test_the_table_of_addresses_is_bounded(monkeypatch):
+    """Each request may name a new address: past MAX_STATES a new one fails at once, until
+    failed ones are past their retry time (then they are dropped to make room)."""
+    monkeypatch.setattr(handshakes, "MAX_STATES", 2)
+    dead = []
+    for _ in range(3):
+        with closing(socket.create_server((HOST, 0))) as s:
+            dead.append(s.getsockname()[1])
+    with hshakes(retry_after_s=0.3) as hs:
+        for p in dead[:2]:
+            hs.start("P", HOST, p)
+            wait_for(hs, ("P", HOST, p), FAILED)
+        s = hs.start("P", HOST, dead[2])
+        assert s.failed and "2 prefill addresses are known" in s.reason
+        assert hs.state("P", HOST, dead[2]) is None
+        time.sleep(0.35)
+        assert hs.start("P", HOST, dead[2]).pending
+        assert hs.state("P", HOST, dead[0]) is None and hs.state("P", HOST, dead[1]) is None
