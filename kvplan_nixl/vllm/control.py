@@ -1,7 +1,8 @@
 """The two sides of the hold protocol in ``KvplanConnector`` (docs/vllm.md, "Never serving
 freed KV"): :class:`Sends`, a prefill rank's hold table and the side channel server that
 answers from it; :class:`Control`, a decode rank's RENEW / CONFIRM / RELEASE messages, sent on
-a small pool of threads so that none runs on the engine step.
+bounded pools of threads so that none runs on the engine step, and CONFIRM / RENEW never wait
+behind a RELEASE (the class docstring says why).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -17,6 +17,7 @@ from vllm.logger import init_logger
 from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.errors import ArgumentError, ExecutorError
 from kvplan_nixl.holds import Holds, Verdict
+from kvplan_nixl.lanes import Lanes
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.scheduler import Load
@@ -25,6 +26,12 @@ logger = init_logger("vllm.kvplan_nixl")
 
 #: Side channel server counters that are dropped messages (``num_side_channel_dropped``).
 DROPPED = ("malformed", "unsigned", "forged", "replayed", "oversized")
+#: CONFIRM / RENEW jobs waiting at most (beyond, asked again at the next poll).
+URGENT_QUEUE = 1024
+#: RELEASE jobs waiting at most (beyond, dropped: the prefill's lease frees the blocks).
+RELEASE_QUEUE = 1024
+#: Threads sending RELEASE messages.
+RELEASE_WORKERS = 8
 
 
 class Sends:
@@ -80,18 +87,36 @@ class Sends:
 
 
 class Control:
-    """A decode rank's control messages to prefill ranks, each bounded by ``timeout`` and run
-    on a pool of its own (a slow or dead prefill costs a pool thread, never the step)."""
+    """A decode rank's control messages to prefill ranks, each bounded by ``timeout``, on two
+    pools of their own (:class:`~kvplan_nixl.lanes.Lanes`; a slow or dead prefill costs a
+    pool thread, never the step).
 
-    def __init__(self, secret: str | None, timeout: float, workers: int = 8) -> None:
+    The address of each message is the request's ``remote_host`` / ``remote_port``, which
+    its HTTP client chose, so the pools are split by what waits on them: CONFIRM and RENEW
+    (:meth:`submit`; a pull is reported only after its CONFIRM) run on ``workers`` threads
+    that RELEASE never takes, so no RELEASE to a silent host, however many, delays them.
+    RELEASE (:meth:`release`) is one job per prefill rank on a small pool of its own, at most
+    :data:`RELEASE_QUEUE` waiting (an eighth of them for one host) and each (address,
+    request, generation) once; one that does not fit is dropped with a warning: nothing
+    waits on it, and the prefill's lease frees the blocks it would have freed. Both pools
+    serve hosts in turn, a few threads per host, so messages to one host never queue behind
+    those to another.
+    """
+
+    def __init__(self, secret: str | None, timeout: float, workers: int = 16) -> None:
         self.secret, self.timeout = secret, timeout
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvplan-ctl")
+        # a quarter per host: a host that answers nothing holds up no other host's CONFIRMs
+        self.urgent = Lanes("kvplan-ctl", workers=workers, per_host=max(1, workers // 4),
+                            per_address=max(1, workers // 4), queued=URGENT_QUEUE,
+                            queued_per_host=URGENT_QUEUE // 4)
+        self.releases = Lanes("kvplan-release", workers=RELEASE_WORKERS, per_host=2,
+                              per_address=1, queued=RELEASE_QUEUE,
+                              queued_per_host=RELEASE_QUEUE // 8)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            self.pool.submit(fn, *args)
-        except RuntimeError:  # shut down: the prefill's lease frees what is left
-            pass
+    def submit(self, load: Load, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` (a CONFIRM or RENEW of ``load``) on the pool; False when the
+        pool refused it (full or closed): the caller asks again later."""
+        return self.urgent.submit((load.host, load.port), lambda: fn(*args))
 
     def send(self, load: Load, rank: int, verb: str, readers: int = 0) -> Verdict | str:
         """One message to prefill rank ``rank`` of ``load`` (blocking, in a pool thread); its
@@ -109,19 +134,25 @@ class Control:
             return f"{type(e).__name__}: {e}"
 
     def release(self, load: Load, ranks: Iterable[int]) -> None:
-        """End ``load``'s holds on ``ranks`` (nobody reads them, or the pull failed)."""
-        ranks = list(ranks)
-        if not ranks:
-            return
+        """End ``load``'s holds on ``ranks`` (nobody reads them, or the pull failed): one
+        RELEASE job per rank, deduplicated; those the pool cannot take are dropped."""
+        for r in ranks:
+            where = (load.host, load.port + r)
+            if not self.releases.submit(where, lambda r=r: self._release(load, r),
+                                        key=(*where, load.remote_req, load.generation)):
+                logger.warning("kvplan: the RELEASE queue is full (%d waiting, at most %d for "
+                               "host %s); req=%s is not released on prefill rank %d and after "
+                               "(their lease frees the blocks)", self.releases.waiting,
+                               self.releases.queued_per_host, load.host, load.remote_req, r)
+                return
 
-        def run() -> None:
-            for r in ranks:
-                v = self.send(load, r, "RELEASE")
-                if isinstance(v, str):  # the prefill's lease frees the blocks anyway
-                    logger.warning("kvplan: could not release req=%s on prefill rank %d: %s",
-                                   load.remote_req, r, v)
-        self.submit(run)
+    def _release(self, load: Load, rank: int) -> None:
+        v = self.send(load, rank, "RELEASE")
+        if isinstance(v, str):  # the prefill's lease frees the blocks anyway
+            logger.warning("kvplan: could not release req=%s on prefill rank %d: %s",
+                           load.remote_req, rank, v)
 
     def close(self) -> None:
         """Wait for the messages in flight (each bounded by the timeout); drop queued ones."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.urgent.close()
+        self.releases.close()

@@ -85,12 +85,14 @@ class Pulls:
             p.t.poll()
             if not p.t.done:
                 if now >= p.next_beat and not p.beating:
-                    p.next_beat, p.beating = now + w.heartbeat, True
-                    w.ctl.submit(self._renew, p)
+                    p.next_beat, p.beating = now + w.heartbeat, True  # before the job ends it
+                    if not w.ctl.submit(p.load, self._renew, p):  # the pool is full
+                        p.beating = False  # the next beat tries again
                 continue
             if p.t.ok:  # the read completed: reported only once every rank read confirms
-                p.confirming, p.seen_done = True, now
-                w.ctl.submit(self._confirm, p)
+                p.confirming, p.seen_done = True, p.seen_done or now
+                if not w.ctl.submit(p.load, self._confirm, p):  # the pool is full
+                    p.confirming = False  # asked again at the next poll
             else:
                 del self.inflight[req_id]
                 w.stats.record("num_failed_transfers")

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from kvplan_nixl import sidechannel as sc
-from kvplan_nixl.handshakes import Handshakes
+from kvplan_nixl.handshakes import Handshakes, identity
 from kvplan_nixl.notifications import Notification
 from kvplan_nixl.pushes import (
     PUSHED,
@@ -191,7 +190,8 @@ class Writes:
         self.layers: dict[str, Layered] = {}
         self.open = False  # a layer-wise push of this step's forward is open (forward thread)
         self.hs = Handshakes(self._connect, lock=worker.lock, timeout=worker.hs_timeout,
-                             workers=2, retry_after_s=min(5.0, worker.lease))
+                             identify=identity(worker.secret),
+                             retry_after_s=min(5.0, worker.lease))
 
     def _connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:
         """Handshakes' ``connect`` (under the worker's lock): a decode rank, in push mode."""
@@ -221,7 +221,7 @@ class Writes:
         and whose decode is connected (the others are pushed whole once finished)."""
         for s in sends:
             reg = self.table.registration(s.key, now)
-            st = None if reg is None else self.hs.state(reg.engine)
+            st = None if reg is None else self.hs.state(reg.engine, reg.host, reg.port)
             if st is None or st.pending or st.failed:
                 logger.info("kvplan: push req=%s key=%s: %s before its forward; it is pushed "
                             "whole once it finished", s.req_id, s.key,
@@ -361,8 +361,8 @@ class Writes:
         m = self.table.add_registration(reg, now, age)
         if m is not None:
             self.matched.append(m)
-        elif self.hs.state(reg.engine) is None:  # connect now: a layer-wise push needs it
-            self.hs.start(reg.engine, _address(reg))  # before the forward
+        elif self.hs.state(reg.engine, reg.host, reg.port) is None:  # connect now: a
+            self.hs.start(reg.engine, reg.host, reg.port)  # layer-wise push needs it before
         return True
 
     def progress(self, now: float) -> None:
@@ -386,7 +386,8 @@ class Writes:
 
     def _start(self, m: Match, now: float) -> None:
         reg = m.reg
-        st = self.hs.state(reg.engine) or self.hs.start(reg.engine, _address(reg))
+        st = self.hs.state(reg.engine, reg.host, reg.port) \
+            or self.hs.start(reg.engine, reg.host, reg.port)
         if st.pending and now < m.valid_until:
             return
         self.matched.remove(m)
@@ -475,7 +476,3 @@ class Writes:
     def close(self) -> None:
         self.hs.close()
 
-
-def _address(reg: Registration) -> Any:
-    """Handshakes' ``address`` for a registering decode engine: rank r's host, port, identity."""
-    return lambda r: (reg.host, reg.port + r, sc.server_identity(reg.engine, r))

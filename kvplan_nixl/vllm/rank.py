@@ -31,6 +31,7 @@ class Rank(Protocol):
     whole: bool  # the backend moves whole pages only
     timeout: float  # transfer_timeout_s
     hs_timeout: float  # handshake_timeout_s
+    secret: str | None  # the deployment secret (signs metadata and control messages)
     lease: float  # lease_s
     heartbeat: float  # heartbeat_s
     stats: KvplanStats

@@ -26,7 +26,7 @@ import kvplan
 from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, whole_pages
 from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.addresses import is_loopback
-from kvplan_nixl.handshakes import Handshakes
+from kvplan_nixl.handshakes import Handshakes, identity
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.pulling import Pulls
 from kvplan_nixl.vllm.pushing import Receives, Writes
@@ -121,7 +121,8 @@ class Worker:
                     "%d)", self.rank, self.c.listen_host, port, self.c.host, self.c.port,
                     self.c.dp_rank)
         self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
-                             workers=2, retry_after_s=min(5.0, self.lease))
+                             identify=identity(self.secret),
+                             retry_after_s=min(5.0, self.lease))
         self.receives, self.writes = Receives(self), Writes(self)
         threading.Thread(target=self._progress_loop, daemon=True,
                          name="kvplan-progress").start()
@@ -196,7 +197,7 @@ class Worker:
                         self.ctl.release(load, range(load.remote_tp))
                     continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
-                    self.hs.start(load.engine, _address(load))
+                    self.hs.start(load.engine, load.host, load.port)
                 except Exception as e:
                     self.stats.record("num_failed_handshakes")
                     self.fail(load, f"{type(e).__name__}: {e}{_dialled(load)}")
@@ -215,9 +216,9 @@ class Worker:
 
     def _poll_waiting(self, now: float) -> None:
         for req_id, (load, deadline) in list(self.waiting.items()):
-            st = self.hs.state(load.engine)
-            if st is None:  # forgotten meanwhile: start again
-                st = self.hs.start(load.engine, _address(load))
+            st = self.hs.state(load.engine, load.host, load.port)
+            if st is None:  # forgotten meanwhile, or the pool was full: start again
+                st = self.hs.start(load.engine, load.host, load.port)
             if st.pending:
                 if now > deadline:
                     del self.waiting[req_id]
@@ -346,11 +347,6 @@ def _dialled(load: Load, address: bool = True) -> str:
                 "host reaches (its side_channel_host, side_channel_advertise_host or "
                 "VLLM_HOST_IP)")
     return out
-
-
-def _address(load: Load) -> Any:
-    """Handshakes' ``address`` for ``load``'s prefill engine: rank r's host, port, identity."""
-    return lambda r: (load.host, load.port + r, sc.server_identity(load.engine, r))
 
 
 #: Backends of state layers (Mamba, GDN, ...): they keep no attention pages.
