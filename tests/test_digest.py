@@ -3,6 +3,9 @@ real NIXL transfers whose digests agree, or disagree once one byte is flipped in
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -10,7 +13,7 @@ from kvplan import RequestError, pull_map, push_map
 from kvplan.pairs import pair_runs
 from kvplan_nixl import ArgumentError, BufferSizeError, Digester, DigestMismatch
 from kvplan_nixl import digest as dg
-from tests.nixl_util import attn, blocks, mla, pair, spec
+from tests.nixl_util import REPO, attn, blocks, mla, pair, spec
 
 P = (1 << 31) - 1
 
@@ -172,3 +175,93 @@ def test_verify_names_a_rank_that_sent_no_digest_and_refuses_vram():
         mine = {dst.regions[i].name: pr.dst_bufs[(0, i)] for i in dst.regions_on(0)}
         with pytest.raises(BufferSizeError, match="VRAM"):
             Digester(dst, 0, mine, memory={"layers.0.attn": "VRAM"})
+
+
+# -- the connector's push path, without engines (in the vLLM venv: it imports vLLM) -----------
+
+CONNECTOR_CHECK = r"""
+import json, time
+from types import SimpleNamespace
+import numpy as np
+from kvplan.adapters.vllm import TransferGroups
+from kvplan_nixl import Digester
+from kvplan_nixl.pushes import PUSHED, PushSend, parse_done, push_done
+from kvplan_nixl.vllm import digests
+from kvplan_nixl.vllm.pushing import Receive, Receives
+from kvplan_nixl.vllm.settings import Settings
+from tests.nixl_util import attn, pair, spec
+
+groups = TransferGroups(index=(0,), kinds=("full",), block_sizes=(16,), windows=(None,),
+                        scratch=(0,))
+src = spec(2, attn("layers.0.attn", nb=24), attn("layers.1.attn", nb=24))
+dst = spec(1, attn("layers.0.attn", nb=40), attn("layers.1.attn", nb=40))
+ids, mine, end = [3, 17, 5, 9, 1, 11], [31, 2, 8, 20, 14, 39], 96  # whole blocks
+
+def digester(sp, r, bufs):
+    return Digester(sp, r, {sp.regions[i].name: bufs[(r, i)] for i in sp.regions_on(r)})
+
+class Decode:  # the worker attributes Receives and digests read; fail() records the verdict
+    def __init__(self, ep, d):
+        self.c = Settings("decode", "127.0.0.1", 5700, 1, extra={"digest": True})
+        self.rank, self.ep, self.digester, self.groups, self.whole = 0, ep, d, groups, False
+        self.hs_timeout, self.recv_done, self.failed = 5.0, set(), []
+        self.stats = SimpleNamespace(record=lambda *a: None,
+                                     record_transfer=lambda *a: None)
+    def fail(self, load, why, peers=()):
+        self.failed.append(why)
+
+def push(pr, key, flip=False, digest=True):
+    # each prefill rank: the connector's PUSHED, signed, as the write's notification
+    send = PushSend(key, 1, key, (tuple(ids),), (0,))
+    for p, ep in enumerate(pr.p):
+        plan = ep.map("decode", "push").plan(groups.remote([ids], [0]), groups.local([mine]),
+                                             tokens=(0, end))
+        d = digester(src, p, pr.src_bufs) if digest else None
+        msg = digests.sign(d, plan, send, push_done(PUSHED, key, {0: plan.nbytes}, {0: 1}))
+        ep.write(plan, "decode", notify=msg).wait(30, progress=pr.d)
+    if flip:  # after arrival, before the decode's check: a byte prefill rank 1 wrote
+        row = plan.copies()[len(plan) // 2]
+        buf = pr.dst_bufs[(0, int(row["dst_region"]))].reshape(-1).view(np.uint8)
+        buf[int(row["dst_offset"]) + int(row["length"]) - 1] ^= 0x04
+    w = Decode(pr.d[0], digester(dst, 0, pr.dst_bufs))
+    rc = Receives(w)
+    load = SimpleNamespace(req_id=key, engine="prefill", local_ids=[mine], start=0, end=end,
+                           push=True)
+    rc.waiting[key] = Receive(load, frozenset({0, 1}), time.monotonic() + 30, 0.0)
+    got, deadline = 0, time.monotonic() + 10
+    while got < 2 and time.monotonic() < deadline:
+        for n in pr.d[0].notifications():
+            got += rc.notice(n, time.monotonic())
+    assert got == 2 and not rc.waiting, (got, rc.waiting)
+    return w
+
+with pair(src, dst) as pr:
+    pr.connect("pull"); pr.connect("push")
+    w = push(pr, "ok")
+    assert w.recv_done == {"ok"} and w.failed == [], (w.recv_done, w.failed)
+    pr.check([ids], [mine], ())  # the oracle agrees the bytes arrived
+    w = push(pr, "bad", flip=True)
+    assert w.recv_done == set() and len(w.failed) == 1, (w.recv_done, w.failed)
+    assert "DigestMismatch" in w.failed[0] and "digest mismatch: source" in w.failed[0], w.failed
+    w = push(pr, "unsigned", digest=False)  # a prefill with the digest off: refused too
+    assert "sent no source lists" in w.failed[0], w.failed
+ok = digests.NO_PULLS
+try:
+    Settings("e", "h", 1, 1, extra={"digest": "yes"}).digest()
+    raise SystemExit("a non-bool digest was taken")
+except ValueError as e:
+    assert "kv_connector_extra_config['digest'] must be true or false" in str(e), e
+print("ok")
+"""
+
+
+def test_connector_push_checks_the_digest_before_the_first_token():
+    from tests import vllm_env
+
+    try:
+        py = vllm_env.ensure()
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+    r = subprocess.run([str(py), "-c", CONNECTOR_CHECK], capture_output=True, text=True,
+                       timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
