@@ -36,7 +36,13 @@ import numpy as np
 from kvplan import EngineSpec, TransferPlan
 from kvplan.pairs import pair_runs
 from kvplan_nixl.buffers import declared_memory, resolve_buffers
-from kvplan_nixl.errors import ArgumentError, BufferSizeError, DigestMismatch
+from kvplan_nixl.errors import (
+    ArgumentError,
+    BoundsError,
+    BufferSizeError,
+    DigestMismatch,
+    PlanMismatchError,
+)
 
 #: The checksum's prime modulus (a Mersenne prime: sums stay far inside int64).
 MODULUS = (1 << 31) - 1
@@ -137,9 +143,10 @@ class Digester:
             raise BufferSizeError(f"transfer digest: buffer {vram[0]!r} is in VRAM; the digest "
                                   "reads host memory (DRAM) only")
         self.bases = np.zeros(len(spec.buffers), dtype=np.int64)
+        self.sizes = np.zeros(len(spec.buffers), dtype=np.int64)  # 0: a buffer not held here
         self._held = [buf for buf, _ in allocs.values()]  # alive while the addresses are used
-        for i, (_, (addr, _, _, _)) in allocs.items():
-            self.bases[i] = addr
+        for i, (_, (addr, nbytes, _, _)) in allocs.items():
+            self.bases[i], self.sizes[i] = addr, nbytes
 
     def digests(self, plan: TransferPlan, side: str) -> dict[int, Digest]:
         """Per peer rank, the digest of this rank's side of ``plan``: ``side="src"`` reads the
@@ -149,13 +156,24 @@ class Digester:
         if side not in ("src", "dst"):
             raise ArgumentError(f"side must be 'src' or 'dst', got {side!r}")
         other = "dst" if side == "src" else "src"
+        if getattr(plan.map, side) != self.spec:
+            raise PlanMismatchError(f"transfer digest: the plan's {side} engine is not the one "
+                                    "this Digester was built for")
         rows = plan.copies()
         peers = np.unique(rows[f"{other}_rank"][rows[f"{side}_rank"] == self.rank])
         out = {}
         for p in peers.tolist():  # per peer rank: a handful, never per run
             pair = (self.rank, p) if side == "src" else (p, self.rank)
             runs = pair_runs(plan, *pair)
-            addr = self.bases[runs[f"{side}_buffer"]] + runs[f"{side}_offset"]
+            buf, off, n = runs[f"{side}_buffer"], runs[f"{side}_offset"], runs["length"]
+            out_of = (off < 0) | (n < 0) | (off + n > self.sizes[buf])
+            if out_of.any():  # never read memory this rank did not hand over
+                k = int(np.flatnonzero(out_of)[0])
+                raise BoundsError(f"transfer digest: run {k} of rank pair {pair} ({side} buffer "
+                                  f"{self.spec.buffers[buf[k]]!r}, offset {int(off[k])}, length "
+                                  f"{int(n[k])}) is outside the {int(self.sizes[buf[k]])} "
+                                  f"bytes rank {self.rank} holds")
+            addr = self.bases[buf] + off
             lo, hi = int(addr.min()), int((addr + runs["length"]).max())
             out[p] = checksum(_host_bytes(lo, hi), addr - lo, runs["length"])
         return out

@@ -6,12 +6,20 @@ from __future__ import annotations
 import os
 import subprocess
 
+import attrs
 import numpy as np
 import pytest
 
 from kvplan import RequestError, pull_map, push_map
 from kvplan.pairs import pair_runs
-from kvplan_nixl import ArgumentError, BufferSizeError, Digester, DigestMismatch
+from kvplan_nixl import (
+    ArgumentError,
+    BoundsError,
+    BufferSizeError,
+    Digester,
+    DigestMismatch,
+    PlanMismatchError,
+)
 from kvplan_nixl import digest as dg
 from tests.nixl_util import REPO, attn, blocks, mla, pair, spec
 
@@ -172,6 +180,12 @@ def test_verify_names_a_rank_that_sent_no_digest_and_refuses_vram():
             dsts[0].verify(plan, {0: good[0]})
         with pytest.raises(ArgumentError, match="side must be 'src' or 'dst'"):
             dsts[0].digests(plan, "both")
+        with pytest.raises(PlanMismatchError, match="plan's src engine is not the one"):
+            dsts[0].digests(plan, "src")  # a decode Digester given the prefill's side
+        rows = plan.copies().copy()
+        rows["dst_offset"][-1] = 1 << 40  # a forged run past the buffer: never read
+        with pytest.raises(BoundsError, match=r"is outside the \d+ bytes rank 0 holds"):
+            dsts[0].digests(attrs.evolve(plan, rows=rows), "dst")
         mine = {dst.regions[i].name: pr.dst_bufs[(0, i)] for i in dst.regions_on(0)}
         with pytest.raises(BufferSizeError, match="VRAM"):
             Digester(dst, 0, mine, memory={"layers.0.attn": "VRAM"})
