@@ -64,9 +64,10 @@ def sign(d: Digester | None, plan: TransferPlan, send: PushSend, message: bytes)
         return message
     t0 = time.perf_counter()
     fields = json.loads(message[len(PUSHED):])
-    fields["digest"] = {str(r): x.hex() for r, x in d.digests(plan, "src").items()}
+    sent = d.digests(plan, "src")
+    fields["digest"] = {str(r): x.hex() for r, x in sent.items()}
     logger.info("kvplan: push req=%s digest of %d bytes to decode rank(s) %s in %.4f s",
-                send.req_id, plan.nbytes, sorted(fields["digest"]), time.perf_counter() - t0)
+                send.req_id, plan.nbytes, sorted(sent), time.perf_counter() - t0)
     fields["src"] = {"ids": [list(g) for g in send.ids], "first": list(send.first)}
     return PUSHED + json.dumps(fields, separators=(",", ":")).encode()
 
