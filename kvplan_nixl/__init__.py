@@ -30,6 +30,7 @@ from kvplan_nixl.errors import (
     BufferSizeError,
     BusyError,
     ClosedError,
+    DigestMismatch,
     ExecutorError,
     MetadataError,
     NixlError,
@@ -41,6 +42,7 @@ from kvplan_nixl.errors import (
 )
 
 if TYPE_CHECKING:
+    from kvplan_nixl.digest import Digester
     from kvplan_nixl.endpoint import Endpoint
     from kvplan_nixl.notifications import Notification
     from kvplan_nixl.parts import RequestTransfer
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from kvplan_nixl.transfer import State, Transfer
 
 _LAZY = {
+    "Digester": "kvplan_nixl.digest",
     "Endpoint": "kvplan_nixl.endpoint",
     "Notification": "kvplan_nixl.notifications",
     "Peer": "kvplan_nixl.peers",
@@ -66,6 +69,8 @@ __all__ = [
     "BufferSizeError",
     "BusyError",
     "ClosedError",
+    "DigestMismatch",
+    "Digester",
     "Endpoint",
     "ExecutorError",
     "MetadataError",

@@ -24,6 +24,7 @@ __all__ = [
     "BufferSizeError",
     "BusyError",
     "ClosedError",
+    "DigestMismatch",
     "ExecutorError",
     "MetadataError",
     "NixlError",
@@ -124,6 +125,12 @@ class TransferFailed(ExecutorError, RuntimeError):
 
 class TransferTimeout(TransferFailed, TimeoutError):
     """A transfer's deadline passed first; the unfinished parts were cancelled and released."""
+
+
+class DigestMismatch(TransferFailed):
+    """A transfer completed but the bytes received from some source ranks do not match their
+    digest (``kvplan_nixl.digest``): ``reasons`` names each, ``blocks`` every destination
+    block of the plan (none of the request's KV is to be used)."""
 
 
 def _ids(a: np.ndarray, limit: int = 16) -> str:

@@ -53,6 +53,7 @@ LAYERS = {
     "kvplan.allocations": 2,
     "kvplan.plan": 3,
     "kvplan.request": 3,
+    "kvplan.pairs": 3,
     "kvplan.planner": 4,
     "kvplan.views": 5,
     "kvplan.rank_picture": 5,

@@ -49,12 +49,14 @@ ROLES = {"p1": (1, "0"), "d1": (1, "1"), "t2": (2, "nobind")}
 #: variant -> engine options, named after the role (``llama-p1-short-few``), several allowed.
 #: ``short``: leases of 3 s (heartbeats every second), handshakes and control messages of 1 s,
 #: vLLM's stats log and metrics; ``few``: 40 KV blocks, so that freed blocks are soon reused;
-#: ``fail``: ``kv_load_failure_policy="fail"``; ``stats``: vLLM's stats log and metrics alone.
+#: ``fail``: ``kv_load_failure_policy="fail"``; ``stats``: vLLM's stats log and metrics alone;
+#: ``digest``: the transfer digest on.
 VARIANTS = {
     "short": {"extra": {"lease_s": 3, "handshake_timeout_s": 1}, "log_stats": True},
     "few": {"num_blocks": 40},
     "fail": {"policy": "fail"},
     "stats": {"log_stats": True},
+    "digest": {"extra": {"digest": True}},
 }
 
 

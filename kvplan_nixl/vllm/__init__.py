@@ -63,7 +63,8 @@ start: :mod:`kvplan_nixl.addresses`),
 ``base + dp * tp_size + r``), ``transfer_timeout_s`` (default 30), ``handshake_timeout_s``
 (default 5), ``lease_s`` (default 120), ``heartbeat_s`` (default ``lease_s / 3``),
 ``nixl_backends`` (default ``["UCX"]``), ``mode`` (``"pull"``, ``"push"`` or ``"layerwise"``;
-default ``"pull"``), ``push_timeout_s`` (default 60). See docs/vllm.md.
+default ``"pull"``), ``push_timeout_s`` (default 60), ``digest`` (default false: a transfer
+digest checks every push, :mod:`.digests`). See docs/vllm.md.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from kvplan_nixl.pushes import (
     parse_done,
     push_done,
 )
+from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.spans import span
 
 if TYPE_CHECKING:
@@ -128,6 +129,10 @@ class Receives:
 
     def _done(self, r: Receive, now: float) -> None:
         del self.waiting[r.load.req_id]
+        why = None if self.w.digester is None else digests.check(self.w, r.load, r.got)
+        if why is not None:  # before its first token: the policy recomputes or fails it
+            self._fail(r, why)
+            return
         me = str(self.w.rank)
         nbytes = sum(int(f["bytes"].get(me, 0)) for f in r.got.values())
         runs = sum(int(f["runs"].get(me, 0)) for f in r.got.values())
@@ -218,8 +223,9 @@ class Writes:
 
     def begin(self, sends: list[PushSend], now: float) -> None:
         """Open the layer-wise pushes of this step's forward: those whose registration is in
-        and whose decode is connected (the others are pushed whole once finished)."""
-        for s in sends:
+        and whose decode is connected (the others are pushed whole once finished; all of them
+        with the transfer digest on, which is of the finished KV)."""
+        for s in sends if self.w.digester is None else ():
             reg = self.table.registration(s.key, now)
             st = None if reg is None else self.hs.state(reg.engine, reg.host, reg.port)
             if st is None or st.pending or st.failed:
@@ -427,6 +433,7 @@ class Writes:
             self._end(m.send)
             return
         targets = plan.peers
+        msg = digests.sign(w.digester, plan, m.send, msg)
         t0 = time.perf_counter()
         # the deadline ends the write inside the registration's window: never a late write
         t = w.ep.write(plan, reg.engine, notify=msg, timeout=m.valid_until - now)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvplan.adapters.vllm import TransferGroups
+    from kvplan_nixl.digest import Digester
     from kvplan_nixl.handshakes import Handshakes
     from kvplan_nixl.vllm.control import Control, Sends
     from kvplan_nixl.vllm.scheduler import Load
@@ -35,6 +36,7 @@ class Rank(Protocol):
     lease: float  # lease_s
     heartbeat: float  # heartbeat_s
     stats: KvplanStats
+    digester: Digester | None  # the transfer digest's, None when it is off
     sends: Sends | None
     ctl: Control
     hs: Handshakes | None

@@ -63,6 +63,15 @@ class Settings:
                              f"{', '.join(map(repr, MODES))}, got {v!r}")
         return v
 
+    def digest(self) -> bool:
+        """``extra["digest"]``: check every push with a transfer digest (true / false, default
+        false; :mod:`kvplan_nixl.vllm.digests`)."""
+        v = self.extra.get("digest", False)
+        if not isinstance(v, bool):
+            raise ValueError(f"kv_connector_extra_config['digest'] must be true or false, got "
+                             f"{v!r}")
+        return v
+
     def backends(self) -> tuple[str, ...]:
         """``extra["nixl_backends"]``: NIXL backends the endpoint creates (a list, or a
         comma-separated string; default UCX)."""

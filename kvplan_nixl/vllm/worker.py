@@ -27,6 +27,7 @@ from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, w
 from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.addresses import is_loopback
 from kvplan_nixl.handshakes import Handshakes, identity
+from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.pulling import Pulls
 from kvplan_nixl.vllm.pushing import Receives, Writes
@@ -79,6 +80,7 @@ class Worker:
         self.recv_failed: set[str] = set()
         self.errors: set[int] = set()
         self.stats = KvplanStats()
+        self.digester = None  # the transfer digest's (register), None when it is off
         self._reported: dict[str, int] = {}  # cumulative counters already in self.stats
 
     # -- start-up ----------------------------------------------------------------------------
@@ -102,6 +104,7 @@ class Worker:
         self.cuda = first.device.type == "cuda"
         if self.cuda:  # NIXL needs the device: flat views of the buffers
             bufs = {k: _flat(kv_caches, a, n) for k, (a, n) in bufs.items()}
+        self.digester = digests.digester(self.c, spec, self.rank, bufs, self.cuda)
         self.ep = Endpoint(self.c.engine_id, spec, self.rank, bufs, secret=self.secret,
                            backends=self.backends)
         kinds = ",".join(sorted({r.kind.value for r in spec.regions}))
@@ -243,6 +246,9 @@ class Worker:
         tmap, counts = self._engine(load.engine)
         if load.push:  # the prefill writes: register and wait
             self.receives.register(load, tmap, time.monotonic(), connect_by)
+            return
+        if self.digester is not None:  # a pull cannot be checked: never passed unchecked
+            self.fail(load, digests.NO_PULLS)
             return
         self.pulls.post(load, tmap, counts)
 

@@ -1,0 +1,58 @@
+"""The transfer digest inside real vLLM engines (vLLM's CPU build): a push checked by it equals
+the plain run, a layer-wise one is written whole and checked too; a pull to a decode with the
+digest on is refused into the failure policy (it cannot be checked), so it recomputes. A
+corrupted byte is shown failing by tests/test_digest.py (the connector's own check over real
+NIXL agents; no engine can be made to flip one).
+
+Engines from tests/vllm_pool.py (see tests/test_vllm_engine.py); run under
+``flock /tmp/vllm-engines.lock nice``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_pool import (
+    FAILED,
+    LAYERED,
+    PULL,
+    check_equal,
+    engine_pool,
+    pd,
+    pd_push,
+    prompt,
+    push_equals_plain,
+    tails,
+)
+
+SIGNED = r"kvplan: push req=\S+ digest of \d+ bytes to decode rank\(s\) \[0\] in"
+VERIFIED = r"kvplan: push req=\S+ rank=0 digest verified: \d+ bytes from prefill rank\(s\) \[0\]"
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with engine_pool(tmp_path_factory, "vllm") as p:
+        yield p
+
+
+def test_digest_push_equals_plain_and_a_pull_is_refused(pool):
+    p1, d1 = pool.only("llama-p1-digest", "llama-d1-digest")
+    signed, verified = len(p1.log_lines(SIGNED)), len(d1.log_lines(VERIFIED))
+    push_equals_plain(p1, d1, prompt(40), "push P TP1 -> D TP1 with the digest", "digest-a")
+    assert len(p1.log_lines(SIGNED)) == signed + 1, f"the prefill signed no PUSHED{tails()}"
+    assert len(d1.log_lines(VERIFIED)) == verified + 1, f"the decode verified nothing{tails()}"
+    # layer-wise: written whole after the forward (the digest is of the finished KV), checked
+    ids, layered = prompt(42, 70), len(p1.log_lines(LAYERED))
+    plain = p1.generate(ids, 16)
+    check_equal(pd_push(p1, d1, ids, "digest-lw", mode="layerwise"), plain,
+                "layer-wise push with the digest (written whole)")
+    assert len(p1.log_lines(LAYERED)) == layered, f"written layer-wise, unchecked{tails()}"
+    assert len(d1.log_lines(VERIFIED)) == verified + 2, f"not verified{tails()}"
+    # a pull cannot be checked: refused before it is posted, recomputed (the policy)
+    ids = prompt(41)
+    plain = p1.generate(ids, 16)
+    failed, pulls = len(d1.log_lines(FAILED)), len(d1.log_lines(PULL))
+    check_equal(pd(p1, d1, ids), plain, "pull to a digest decode (refused, recomputed)")
+    assert len(d1.log_lines(PULL)) == pulls, "a pull was posted unchecked"
+    refused = d1.log_lines(r"kvplan: pull req=\S+ from \S+ failed \(the transfer digest is on")
+    assert len(d1.log_lines(FAILED)) == failed + 1 and refused, f"pull not refused{tails()}"
