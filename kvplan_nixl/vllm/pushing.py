@@ -202,10 +202,10 @@ class Writes:
         self.matched: list[Match] = []
         self.inflight: dict[str, Write] = {}
         self.layers: dict[str, Layered] = {}
-        self.owed = Owed(worker, self.hs)  # PUSHFAILs for refused registrations
         self.open = False  # a layer-wise push of this step's forward is open (forward thread)
         self.hs = Handshakes(self._connect, lock=worker.lock, timeout=worker.hs_timeout,
                              workers=2, retry_after_s=min(5.0, worker.lease))
+        self.owed = Owed(worker, self.hs)  # PUSHFAILs for refused registrations
 
     def _connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:
         """Handshakes' ``connect`` (under the worker's lock): a decode rank, in push mode."""
