@@ -180,6 +180,81 @@ def test_a_transfer_key_registered_twice_fails_both_and_writes_neither():
     _in_vllm_venv(COLLISION_CHECK)
 
 
+LATE_CHECK = r"""
+import threading, time
+import numpy as np
+from kvplan.adapters.vllm import TransferGroups
+from kvplan_nixl import sidechannel as sc
+from kvplan_nixl.pushes import PushSend, Registration, parse_done
+from kvplan_nixl.vllm.control import Sends
+from kvplan_nixl.vllm.pushing import Writes
+from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.vllm_stats import KvplanStats
+from tests.nixl_util import attn, pair, spec
+
+KEY = "kvplan-test-deployment-secret-18"
+SP = spec(1, *[attn(f"layers.{k}.attn", heads=2, nb=16) for k in range(2)])
+
+class Rank:  # as in COLLISION_CHECK
+    def __init__(self, ep):
+        self.c = Settings("prefill", "127.0.0.1", 5700, 1)
+        self.rank, self.lock, self.ep = 0, threading.Lock(), ep
+        self.hs_timeout, self.lease = 2.0, 5.0
+        self.stats, self.whole = KvplanStats(), False
+        self.groups = TransferGroups((0,), ("full",), (16,), (None,), (0,))
+        self.sends = Sends("127.0.0.1", 0, sc.server_identity("prefill", 0), ep.metadata(),
+                           secret=KEY, lease=self.lease)
+
+with pair(SP, SP, secret=KEY.encode()) as pr:
+    pr.connect("pull")
+    p, d = pr.p[0], pr.d[0]
+    dside = Sends("127.0.0.1", 0, sc.server_identity("decode", 0), d.metadata(), secret=KEY,
+                  lease=5.0)
+    w = Rank(p)
+    wr = Writes(w)
+    reg = Registration(key="lw", decode_req="dL", engine="decode", host="127.0.0.1",
+                       port=dside.server.port, tp=1, lists=((3, 4),), start=0, end=32,
+                       ttl=1.5, sent=time.time())
+    d.notify("prefill", [0], reg.encode())
+    end = time.monotonic() + 10
+    while time.monotonic() < end:  # the registration, then the decode connected
+        for n in p.notifications():
+            assert wr.notice(n, time.monotonic())
+        d.progress()
+        st = wr.hs.state("decode")
+        if st is not None and st.ready:
+            break
+        time.sleep(0.005)
+    assert st is not None and st.ready, st
+    wr.begin([PushSend("pL", 0, "lw", ((1, 2),), (0,))], time.monotonic())
+    assert wr.open and "pL" in wr.layers
+    with w.lock:
+        wr.save_layer("layers.0.attn")  # inside the window: posted
+    time.sleep(1.6)  # a slow forward: the window closed before layer 1 was computed
+    with w.lock:
+        wr.save_layer("layers.1.attn")
+    lw = wr.layers["pL"]
+    assert lw.parts == 1 and lw.over, (lw.parts, lw.over)  # layer 1 never posted
+    told, end = None, time.monotonic() + 10
+    while told is None and time.monotonic() < end:
+        for n in d.notifications():
+            told = parse_done(n.message)
+        p.progress()
+    assert told is not None and not told[0] and "window closed" in told[1]["why"], told
+    j = [r.name for r in SP.regions].index("layers.1.attn")
+    assert np.array_equal(pr.dst_bufs[(0, j)], pr.before[(0, j)])  # nothing of it landed
+    wr.close(); w.sends.close(); dside.close()
+print("ok")
+"""
+
+
+def test_a_layer_computed_after_the_window_closed_is_never_posted():
+    """Item 3: layer-wise, a layer hook that fires after the decode's window closed (a slow
+    forward) posts nothing (its time is never clamped to 0 and posted): the push fails
+    with PUSHFAIL to the decode, whose blocks of that layer are untouched."""
+    _in_vllm_venv(LATE_CHECK)
+
+
 def test_push_answers_count_only_from_the_named_engine_and_malformed_ones_drop_alone():
     """Items 4 and 5: PUSHED from another engine (early or not) never completes a request;
     early answers are bounded per engine without losing the genuine one and expire; a
