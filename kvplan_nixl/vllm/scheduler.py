@@ -10,6 +10,14 @@ computes all but the last prompt token and the decode computes that one itself, 
 state it continues from is the state after ``n - 1`` tokens (as NixlConnector does:
 ``_prefill_backoff`` in ``kv_connector/v1/nixl/base_scheduler.py``).
 
+Admission (:meth:`Scheduler.new_request`, vLLM's ``on_new_request``) checks every field of a
+request's ``kv_transfer_params`` once (:mod:`kvplan_nixl.transfer_params`: an HTTP client
+chooses them); the rest of this module reads only what passed. A decode request whose params
+were refused still waits for a load, which its workers fail at once without contacting
+anyone, so that vLLM's ``kv_load_failure_policy`` decides (recompute it or fail it) and no
+exception leaves the scheduler's step; a prefill request whose params were refused is served
+as a plain request.
+
 Push mode (:mod:`kvplan_nixl.pushes`): a decode request whose params name a prefill engine but
 carry no ``remote_block_ids`` waits for that prefill to write its blocks (a :class:`Load` with
 ``push``); a prefill request pushes when its params say ``"transfer_mode": "push"`` (or
@@ -176,7 +184,8 @@ class Scheduler:
             if request is None:
                 continue
             n = scheduled.num_scheduled_tokens.get(nr.req_id, 0)
-            key = self.handovers[nr.req_id].key
+            hand = self.handovers.get(nr.req_id)
+            key = None if hand is None else hand.key
             if key is None or nr.num_computed_tokens + n < request.num_prompt_tokens:
                 continue  # chunked: pushed whole once it finished
             handed, first = self.groups.handed(nr.block_ids)
