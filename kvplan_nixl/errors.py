@@ -12,6 +12,7 @@ The lowest layer: it may import nothing of kvplan_nixl.
 from __future__ import annotations
 
 import contextlib
+import reprlib
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -24,11 +25,13 @@ __all__ = [
     "BufferSizeError",
     "BusyError",
     "ClosedError",
+    "DeadlinePassed",
     "DigestMismatch",
     "ExecutorError",
     "MetadataError",
     "NixlError",
     "NotConnectedError",
+    "ParamsError",
     "PeerTimeout",
     "PlanMismatchError",
     "TransferFailed",
@@ -74,6 +77,24 @@ class BusyError(ExecutorError, RuntimeError):
 
 class ClosedError(ExecutorError, RuntimeError):
     """The endpoint was closed."""
+
+
+class ParamsError(ExecutorError, ValueError):
+    """A request's ``kv_transfer_params`` (chosen by whoever sends the HTTP request: no secret
+    protects them) has a field of the wrong type or out of range; ``field`` names it and
+    ``value`` is what was given (shortened in the message). The request is failed into
+    vLLM's ``kv_load_failure_policy``; the engine is untouched."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        shown = _SHORT.repr(value)  # bounded in length and depth (a client chose it)
+        super().__init__(f"kv_transfer_params[{field!r}] = {shown}: {allowed}")
+
+
+class DeadlinePassed(ExecutorError, TimeoutError):
+    """A transfer (or a part of one) was not posted because its deadline had already passed:
+    nothing was handed to NIXL, so nothing can land late."""
 
 
 class PeerTimeout(ExecutorError, TimeoutError):
@@ -131,6 +152,11 @@ class DigestMismatch(TransferFailed):
     """A transfer completed but the bytes received from some source ranks do not match their
     digest (``kvplan_nixl.digest``): ``reasons`` names each, ``blocks`` every destination
     block of the plan (none of the request's KV is to be used)."""
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
+_SHORT.maxlist, _SHORT.maxdict = 8, 6
 
 
 def _ids(a: np.ndarray, limit: int = 16) -> str:

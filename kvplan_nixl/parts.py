@@ -25,7 +25,12 @@ import numpy as np
 from kvplan import Mode, TransferPlan
 from kvplan_nixl.arguments import check_notify, check_progress, check_timeout
 from kvplan_nixl.descriptors import Lowered
-from kvplan_nixl.errors import ArgumentError, NotConnectedError, PlanMismatchError
+from kvplan_nixl.errors import (
+    ArgumentError,
+    DeadlinePassed,
+    NotConnectedError,
+    PlanMismatchError,
+)
 from kvplan_nixl.posting import Poster
 from kvplan_nixl.transfer import State, Transfer, _Part
 
@@ -111,7 +116,8 @@ class RequestTransfer:
         Given names, no part plan is built (the descriptors are sliced from those lowered at
         open) and the returned Transfer's ``plan`` is the request's plan. Raises
         :class:`PlanMismatchError` for a part of another plan, a region already posted, or a
-        post after :meth:`end`; nothing is posted then.
+        post after :meth:`end`, and :class:`DeadlinePassed` once the request's deadline
+        passed (never a part posted with no time left); nothing is posted then.
         """
         notify = check_notify(notify)
         if self._ended:
@@ -148,7 +154,10 @@ class RequestTransfer:
                 f"region(s) {names} already posted in part {self._posted[again[0]]} of this "
                 "request; each region is posted once"
             )
-        timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        timeout = None if self._deadline is None else self._deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:  # never post what could only land late
+            raise DeadlinePassed(f"the request's deadline passed {-timeout:.3f} s ago: region(s) "
+                                 f"{[whole.map.dst.regions[j].name for j in regions]} not posted")
         if self._pre is None:
             t = self._poster.post(part, self.remote, self.mode, notify, timeout)
         else:

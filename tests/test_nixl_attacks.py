@@ -17,9 +17,11 @@ import os
 import struct
 import time
 
+import numpy as np
 import pytest
 
 from kvplan_nixl import (
+    DeadlinePassed,
     Endpoint,
     NotConnectedError,
     PlanMismatchError,
@@ -498,3 +500,66 @@ def test_prefill_dropping_its_push_route_keeps_decodes_pull_notifications():
             assert [n.message for n in p.notifications()] == [f"n-{how}".encode()]
         assert p.stats()["unknown"] == 0
         _settled(pr)
+
+
+def test_a_part_posted_after_the_requests_deadline_is_refused_and_writes_nothing():
+    """Issue 36, item 3 (the executor's half): a layer-wise part whose request's deadline
+    passed (a slow forward) is never posted with its time clamped to 0: DeadlinePassed,
+    nothing handed to NIXL, the decode's bytes of that layer untouched."""
+    layers = [attn(f"layers.{k}.attn", heads=4, bs=16, nb=8) for k in range(2)]
+    src, dst = spec(1, *layers), spec(1, *layers)
+    with pair(src, dst) as pr:
+        pr.connect("push")
+        p = pr.p[0]
+        req = p.request(p.map("decode", "push").plan([[1, 2]], [[3, 4]]), "decode",
+                        notify=b"req", timeout=0.5)
+        first = req.post(["layers.0.attn"])
+        time.sleep(0.6)  # the forward of layer 1 took past the window
+        with pytest.raises(DeadlinePassed, match=r"not posted"):
+            req.post(["layers.1.attn"])
+        assert req.transfers == [first]  # nothing else posted
+        assert _until(lambda: (first.poll(), first.done)[1], pr.d)
+        # layer 1's region was never written, whatever became of layer 0's part
+        j = [r.name for r in dst.regions].index("layers.1.attn")
+        assert np.array_equal(pr.dst_bufs[(0, j)], pr.before[(0, j)])
+
+
+def test_refused_opens_are_refused_before_any_planning(monkeypatch):
+    """Issue 36, item 7: an OPEN whose chunk count does not fit its bytes, or that asks more
+    bytes than the blocks it lists hold on this rank, is refused (FAIL) without planning:
+    the planner and the stager are never called for it; a genuine request still is."""
+    from kvplan_nixl.staged import server as srv
+
+    with staged(None) as pr:
+        p, d = pr.p[0], pr.d[0]
+        sp = pr.stagers[p]
+        cap_d, cap_p = _Capture(monkeypatch, d), _Capture(monkeypatch, p)
+        _staged_run(pr, "pull")
+        _settled(pr)
+        head, body = cap_d.find(b"kvs1 OPEN").split(b"\n", 1)
+        calls = []
+        tmap_cls = type(p.map("decode", "push"))
+        real_plan, real_stage = tmap_cls.plan, srv.stage
+        monkeypatch.setattr(tmap_cls, "plan", lambda *a, **k: calls.append("plan")
+                            or real_plan(*a, **k))
+        monkeypatch.setattr(srv, "stage", lambda *a, **k: calls.append("stage")
+                            or real_stage(*a, **k))
+        f = head.split(b" ")
+        slot, nbytes = int(f[4]), int(f[6])  # kvs1 OPEN rid mode slot timeout nbytes chunks
+        held = len(SB[0]) * SRC.rank_block_nbytes(0)  # what the listed blocks hold
+        assert 0 < nbytes <= held
+        bad = {b"81": (nbytes, -(-nbytes // slot) + 1),  # one chunk too many
+               b"82": (held + slot, -(-(held + slot) // slot))}  # more than the blocks hold
+        for rid, (n, chunks) in bad.items():
+            g = list(f)
+            g[2], g[6], g[7] = rid, str(n).encode(), str(chunks).encode()
+            sp.channel.inbox.append((d.agent_name, b" ".join(g) + b"\n" + body))
+        sp.poll()
+        fails = [m for _, m in cap_p.sent if b"FAIL" in m and b"refused" in m]
+        assert len(fails) == 2, cap_p.sent[-4:]
+        assert any(b"chunks of" in m for m in fails), fails
+        assert any(b"more than the" in m for m in fails), fails
+        assert calls == [] and not sp._server.served  # no plan, no stage, nothing held
+        _staged_run(pr, "pull")  # a genuine one plans as before
+        assert "plan" in calls and "stage" in calls
+        pr.check(SB, DB)

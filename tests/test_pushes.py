@@ -69,9 +69,11 @@ def test_done_messages_carry_bytes_per_decode_rank_and_others_are_not_theirs():
     ok, d = parse_done(push_done(PUSHFAIL, "d-1", why="peer gone"))
     assert not ok and d["why"] == "peer gone"
     assert parse_done(b"other") is None
-    assert parse_done(PUSHED + b"{") is None
-    assert parse_done(PUSHED + b'{"decode_req": 3, "bytes": {}, "runs": {}}') is None
     assert parse_done(REGISTER + b"{}") is None
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_done(PUSHED + b"{")
+    with pytest.raises(ValueError, match="decode_req"):
+        parse_done(PUSHED + b'{"decode_req": 3, "bytes": {}, "runs": {}}')
 
 
 def test_pusher_matches_either_order_once():
@@ -115,3 +117,52 @@ def test_a_registration_window_ends_ttl_after_it_was_sent_never_later():
     t.add_send(send("dead"), now=0.0, lease=50.0)
     assert t.add_registration(reg("dead", ttl=10.0), now=100.0, age=10.0) is None
     assert "dead" not in t.regs and "dead" in t.sends  # the send waits on for another
+
+
+def test_two_requests_of_one_key_are_both_refused_never_paired():
+    """Issue 36, item 2: two decode requests registering one key (a reused X-Request-Id)
+    are both refused, and so is the prefill send of that key that comes later; the same for
+    two sends of one key. A registration repeated by its own request is not a collision."""
+    t = Pusher()
+    a, b = reg("k", decode_req="d-A"), reg("k", decode_req="d-B")
+    assert t.add_registration(a, now=0.0, age=0.0) is None
+    assert t.add_registration(a, now=0.1, age=0.0) is None and not t.refused  # same request
+    assert t.add_registration(b, now=0.2, age=0.0) is None
+    assert [x for x, _ in t.refused] == [a, b] and "more than one request" in t.refused[0][1]
+    t.refused.clear()
+    assert t.add_send(send("k"), now=1.0, lease=5.0) is None  # never written into A or B
+    assert [x for x, _ in t.refused] == [send("k")] and t.regs == {} and t.sends == {}
+    t.refused.clear()
+    t.expire(now=10.3)  # both windows over: the key may be used again
+    assert t.add_registration(reg("k", decode_req="d-C"), now=10.3, age=0.0) is None
+    assert t.add_send(send("k"), now=10.4, lease=5.0).reg.decode_req == "d-C"
+    s2 = PushSend("p-2", 8, "j", ((5,), (6,)), (0, 0))
+    assert t.add_send(send("j"), now=11.0, lease=5.0) is None
+    assert t.add_send(s2, now=11.5, lease=5.0) is None
+    assert [x for x, _ in t.refused] == [send("j"), s2]
+    assert t.add_registration(reg("j"), now=12.0, age=0.0) is None  # refused, not paired
+    assert t.refused[-1][0] == reg("j") and not t.sends and not t.regs
+
+
+def test_malformed_push_messages_raise_value_errors_only():
+    """Issue 36, item 5: what a peer sends is parsed bounded; deep nesting, a non-integer
+    byte count or an oversized message is a ValueError (dropped by the caller), never a
+    RecursionError or a crash later."""
+    deep = b"[" * 50_000 + b"]" * 50_000
+    for msg in (PUSHED + b'{"decode_req":"d","bytes":' + deep + b',"runs":{}}',
+                REGISTER + deep, PUSHED + deep):
+        with pytest.raises(ValueError, match=r"not JSON|not an object"):
+            parse_done(msg) if msg.startswith(PUSHED) else Registration.decode(msg)
+    for bytes_ in ('{"0":"12"}', '{"0":1.5}', '{"0":-1}', '{"0":true}', '{"x":1}', '[]'):
+        body = b'{"decode_req":"d","bytes":%s,"runs":{}}' % bytes_.encode()
+        with pytest.raises(ValueError, match="bytes must map"):
+            parse_done(PUSHED + body)
+    with pytest.raises(ValueError, match="above"):
+        parse_done(PUSHED + b" " * (8 << 20))
+    r = reg().encode()
+    for lists in (b"[[4,5,6],[[9]]]", b"[[4,5,6],[2147483648]]", b"[[4,5,6],[-1]]",
+                  b"[[4,5.0]]", b"[[4],5]", b"5", b"[" + b"[1]," * 65 + b"[1]]"):
+        with pytest.raises(ValueError, match="lists must be"):
+            Registration.decode(r.replace(b"[[4,5,6],[9]]", lists))
+    with pytest.raises(ValueError, match="numbers"):  # rank ports past 65535
+        Registration.decode(reg(port=65535, tp=2).encode())

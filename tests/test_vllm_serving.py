@@ -173,6 +173,58 @@ print("ok")
 """
 
 
+SCHEDULER_CHECK = r"""
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request, RequestStatus
+from kvplan_nixl.vllm.scheduler import Scheduler
+from kvplan_nixl.vllm.settings import Settings
+
+spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                    kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)])
+s = Scheduler(Settings("dec", "127.0.0.1", 5700, 1), cfg)
+blocks = KVCacheBlocks(([KVCacheBlock(block_id=i) for i in (5, 6, 7)],))
+GOOD = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "p",
+        "remote_request_id": "r-x", "remote_host": "127.0.0.1", "remote_port": 5999,
+        "tp_size": 1}
+
+def req(i, params):
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
+    return Request(f"r{i}", list(range(2, 42)), sp, None)
+
+BAD = [("remote_port", "abc"), ("tp_size", "x"), ("remote_block_ids", 5),
+       ("tp_size", 10**9), ("remote_port", 70000), ("remote_block_ids", [[1], [2]])]
+for i, (k, v) in enumerate(BAD):  # vLLM's order: admission, match, allocation, metadata
+    r = req(i, dict(GOOD, **{k: v}))
+    s.new_request(r)
+    assert s.matched(r, 0) == (40, True), k  # waits: its load fails into the policy
+    s.allocated(r, blocks, 40)
+    (load,) = s.meta().loads
+    assert f"kv_transfer_params[{k!r}]" in load.refused and load.parked, load
+    assert load.remote_tp == 0 and load.host == "" and load.local_ids == [[5, 6, 7]], load
+    assert s.finished(r, ([5, 6, 7],)) == (False, None) and not s.meta().loads
+r = req(90, dict(GOOD, tp_size=10**9))  # aborted before it was scheduled: nothing released
+s.new_request(r)
+assert s.finished(r, ([],)) == (False, None) and not s.meta().loads
+r = req(91, dict(GOOD))  # the genuine one: released on abort, to its one rank
+s.new_request(r)
+s.finished(r, ([],))
+(load,) = s.meta().loads
+assert not load.refused and load.remote_tp == 1 and load.port == 5999 and not load.parked
+r = req(92, {"do_remote_decode": True, "transfer_mode": "bogus"})  # a prefill: served plain
+s.new_request(r)
+s.allocated(r, blocks, 0)
+r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+assert s.finished(r, ([5, 6, 7],)) == (False, None)
+assert not s.sources and not s.handovers  # nothing left behind
+print("ok")
+"""
+
+
 def _in_vllm_venv(script: str) -> None:
     try:
         py = vllm_env.ensure()
@@ -198,6 +250,11 @@ def test_failed_loads_are_told_once_per_request():
     """The scheduler learns a load failed from the workers' output (blocks, or the request
     for several groups), adds ``kvplan_load_failed`` to its params once, and counts it."""
     _in_vllm_venv(OUTCOMES_CHECK)
+def test_bad_params_fail_their_request_at_the_connectors_scheduler_entry_points():
+    """Issue 36, item 1, through the scheduler half with vLLM's own Request and block
+    objects: a bad field never raises, the request's load is refused (it fails into the
+    policy), nothing is built from its tp_size, host or port."""
+    _in_vllm_venv(SCHEDULER_CHECK)
 
 
 def test_prefill_holds_and_decode_control_messages_over_the_side_channel():
@@ -665,6 +722,39 @@ def test_fail_policy_fails_the_request_whose_hold_ended(pool):
     assert _wait_metric(d, "vllm:kvplan_num_failed_transfers", 1) >= 1
     assert _wait_metric(p, "vllm:kvplan_num_kv_expired_reqs", 2) >= 2
 
+
+
+#: Params an HTTP client may send a decode (issue 36, item 1): each took the engine down
+#: (raised out of vLLM's scheduler step) or was used unchecked before.
+GENUINE = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]],
+           "remote_engine_id": "pre-x", "remote_request_id": "r-x", "remote_host": "127.0.0.1",
+           "remote_port": 5999, "tp_size": 1}
+HOSTILE = [("remote_port", "abc"), ("tp_size", "x"), ("remote_block_ids", 5),
+           ("tp_size", 10**9), ("remote_port", 70000), ("remote_block_ids", [[1, -5]]),
+           ("remote_block_ids", [[[[[[1]]]]]]), ("do_remote_prefill", "yes"),
+           ("remote_host", "a b"), ("remote_generation", [1])]
+
+
+def test_hostile_params_fail_their_own_request_and_the_engine_serves_on(pool):
+    """Each bad field of a decode's kv_transfer_params fails that request alone, named in the
+    log with its value, into kv_load_failure_policy (recomputed under recompute, failed under
+    fail), nobody is contacted at the address it names, and the engine serves on."""
+    d, df = pool.only(D, DF)
+    ids, other = prompt(71), prompt(72)
+    plain, plain_other = d.generate(ids, 16), d.generate(other, 16)
+    reqs = [{"prompt": ids, "max_tokens": 16, "params": dict(GENUINE, **{k: v})}
+            for k, v in HOSTILE]
+    res = d.batch([*reqs, {"prompt": other, "max_tokens": 16, "params": None}])
+    for (k, v), got in zip(HOSTILE, res, strict=False):
+        check_equal(got, plain, f"a decode with kv_transfer_params[{k!r}] = {v!r} (recomputed)")
+        assert d.log_lines(rf"decode req=\S+ refused, .*kv_transfer_params\[{k!r}\] = "), \
+            f"{k}: {d.tail()}"
+    check_equal(res[-1], plain_other, "a plain request beside them")
+    assert not d.log_lines(r"could not release req=r-x"), d.tail()  # nobody contacted
+    res = df.batch(reqs[:4])
+    for (k, _v), got in zip(HOSTILE, res, strict=False):
+        assert got["error"] is not None or got["finish"] not in ("length", "stop"), (k, got)
+    check_equal(df.generate(other, 16), plain_other, "the fail-policy engine serves on")
 
 
 def test_a_taken_port_is_named_with_its_config_key(pool):

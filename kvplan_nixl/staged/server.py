@@ -12,6 +12,7 @@ its slots. It may not touch the requests this side initiated (``initiator``) nor
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from kvplan import KVPlanError, Mode
 from kvplan.staging import stage
@@ -88,15 +89,23 @@ class Server:
             self._drop(j, "stager closed", tell=True)
 
     def _open(self, agent_name: str, m: proto.Message) -> None:
+        # every check that needs no plan comes first: a refused OPEN costs no planning
         op = proto.decode_open(m)
         if op.slot_bytes != self.pool.slot_bytes:
             raise proto.Refuse(f"slot sizes differ: initiator {op.slot_bytes} bytes, this side "
                                f"{self.pool.slot_bytes}")
+        if op.nchunks != -(-op.nbytes // op.slot_bytes):
+            raise proto.Refuse(f"{op.nbytes} bytes do not make {op.nchunks} chunks of "
+                               f"{op.slot_bytes}")
         parsed = parse_agent_name(agent_name)
         engine, rank = parsed if parsed is not None else (agent_name, -1)
         mine = Mode.PULL if op.mode is Mode.PUSH else Mode.PUSH  # this side's map to them
         try:
             tmap = self.ep.map(engine, mine)
+            cap = _most_bytes(tmap, mine, op)
+            if op.nbytes > cap:
+                raise proto.Refuse(f"{op.nbytes} bytes asked, more than the {cap} bytes this "
+                                   "rank holds in the blocks listed")
             sp = stage(tmap.plan(op.src_blocks, op.dst_blocks), self.pool.slot_bytes)
         except (NotConnectedError, KVPlanError) as exc:  # e.g. block ids that do not fit
             raise proto.Refuse(str(exc)) from exc
@@ -173,3 +182,11 @@ class Server:
         self.pool.slots.free_job(j)
         if tell:
             self.channel.send(j.agent, proto.encode("FAIL", j.rid, reason))
+
+
+def _most_bytes(tmap: Any, mine: Mode, op: proto.Open) -> int:
+    """The most bytes an OPEN's plan can move on this rank: every block of this side it
+    lists, whole, in every region of its group (no plan needed)."""
+    spec, lists = (tmap.src, op.src_blocks) if mine is Mode.PUSH else (tmap.dst, op.dst_blocks)
+    return sum(spec.rank_block_nbytes(j) * len(lists[r.group])
+               for j, r in enumerate(spec.regions) if r.group < len(lists))

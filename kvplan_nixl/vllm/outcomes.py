@@ -59,6 +59,14 @@ class LoadOutcomes:
 
     def _failed(self, load: Any) -> None:
         what = "recomputes its prompt" if self.policy == "recompute" else "fails the request"
+        refused = getattr(load, "refused", "")
+        if refused:  # its params never named a trusted address: nobody was contacted
+            logger.warning("kvplan: decode req=%s loaded no KV: its kv_transfer_params were "
+                           "refused (%s); vLLM's kv_load_failure_policy=%s %s", load.req_id,
+                           refused, self.policy, what)
+            self.stats.record("num_failed_loads")
+            self.failed[load.req_id] = {"refused": refused, "policy": self.policy}
+            return
         logger.warning("kvplan: decode req=%s loaded no KV from prefill %s at %s:%d (%s mode): "
                        "vLLM's kv_load_failure_policy=%s %s; the worker's error above says "
                        "why", load.req_id, load.engine, load.host, load.port,

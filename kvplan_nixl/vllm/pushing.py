@@ -26,12 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from kvplan_nixl.errors import DeadlinePassed
 from kvplan_nixl.handshakes import Handshakes, identity
 from kvplan_nixl.notifications import Notification
 from kvplan_nixl.pushes import (
     PUSHED,
     PUSHFAIL,
     REGISTER,
+    EarlyAnswers,
     Match,
     Pusher,
     PushSend,
@@ -47,10 +49,6 @@ if TYPE_CHECKING:
     from kvplan_nixl.vllm.scheduler import Load
 
 logger = init_logger("vllm.kvplan_nixl")
-
-#: Early PUSHED / PUSHFAIL messages kept for decode requests not waited for yet (bounded).
-MAX_EARLY = 4096
-
 
 @dataclass
 class Receive:
@@ -71,7 +69,8 @@ class Receives:
         self.ttl = worker.c.seconds("push_timeout_s", 60.0)
         self.grace = worker.hs_timeout
         self.waiting: dict[str, Receive] = {}
-        self.early: dict[str, dict[int, tuple[bool, dict[str, Any]]]] = {}
+        # answers before the request waits here: from the engine it names, bounded, expiring
+        self.early = EarlyAnswers(self.ttl + self.grace)
 
     def register(self, load: Load, tmap: Any, now: float, connect_by: float) -> None:
         """``load``'s prefill is connected: register (rank 0) and wait for its writers.
@@ -98,23 +97,36 @@ class Receives:
         logger.info("kvplan: push req=%s key=%s rank=%d waits for prefill rank(s) %s of %s "
                     "(tokens [%d,%d))", load.req_id, load.key, w.rank, sorted(r.expect),
                     load.engine, load.start, load.end)
-        for rank, (ok, fields) in self.early.pop(load.req_id, {}).items():
-            self._answer(r, rank, ok, fields, now)
+        for rank, ok, fields in self.early.take(load.req_id, load.engine):
+            if load.req_id in self.waiting:  # (a PUSHFAIL among them ended it)
+                self._answer(r, rank, ok, fields, now)
         if r.load.req_id in self.waiting and r.expect <= r.got.keys():
             self._done(r, now)
 
     def notice(self, n: Notification, now: float) -> bool:
-        """Take a PUSHED / PUSHFAIL notification; False for any other message."""
-        parsed = parse_done(n.message)
+        """Take a PUSHED / PUSHFAIL notification (a malformed one is dropped and logged);
+        False for any other message. Only the engine a request names answers for it."""
+        try:
+            parsed = parse_done(n.message)
+        except ValueError as e:
+            logger.warning("kvplan: dropped a push answer from %s rank %d: %s", n.engine,
+                           n.rank, e)
+            return True
         if parsed is None:
             return False
         ok, fields = parsed
-        r = self.waiting.get(fields["decode_req"])
-        if r is None or r.load.engine != n.engine:  # before this rank waits: kept
-            if len(self.early) < MAX_EARLY:
-                self.early.setdefault(fields["decode_req"], {})[n.rank] = (ok, fields)
+        req = fields["decode_req"]
+        r = self.waiting.get(req)
+        if r is not None and r.load.engine == n.engine:
+            self._answer(r, n.rank, ok, fields, now)
             return True
-        self._answer(r, n.rank, ok, fields, now)
+        pending = self.w.waiting.get(req)  # known here, its handshake not done yet
+        named = r.load.engine if r is not None else None if pending is None else (
+            pending[0].engine if pending[0].push else "")
+        if r is not None or not self.early.keep(req, n.engine, n.rank, ok, fields, now, named):
+            logger.warning("kvplan: dropped a push answer for req=%s from %s rank %d: %s",
+                           req, n.engine, n.rank, "the request names another engine"
+                           if named is not None else "too many early answers from it")
         return True
 
     def _answer(self, r: Receive, rank: int, ok: bool, fields: dict[str, Any],
@@ -144,6 +156,7 @@ class Receives:
 
     def progress(self, now: float) -> None:
         """Fail the requests whose deadline passed (the prefill never wrote, or died)."""
+        self.early.expire(now)
         for r in [r for r in self.waiting.values() if now >= r.deadline]:
             del self.waiting[r.load.req_id]
             self._fail(r, f"prefill rank(s) {sorted(r.expect - r.got.keys())} did not write "
@@ -197,6 +210,7 @@ class Writes:
         self.hs = Handshakes(self._connect, lock=worker.lock, timeout=worker.hs_timeout,
                              identify=identity(worker.secret),
                              retry_after_s=min(5.0, worker.lease))
+        self.owed = Owed(worker, self.hs)  # PUSHFAILs for refused registrations
 
     def _connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:
         """Handshakes' ``connect`` (under the worker's lock): a decode rank, in push mode."""
@@ -234,11 +248,12 @@ class Writes:
                             "no registration" if reg is None else "decode not connected")
                 continue
             m = self.table.add_send(s, now, self.w.lease)  # takes the registration
-            assert m is not None, "a valid registration always matches its send"
+            if m is None:  # (a valid registration waits, so its key is not refused)
+                continue
             lw = Layered(m, None, set(), time.perf_counter())
             self.layers[s.req_id] = lw
             try:
-                plan, msg, start, end = self._plan(m)
+                plan, msg, start, end = _plan(self.w, m)
                 if len(plan) == 0:  # this rank writes nothing of it
                     lw.ended = True
                     self._over(lw, now)
@@ -286,7 +301,10 @@ class Writes:
 
     def _post_part(self, lw: Layered, names: str | list[str]) -> None:
         t0 = time.perf_counter()
-        try:
+        try:  # a hook after the decode's window closed (a slow forward) posts nothing
+            if time.monotonic() >= lw.match.valid_until:
+                raise DeadlinePassed(f"the decode's window closed before layer(s) {names} "
+                                     "were computed: nothing of them posted")
             lw.rt.post(names)
         except Exception as e:
             self._layer_failed(lw, f"{type(e).__name__}: {e}", time.monotonic())
@@ -304,7 +322,7 @@ class Writes:
             for t in lw.rt.transfers:
                 t.cancel(why)
             lw.rt = None
-        self._tell_failed(m, self._targets(m.reg.engine), why)
+        _tell(self.w, m.reg, _targets(self.w, m.reg.engine), why)
         self._over(lw, now)
 
     def _over(self, lw: Layered, now: float) -> None:
@@ -372,6 +390,7 @@ class Writes:
         return True
 
     def progress(self, now: float) -> None:
+        self._refuse(now)
         sends, regs = self.table.expire(now)
         for s in sends:
             logger.warning("kvplan: prefill req=%s key=%s: no decode registered within the "
@@ -410,25 +429,12 @@ class Writes:
             logger.error("kvplan: push req=%s to %s req=%s failed: %s: %s", m.send.req_id,
                          reg.engine, reg.decode_req, type(e).__name__, e)
             self.w.stats.record("num_failed_transfers")
-            self._tell_failed(m, self._targets(reg.engine), f"{type(e).__name__}: {e}")
+            _tell(self.w, reg, _targets(self.w, reg.engine), f"{type(e).__name__}: {e}")
             self._end(m.send)
-
-    def _plan(self, m: Match) -> tuple[Any, bytes, int, int]:
-        """The push plan of ``m`` (this rank's writes), its ``PUSHED`` message and span."""
-        w, reg = self.w, m.reg
-        tmap = w.ep.map(reg.engine, "push")
-        src = w.groups.remote([list(g) for g in m.send.ids], list(m.send.first))
-        dst = w.groups.local([list(g) for g in reg.lists])
-        start, end = span(w.groups, w.whole, reg.start, reg.end, src, dst)
-        plan = tmap.plan(src, dst, tokens=(start, end))
-        rows = plan.copies()
-        nbytes = {r: int(rows["length"][rows["dst_rank"] == r].sum()) for r in plan.peers}
-        runs = {r: int((rows["dst_rank"] == r).sum()) for r in plan.peers}
-        return plan, push_done(PUSHED, reg.decode_req, nbytes, runs), start, end
 
     def _post(self, m: Match, now: float) -> None:
         w, reg = self.w, m.reg
-        plan, msg, start, end = self._plan(m)
+        plan, msg, start, end = _plan(self.w, m)
         if len(plan) == 0:  # this rank writes nothing of it (its decode does not wait on it)
             self._end(m.send)
             return
@@ -436,7 +442,10 @@ class Writes:
         msg = digests.sign(w.digester, plan, m.send, msg)
         t0 = time.perf_counter()
         # the deadline ends the write inside the registration's window: never a late write
-        t = w.ep.write(plan, reg.engine, notify=msg, timeout=m.valid_until - now)
+        left = m.valid_until - time.monotonic()
+        if left <= 0:
+            raise DeadlinePassed("the decode's window closed before the write was posted")
+        t = w.ep.write(plan, reg.engine, notify=msg, timeout=left)
         wr = Write(m, t, targets, time.perf_counter() - t0)
         self.inflight[m.send.req_id] = wr
         logger.info("kvplan: push req=%s rank=%d to %s req=%s ranks=%s tokens=[%d,%d) "
@@ -456,25 +465,20 @@ class Writes:
                          m.reg.engine, m.reg.decode_req, why)
             self.w.stats.record("num_failed_transfers")
             self.hs.forget(m.reg.engine)  # the decode may have restarted: connect afresh
-            self._tell_failed(m, wr.targets, why)
+            _tell(self.w, m.reg, wr.targets, why)
         self._end(m.send)
 
-    def _targets(self, engine: str) -> tuple[int, ...]:
-        try:
-            return tuple(self.w.ep.map(engine, "push").peers)
-        except Exception:  # never connected: nobody to tell (its deadline fails it)
-            return ()
-
-    def _tell_failed(self, m: Match, targets: tuple[int, ...], why: str) -> None:
-        """PUSHFAIL to the decode ranks, so they fail now instead of at their deadline."""
-        if not targets:
-            return
-        try:
-            self.w.ep.notify(m.reg.engine, targets, push_done(PUSHFAIL, m.reg.decode_req,
-                                                              why=why))
-        except Exception as e:  # gone or never connected: their deadline fails them
-            logger.warning("kvplan: could not tell %s req=%s its push failed: %s",
-                           m.reg.engine, m.reg.decode_req, e)
+    def _refuse(self, now: float) -> None:
+        """Answer what the table refused (a key used by two requests at once)."""
+        for item, why in self.table.refused:
+            if isinstance(item, PushSend):  # its hold ends: vLLM frees its blocks
+                logger.error("kvplan: prefill req=%s key=%s not pushed: %s", item.req_id,
+                             item.key, why)
+                self._end(item)
+            else:
+                self.owed.add(item, why, now)
+        self.table.refused.clear()
+        self.owed.progress(now)
 
     def _end(self, s: PushSend) -> None:
         """The push is over (written, failed or never registered): end the hold."""
@@ -482,4 +486,64 @@ class Writes:
 
     def close(self) -> None:
         self.hs.close()
+
+
+class Owed:
+    """PUSHFAILs a prefill rank owes decode requests it will not write (their key was used by
+    two requests at once): each sent once its decode engine is connected, or dropped when
+    its registration's window ends (the decode's deadline then fails the request)."""
+
+    def __init__(self, worker: Rank, hs: Handshakes) -> None:
+        self.w, self.hs = worker, hs
+        self.owed: list[tuple[Registration, str, float]] = []
+
+    def add(self, reg: Registration, why: str, now: float) -> None:
+        logger.error("kvplan: push registration of %s req=%s refused: %s", reg.engine,
+                     reg.decode_req, why)
+        self.owed.append((reg, why, now + reg.ttl))
+
+    def progress(self, now: float) -> None:
+        for owed in list(self.owed):
+            reg, why, until = owed
+            st = self.hs.state(reg.engine, reg.host, reg.port) \
+                or self.hs.start(reg.engine, reg.host, reg.port)
+            if st.pending and now < until:
+                continue
+            self.owed.remove(owed)
+            if st.ready:
+                _tell(self.w, reg, _targets(self.w, reg.engine), why)
+
+
+def _plan(w: Rank, m: Match) -> tuple[Any, bytes, int, int]:
+    """The push plan of ``m`` (this rank's writes), its ``PUSHED`` message and span."""
+    reg = m.reg
+    tmap = w.ep.map(reg.engine, "push")
+    src = w.groups.remote([list(g) for g in m.send.ids], list(m.send.first))
+    dst = w.groups.local([list(g) for g in reg.lists])
+    start, end = span(w.groups, w.whole, reg.start, reg.end, src, dst)
+    plan = tmap.plan(src, dst, tokens=(start, end))
+    rows = plan.copies()
+    nbytes = {r: int(rows["length"][rows["dst_rank"] == r].sum()) for r in plan.peers}
+    runs = {r: int((rows["dst_rank"] == r).sum()) for r in plan.peers}
+    return plan, push_done(PUSHED, reg.decode_req, nbytes, runs), start, end
+
+
+def _targets(w: Rank, engine: str) -> tuple[int, ...]:
+    """The decode ranks of ``engine`` this rank's push map writes (none: never connected)."""
+    try:
+        return tuple(w.ep.map(engine, "push").peers)
+    except Exception:  # never connected: nobody to tell (its deadline fails it)
+        return ()
+
+
+def _tell(w: Rank, reg: Registration, targets: tuple[int, ...], why: str) -> None:
+    """PUSHFAIL to ``reg``'s decode ranks ``targets``, so they fail now instead of at their
+    deadline."""
+    if not targets:
+        return
+    try:
+        w.ep.notify(reg.engine, targets, push_done(PUSHFAIL, reg.decode_req, why=why))
+    except Exception as e:  # gone or never connected: their deadline fails them
+        logger.warning("kvplan: could not tell %s req=%s its push failed: %s", reg.engine,
+                       reg.decode_req, e)
 

@@ -42,6 +42,7 @@ class Rank(Protocol):
     hs: Handshakes | None
     engines: dict[str, tuple[Any, list[int]]]  # prefill engine -> pull map, readers per rank
     recv_done: set[str]  # decode requests whose KV is loaded (or failed), to report
+    waiting: dict[str, tuple[Load, float]]  # decode loads whose handshake is pending
 
     def fail(self, load: Load, why: str, peers: tuple[int, ...] = ()) -> None:
         """``load`` failed: end its holds, hand its blocks to vLLM's failure policy."""

@@ -10,6 +10,14 @@ computes all but the last prompt token and the decode computes that one itself, 
 state it continues from is the state after ``n - 1`` tokens (as NixlConnector does:
 ``_prefill_backoff`` in ``kv_connector/v1/nixl/base_scheduler.py``).
 
+Admission (:meth:`Scheduler.new_request`, vLLM's ``on_new_request``) checks every field of a
+request's ``kv_transfer_params`` once (:mod:`kvplan_nixl.transfer_params`: an HTTP client
+chooses them); the rest of this module reads only what passed. A decode request whose params
+were refused still waits for a load, which its workers fail at once without contacting
+anyone, so that vLLM's ``kv_load_failure_policy`` decides (recompute it or fail it) and no
+exception leaves the scheduler's step; a prefill request whose params were refused is served
+as a plain request.
+
 Push mode (:mod:`kvplan_nixl.pushes`): a decode request whose params name a prefill engine but
 carry no ``remote_block_ids`` waits for that prefill to write its blocks (a :class:`Load` with
 ``push``); a prefill request pushes when its params say ``"transfer_mode": "push"`` (or
@@ -22,6 +30,7 @@ each layer can be written as soon as the forward has computed it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.logger import init_logger
 
 from kvplan.adapters.vllm import TransferGroups
+from kvplan_nixl.errors import ParamsError
 from kvplan_nixl.holds import new_generation
-from kvplan_nixl.pushes import PushSend, transfer_key
+from kvplan_nixl.pushes import PushSend
+from kvplan_nixl.transfer_params import Handover, Source, check_decode, check_prefill
 from kvplan_nixl.vllm.outcomes import LoadOutcomes
 
 if TYPE_CHECKING:
@@ -58,6 +69,7 @@ class Load:
     generation: int = 0  # the prefill's hold generation (``remote_generation``; 0: none)
     push: bool = False  # the prefill writes (push mode): wait for it instead of reading
     key: str = ""  # push: the transfer key the prefill matches (kvplan_nixl.pushes)
+    refused: str = ""  # its params were refused (why): fails at once, nobody contacted
 
 
 @dataclass
@@ -89,21 +101,47 @@ class Scheduler:
         self.sends: list[tuple[str, int]] = []
         self.pushes: list[PushSend] = []
         self.mode = settings.mode()
+        # what admission found in each request's params (kvplan_nixl.transfer_params), until
+        # the request is allocated (a decode's source) or finished (a prefill's handover)
+        self.sources: dict[str, Source | ParamsError] = {}
+        self.handovers: dict[str, Handover] = {}
         self.prefilling: dict[str, Any] = {}  # layer-wise requests allocated, not scheduled yet
         self.layered: set[str] = set()  # layer-wise requests written from their forward
 
     def new_request(self, request: Any) -> None:
-        """A prefill request of a model with state stops one prompt token short."""
-        p = request.kv_transfer_params
-        if (not self.backoff or not p or not p.get("do_remote_decode")
-                or p.get("_kvplan_short") or request.num_prompt_tokens <= self.backoff
+        """Admission: check the request's ``kv_transfer_params`` once (a bad field fails the
+        request alone: see :meth:`matched`; never an exception out of vLLM's step). A prefill
+        request of a model with state stops one prompt token short."""
+        p, rid = request.kv_transfer_params, request.request_id
+        if not p:
+            return
+        if not isinstance(p, Mapping) or p.get("do_remote_prefill"):
+            try:
+                self.sources[rid] = check_decode(rid, p, self._group_count())
+            except ParamsError as e:
+                logger.error("kvplan: decode req=%s refused, its KV goes to vLLM's "
+                             "kv_load_failure_policy: %s", rid, e)
+                self.sources[rid] = e
+            return
+        if not p.get("do_remote_decode"):
+            return
+        try:
+            self.handovers[rid] = check_prefill(rid, p, self.mode)
+        except ParamsError as e:  # served as a plain request: nothing held, nothing pushed
+            logger.error("kvplan: prefill req=%s is served as a plain request (its KV is not "
+                         "handed on): %s", rid, e)
+            return
+        if (not self.backoff or request.num_prompt_tokens <= self.backoff
                 or request.prompt_token_ids is None):
             return
-        # vLLM keeps the prompt in two lists: both lose the last token
+        # vLLM keeps the prompt in two lists: both lose the last token (once: admission runs
+        # once per request, a preempted request is not admitted again)
         del request.prompt_token_ids[-self.backoff:]
         del request._all_token_ids[-self.backoff:]
         request.num_prompt_tokens -= self.backoff
-        p["_kvplan_short"] = True  # once, even if the request is preempted and rescheduled
+
+    def _group_count(self) -> int | None:
+        return None if self.groups is None else len(self.groups.kinds)
 
     def _end(self, request: Any) -> int:
         """Prompt positions the decode loads: all but the ones it computes itself."""
@@ -111,26 +149,37 @@ class Scheduler:
         return n - self.backoff if n > self.backoff else n
 
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
-        p = request.kv_transfer_params
-        if p and p.get("do_remote_prefill") and (p.get("remote_block_ids") is not None
-                                                 or _is_push(p)):
+        """A decode request loads every prompt position it lacks; one whose params were
+        refused too (its load fails at once, so vLLM's ``kv_load_failure_policy`` decides:
+        recompute it or fail it)."""
+        if request.request_id in self.sources:
             count = self._end(request) - num_computed
             if count > 0:
                 return count, True
         return 0, False
 
     def allocated(self, request: Any, blocks: Any, num_external: int) -> None:
-        p = request.kv_transfer_params
-        if p and p.get("do_remote_decode") and p.get("transfer_mode", self.mode) == "layerwise":
-            self.prefilling[request.request_id] = request  # meta() sees its first step
-        if not p or not p.get("do_remote_prefill"):
+        rid = request.request_id
+        hand = self.handovers.get(rid)
+        if hand is not None and hand.mode == "layerwise":
+            self.prefilling[rid] = request  # meta() sees its first step
+        src = self.sources.pop(rid, None)  # one pull per request
+        if src is None:
             return
-        p["do_remote_prefill"] = False  # one pull per request
+        if isinstance(request.kv_transfer_params, dict):
+            request.kv_transfer_params["do_remote_prefill"] = False
         end = self._end(request)
         local = [list(g) for g in blocks.get_block_ids()] if num_external > 0 else []
-        load = _load(request.request_id, p, local, end - num_external, end, num_external > 0)
-        self.loads[request.request_id] = load
-        self.outcomes.started(load)
+        if isinstance(src, ParamsError):  # nothing to release: the address is not trusted
+            if num_external > 0:
+                self.loads[rid] = Load(rid, remote_req="", engine="", host="", port=0,
+                                       remote_tp=0, remote_ids=[], remote_first=[],
+                                       local_ids=local, start=end - num_external, end=end,
+                                       parked=True, refused=str(src))
+                self.outcomes.started(self.loads[rid])
+            return
+        self.loads[rid] = _load(rid, src, local, end - num_external, end, num_external > 0)
+        self.outcomes.started(self.loads[rid])
 
     def meta(self, scheduled: Any = None) -> KvplanMetadata:
         """This step's metadata; ``scheduled`` (vLLM's ``SchedulerOutput``) names the layer-wise
@@ -141,7 +190,8 @@ class Scheduler:
             if request is None:
                 continue
             n = scheduled.num_scheduled_tokens.get(nr.req_id, 0)
-            key = transfer_key(nr.req_id, request.kv_transfer_params)
+            hand = self.handovers.get(nr.req_id)
+            key = None if hand is None else hand.key
             if key is None or nr.num_computed_tokens + n < request.num_prompt_tokens:
                 continue  # chunked: pushed whole once it finished
             handed, first = self.groups.handed(nr.block_ids)
@@ -157,24 +207,24 @@ class Scheduler:
     def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         from vllm.v1.request import RequestStatus
 
-        p = request.kv_transfer_params
-        if not p:
+        rid = request.request_id
+        src = self.sources.pop(rid, None)
+        hand = self.handovers.pop(rid, None)
+        if src is not None:  # never scheduled (aborted): free the prefill's blocks
+            if isinstance(src, Source):
+                self.loads[rid] = _load(rid, src, [], 0, 0, False)
             return False, None
-        if p.get("do_remote_prefill"):  # never scheduled (aborted): free the prefill's blocks
-            p["do_remote_prefill"] = False
-            self.loads[request.request_id] = _load(request.request_id, p, [], 0, 0, False)
-            return False, None
-        outcome = self.outcomes.finished(request.request_id)
+        outcome = self.outcomes.finished(rid)
         if outcome is not None:  # a decode whose load failed: its response says so
             return False, outcome
-        layered = request.request_id in self.layered
-        self.layered.discard(request.request_id)
-        if not p.get("do_remote_decode") or request.status not in (
+        layered = rid in self.layered
+        self.layered.discard(rid)
+        if hand is None or request.status not in (
                 RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             if layered:  # aborted after its forward posted writes: held until they end
                 gen = new_generation()
-                self.sends.append((request.request_id, gen))
-                self.pushes.append(PushSend(request.request_id, gen, "", (), ()))
+                self.sends.append((rid, gen))
+                self.pushes.append(PushSend(rid, gen, "", (), ()))
                 return True, None
             return False, None
         delay = layered or any(len(g) > 0 for g in block_ids)
@@ -182,58 +232,34 @@ class Scheduler:
         # blocks, freed and maybe reused) is never mistaken for this one (kvplan_nixl.holds)
         gen = new_generation()
         if delay:
-            self.sends.append((request.request_id, gen))
+            self.sends.append((rid, gen))
         handed, first = self.groups.handed(block_ids)
-        mode = p.get("transfer_mode", self.mode)
-        if mode in ("push", "layerwise"):
-            key = transfer_key(request.request_id, p)
-            if key is None:  # its decode waits in vain: its deadline recomputes it
-                logger.error("kvplan: prefill req=%s cannot push: bad transfer_id %r",
-                             request.request_id, p.get("transfer_id"))
-            elif delay:
-                self.pushes.append(PushSend(request.request_id, gen, key,
-                                            tuple(map(tuple, handed)), tuple(first)))
+        if hand.key is not None:  # push, layer-wise or not
+            if delay:
+                self.pushes.append(PushSend(rid, gen, hand.key, tuple(map(tuple, handed)),
+                                            tuple(first)))
             # nothing to pull: the decode waits for the write
             return delay, {"do_remote_prefill": False, "do_remote_decode": False,
-                           "transfer_mode": mode, "transfer_id": key,
+                           "transfer_mode": hand.mode, "transfer_id": hand.key,
                            "remote_engine_id": self.c.engine_id,
-                           "remote_request_id": request.request_id,
+                           "remote_request_id": rid,
                            "remote_num_tokens": request.num_computed_tokens}
         return delay, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": handed, "remote_block_offsets": first,
             "remote_engine_id": self.c.engine_id,
-            "remote_request_id": request.request_id, "remote_host": self.c.host,
+            "remote_request_id": rid, "remote_host": self.c.host,
             "remote_port": self.c.rank_port(0), "tp_size": self.c.tp_size,
             "remote_num_tokens": request.num_computed_tokens, "transfer_mode": "kvplan",
             "remote_generation": gen,
         }
 
 
-def _is_push(p: dict) -> bool:
-    """A decode request's params of push mode: a prefill engine named, no blocks to read."""
-    return p.get("remote_block_ids") is None and p.get("remote_engine_id") is not None
-
-
-def _load(req_id: str, p: dict, local: list[list[int]], start: int, end: int,
+def _load(req_id: str, src: Source, local: list[list[int]], start: int, end: int,
           parked: bool) -> Load:
-    push = _is_push(p)
-    ids = p.get("remote_block_ids") or [[]]
-    if ids and not isinstance(ids[0], (list, tuple)):  # one group given flat
-        ids = [ids]
-    first = p.get("remote_block_offsets") or [0] * len(ids)
-    return Load(req_id=req_id, remote_req=str(p.get("remote_request_id")),
-                engine=str(p.get("remote_engine_id")), host=str(p.get("remote_host")),
-                port=int(p.get("remote_port") or 0), remote_tp=int(p.get("tp_size") or 1),
-                remote_ids=[list(g) for g in ids], remote_first=[int(x) for x in first],
-                local_ids=local, start=start, end=end, parked=parked,
-                generation=_int(p.get("remote_generation")), push=push,
-                key=(transfer_key(req_id, p) or "") if push else "")
-
-
-def _int(v: Any) -> int:
-    """A generation from the params: 0 (never held, so never confirmed) if absent or bad. A
-    decimal string is taken too (a proxy that cannot carry 63-bit JSON integers)."""
-    if isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 19:
-        v = int(v)
-    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 else 0
+    """The load of a decode request whose params were checked (``src``)."""
+    ids = [list(g) for g in src.ids] if src.ids is not None else [[]]
+    return Load(req_id=req_id, remote_req=src.remote_req, engine=src.engine, host=src.host,
+                port=src.port, remote_tp=src.tp, remote_ids=ids,
+                remote_first=list(src.first) or [0] * len(ids), local_ids=local, start=start,
+                end=end, parked=parked, generation=src.generation, push=src.push, key=src.key)

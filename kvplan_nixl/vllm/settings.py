@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvplan_nixl.sidechannel import side_channel_port
-
-#: The values of ``mode`` (and of a prefill request's ``transfer_mode``).
-MODES = ("pull", "push", "layerwise")
+from kvplan_nixl.transfer_params import MODES
 
 
 @dataclass(frozen=True)

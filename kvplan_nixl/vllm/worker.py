@@ -147,7 +147,13 @@ class Worker:
         # push mode's words (the envelope drops forged ones: num_side_channel_dropped); any
         # other is drained so that a stray one cannot pile up
         for n in self.ep.notifications():
-            if not self.writes.notice(n, now) and not self.receives.notice(n, now):
+            try:  # one message that raises never takes the rest of its batch with it
+                taken = self.writes.notice(n, now) or self.receives.notice(n, now)
+            except Exception:
+                logger.exception("kvplan: dropped a notification from %s rank %d", n.engine,
+                                 n.rank)
+                continue
+            if not taken:
                 logger.debug("kvplan: ignored a notification from %s rank %d", n.engine,
                              n.rank)
         self.writes.progress(now)
@@ -195,6 +201,9 @@ class Worker:
         with self.lock:
             now = time.monotonic()
             for load in meta.loads:
+                if load.refused:  # bad params: nobody named in them is contacted
+                    self.fail(load, f"kv_transfer_params refused: {load.refused}")
+                    continue
                 if not load.local_ids:  # nothing to read: just let the prefill free its blocks
                     if self.rank == 0 and not load.push:  # (a push's: its lease frees them)
                         self.ctl.release(load, range(load.remote_tp))
@@ -266,7 +275,7 @@ class Worker:
                      load.engine, why)
         # end the holds: rank 0 for every prefill rank, the others for those they read (a
         # push's holds end when its write ends, or at their lease)
-        if not load.push:
+        if not load.push and not load.refused:
             self.ctl.release(load, range(load.remote_tp) if self.rank == 0 else peers)
         if not load.parked:
             return
@@ -283,7 +292,10 @@ class Worker:
     def results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         with self.lock:
             if self.ep is not None:
-                self._progress()
+                try:  # nothing a peer sent may raise out of vLLM's step
+                    self._progress()
+                except Exception:
+                    logger.exception("kvplan: progress failed")
             sending: set[str] = set()
             if self.sends is not None:  # only ended holds come out: vLLM frees their blocks
                 sending, counts = self.sends.finished()
