@@ -250,6 +250,8 @@ def test_failed_loads_are_told_once_per_request():
     """The scheduler learns a load failed from the workers' output (blocks, or the request
     for several groups), adds ``kvplan_load_failed`` to its params once, and counts it."""
     _in_vllm_venv(OUTCOMES_CHECK)
+
+
 def test_bad_params_fail_their_request_at_the_connectors_scheduler_entry_points():
     """Issue 36, item 1, through the scheduler half with vLLM's own Request and block
     objects: a bad field never raises, the request's load is refused (it fails into the
