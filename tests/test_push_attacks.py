@@ -33,6 +33,7 @@ class Rank:  # the worker attributes Receives reads; its endpoint is real
         self.c = Settings("decode", "127.0.0.1", 5800, 1, extra={"push_timeout_s": 3})
         self.rank, self.lock, self.ep, self.hs_timeout = 0, threading.Lock(), ep, 1.0
         self.stats, self.waiting, self.recv_done, self.failed = KvplanStats(), {}, set(), []
+        self.digester = None  # the transfer digest off
     def fail(self, load, why, peers=()):
         self.failed.append((load.req_id, why))
         self.recv_done.add(load.req_id)
@@ -129,6 +130,7 @@ class Rank:  # the worker attributes Writes reads; endpoint, holds, side channel
         self.rank, self.lock, self.ep = 0, threading.Lock(), ep
         self.hs_timeout, self.lease = 2.0, 5.0
         self.stats, self.whole = KvplanStats(), False
+        self.secret, self.digester = KEY, None  # handshakes check signed metadata; no digest
         self.groups = TransferGroups((0,), ("full",), (16,), (None,), (0,))
         self.sends = Sends("127.0.0.1", 0, sc.server_identity("prefill", 0), ep.metadata(),
                            secret=KEY, lease=self.lease)
@@ -201,6 +203,7 @@ class Rank:  # as in COLLISION_CHECK
         self.rank, self.lock, self.ep = 0, threading.Lock(), ep
         self.hs_timeout, self.lease = 2.0, 5.0
         self.stats, self.whole = KvplanStats(), False
+        self.secret, self.digester = KEY, None  # handshakes check signed metadata; no digest
         self.groups = TransferGroups((0,), ("full",), (16,), (None,), (0,))
         self.sends = Sends("127.0.0.1", 0, sc.server_identity("prefill", 0), ep.metadata(),
                            secret=KEY, lease=self.lease)
@@ -221,7 +224,7 @@ with pair(SP, SP, secret=KEY.encode()) as pr:
         for n in p.notifications():
             assert wr.notice(n, time.monotonic())
         d.progress()
-        st = wr.hs.state("decode")
+        st = wr.hs.state("decode", "127.0.0.1", dside.server.port)
         if st is not None and st.ready:
             break
         time.sleep(0.005)
