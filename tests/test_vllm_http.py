@@ -159,6 +159,18 @@ class Serving:
         return sum(int(m.group(1) or m.group(2)) for x in self.lines("decode")[since:]
                    if (m := MOVED.search(x)))
 
+    def hooked(self, since: int, n: int) -> list[int]:
+        """Parts posted from layer hooks by each layer-wise write the prefill logged past line
+        ``since``, once ``n`` are logged (it logs a write once it completed: it may trail
+        the answer), or after 10 s."""
+        deadline = time.monotonic() + 10
+        while True:
+            got = [int(m.group(1)) for x in self.lines("prefill")[since:]
+                   if (m := HOOKED.search(x))]
+            if len(got) >= n or time.monotonic() > deadline:
+                return got
+            time.sleep(0.2)
+
     def tails(self, n: int = 30) -> str:
         out = ""
         for role, log in self.logs.items():
@@ -255,8 +267,12 @@ N = 100  # prompt tokens: the hybrid's under one 128-token block
 
 def modes(s: Serving, name: str) -> None:
     for k, mode in enumerate(MODES):
+        since = len(s.lines("prefill"))
         got = s.via_proxy(mode, prompt(1000 * k + N, N), f"{name} {mode}")
         print(f"{name} {mode}: {got['moved']} bytes moved, {got['crossed']} crossed the veth")
+        if mode == "layerwise":  # written from the forward's layer hooks, not whole after it
+            hooked = s.hooked(since, 1)
+            assert hooked and min(hooked) >= 1, f"{name}: hooks {hooked}{s.tails()}"
 
 
 def control(s: Serving, name: str) -> None:
@@ -272,6 +288,34 @@ def control(s: Serving, name: str) -> None:
     assert s.moved(since) == 0, f"{name}: the decode logged a transfer it was not asked for"
     assert crossed < moved, f"{name}: {crossed} bytes crossed without a transfer, {moved} with"
     print(f"{name} control: {crossed} bytes crossed without a transfer, {moved} moved with one")
+
+
+def test_layerwise_wait_takes_zero_and_refuses_a_negative_naming_the_key():
+    """``layerwise_wait_s`` (the prefill's bounded wait for a registration before its forward)
+    is checked at start like every key; 0 turns the wait off (in the vLLM venv: the connector
+    package imports vLLM)."""
+    from tests import vllm_env
+
+    try:
+        py = vllm_env.ensure()
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+    check = (
+        "from kvplan_nixl.vllm.settings import Settings\n"
+        "s = lambda v: Settings('e', 'h', 5700, 1, extra={'layerwise_wait_s': v})\n"
+        "assert s(0).seconds('layerwise_wait_s', 1.0, zero=True) == 0.0\n"
+        "assert Settings('e', 'h', 5700, 1).seconds('layerwise_wait_s', 1.0, zero=True) == 1\n"
+        "for bad in (-1, 'soon', float('inf')):\n"
+        "    try:\n"
+        "        s(bad).seconds('layerwise_wait_s', 1.0, zero=True)\n"
+        "    except ValueError as e:\n"
+        "        assert \"['layerwise_wait_s'] must be a number of seconds >= 0\" in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError(bad)\n"
+        "print('ok')\n")
+    r = subprocess.run([str(py), "-c", check], capture_output=True, text=True, timeout=300,
+                       cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
 # file order: every test of one engine set, then the next set's
@@ -291,9 +335,8 @@ def test_layerwise_requests_are_written_from_the_layer_hooks(sets):
     n, since = 6, len(s.lines("prefill"))
     for i in range(n):
         s.via_proxy("layerwise", prompt(5000 + i, N), f"layer-wise request {i}")
-    new = s.lines("prefill")[since:]
-    hooked = [int(m.group(1)) for x in new if (m := HOOKED.search(x))]
-    whole = [x for x in new if WHOLE.search(x)]
+    hooked = s.hooked(since, n)
+    whole = [x for x in s.lines("prefill")[since:] if WHOLE.search(x)]
     print(f"layer-wise: {sum(h > 0 for h in hooked)} of {n} written from layer hooks")
     assert not whole and len(hooked) == n and min(hooked) >= 1, (hooked, whole)
 

@@ -60,7 +60,8 @@ same on every engine), ``side_channel_host`` (default ``$VLLM_HOST_IP`` or 127.0
 ``base + dp * tp_size + r``), ``transfer_timeout_s`` (default 30), ``handshake_timeout_s``
 (default 5), ``lease_s`` (default 120), ``heartbeat_s`` (default ``lease_s / 3``),
 ``nixl_backends`` (default ``["UCX"]``), ``mode`` (``"pull"``, ``"push"`` or ``"layerwise"``;
-default ``"pull"``), ``push_timeout_s`` (default 60). See docs/vllm.md.
+default ``"pull"``), ``push_timeout_s`` (default 60), ``layerwise_wait_s`` (default 1; 0:
+never). See docs/vllm.md.
 """
 
 from __future__ import annotations

@@ -217,8 +217,7 @@ class Writes:
     # -- layer-wise: opened before the forward, posted from it -------------------------------
 
     def ready(self, s: PushSend, now: float) -> bool:
-        """Whether layer-wise ``s`` can open now: its registration is in and its decode engine
-        connected (or its handshake failed: waiting longer changes nothing)."""
+        """Layer-wise ``s`` can open: its registration is in, its decode's handshake over."""
         reg = self.table.registration(s.key, now)
         st = None if reg is None else self.hs.state(reg.engine)
         return st is not None and not st.pending
