@@ -35,6 +35,7 @@ import pytest
 
 from examples import pd_serve
 from tests import netns
+from tests.vllm_pool import prompt
 
 REPO = Path(__file__).resolve().parent.parent
 WHY = netns.unavailable()
@@ -64,14 +65,6 @@ except urllib.error.HTTPError as e:
 except OSError as e:
     print(json.dumps({"status": 0, "body": f"{type(e).__name__}: {e}"}))
 """
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    """``n`` token ids in [2, 1024), a different sequence per seed."""
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1024) for _ in range(n)]
 
 
 class Serving:
@@ -127,8 +120,10 @@ class Serving:
                 time.sleep(2)
 
     def http(self, host: str, url: str, body: dict | None, timeout: float = 240) -> dict:
-        out = self.hosts.exec(host, sys.executable, "-c", CLIENT, url,
-                              "" if body is None else json.dumps(body), str(timeout))
+        out = subprocess.run(["ip", "netns", "exec", self.hosts.ns[host], sys.executable, "-c",
+                              CLIENT, url, "" if body is None else json.dumps(body),
+                              str(timeout)], capture_output=True, text=True,
+                             timeout=timeout + 30)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
@@ -201,8 +196,8 @@ class Serving:
 
     def stop(self) -> None:
         """SIGTERM every process's session (vLLM shuts its workers down), SIGKILL what is
-        left after 20 s."""
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 30)):
+        left after 10 s."""
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
             for p in self.procs:
                 try:
                     os.killpg(p.pid, sig)
