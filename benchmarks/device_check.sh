@@ -12,7 +12,9 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 -d .whl nixl-cu13==1.5.1
 # Output: env.txt (GPU, torch, which NIXL module), tests.txt (pytest), bench_staged_cuda.md.
-# Status: written without a GPU at hand; the CPU half of each check runs in the test suite.
+# Which UCX transport carries GPU bytes: benchmarks/device_ucx_probe.py (UCX_PROTO_INFO=y).
+# Status: ran on one NVIDIA H200 on 2026-12-04 (105 s; results in docs/performance.md, "On a
+# GPU"); the CPU half of each check runs in the test suite.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvplan-device}
 mkdir -p "$OUT"

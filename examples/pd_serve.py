@@ -115,6 +115,13 @@ def proxy_command(s: Setup, mode: str = "pull", port: int | None = None) -> list
     return argv
 
 
+def proxy_env(s: Setup) -> dict[str, str]:
+    """The proxy's environment: the engines' ``secret``, with which it signs the RELEASE of a
+    prefill's hold after a failed decode leg (on the command line it would show in ``ps``),
+    and ``kvplan_nixl`` importable (the RELEASE goes over its side channel client)."""
+    return {"KVPLAN_SECRET": s.secret, "PYTHONPATH": s.pythonpath}
+
+
 def request_body(s: Setup, prompt: list[int], max_tokens: int) -> dict:
     """A completion request of token ids (``--skip-tokenizer-init``), token ids back."""
     return {"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -136,7 +143,7 @@ def render(s: Setup, *, two_hosts: bool) -> str:
         lines.append(f"# {role}" + (f", on host {ip}:" if two_hosts else ":"))
         lines.append(_shell(env, argv) + " &")
     lines.append("# the proxy" + (f", on host {s.prefill.ip}:" if two_hosts else ":"))
-    lines.append(" ".join(map(shlex.quote, proxy_command(s))) + " &")
+    lines.append(_shell(proxy_env(s), proxy_command(s)) + " &")
     body = json.dumps(request_body(s, [1, 2, 3, 4, 5], 16))
     lines.append("# wait until `curl -s host:port/health` answers on both engines, then:")
     lines.append(f"curl -s {s.prefill.ip}:{s.http_ports[2]}/v1/completions "

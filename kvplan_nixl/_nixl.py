@@ -7,7 +7,9 @@ torch is built for CUDA 13 may install ``nixl-cu13`` instead.
 
 NIXL logs an INFO line per agent and backend to stderr; unless the user set
 ``NIXL_LOG_LEVEL`` we ask for warnings and errors only (it is read when nixl is imported).
-Likewise UCX's TCP segment size (:data:`UCX_TCP_DEFAULTS`), unless the user set it.
+Likewise UCX's TCP segment size (:data:`UCX_TCP_DEFAULTS`) and the modules UCX loads
+(:data:`UCX_MODULES_DEFAULT`: not the EFA one, whose system libraries crash the process at exit
+on a machine with rdma-core's providers), unless the user set them.
 
 Bottom layer: owns the import and the agent's options; it may import nothing of kvplan_nixl.
 """
@@ -27,6 +29,17 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 UCX_TCP_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "256K"}
 for _name, _value in UCX_TCP_DEFAULTS.items():
     os.environ.setdefault(_name, _value)
+
+#: UCX's modules, unless the user chose them: all but UCX's EFA transport (``libuct_ib_efa``).
+#: The NIXL wheel bundles its own libibverbs and libnl, but its EFA module needs the system's
+#: ``libefa`` (rdma-core's ``ibverbs-providers``, installed on every RDMA server), which brings
+#: the system's libibverbs and libnl-route: two libnl-route copies in one process, and both
+#: unregister their traffic-control ops in ``_dl_fini``, so every process that created a UCX
+#: agent segfaulted at exit (status 139 after a clean run). Without the package the module
+#: fails to load and UCX skips it, so this changes nothing there; the InfiniBand/RoCE (mlx5)
+#: modules still load. Read when libucs is loaded, i.e. at the first agent's UCX backend.
+UCX_MODULES_DEFAULT = "^efa"
+os.environ.setdefault("UCX_MODULES", UCX_MODULES_DEFAULT)
 
 #: Where NIXL's Python API may live: the meta package, then a backend wheel directly.
 _NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
@@ -60,7 +73,7 @@ def _import_nixl():
 
 nixl_agent, nixl_agent_config = _import_nixl()
 
-__all__ = ["NIXL_LOCAL", "UCX_TCP_DEFAULTS", "make_agent"]
+__all__ = ["NIXL_LOCAL", "UCX_MODULES_DEFAULT", "UCX_TCP_DEFAULTS", "make_agent"]
 
 #: The agent name NIXL uses for the local side of a prepared descriptor list.
 NIXL_LOCAL = "NIXL_INIT_AGENT"

@@ -37,8 +37,10 @@ __all__ = ["COUNTS", "SERIES", "KvplanPromMetrics", "KvplanStats", "KvplanStatsM
 SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_runs",
           "num_descriptors")
 #: Event counts (one entry per event, or a count per report).
+#: ``num_failed_loads`` is counted by the decode's scheduler, once per request whatever the TP
+#: (kvplan_nixl.vllm.outcomes); the other failures by each worker rank that saw them.
 COUNTS = ("num_failed_transfers", "num_failed_handshakes", "num_kv_expired_reqs",
-          "num_confirmations_refused", "num_side_channel_dropped")
+          "num_confirmations_refused", "num_side_channel_dropped", "num_failed_loads")
 
 
 @dataclass
@@ -105,6 +107,7 @@ class KvplanStats(KVConnectorStats):
             "Num KV expired reqs": sum(self.data["num_kv_expired_reqs"]),
             "Num confirmations refused": sum(self.data["num_confirmations_refused"]),
             "Num side channel dropped": sum(self.data["num_side_channel_dropped"]),
+            "Num failed loads": sum(self.data["num_failed_loads"]),
         }
         n = self.num_successful_transfers
         if n == 0:

@@ -65,3 +65,44 @@ def test_incompatible_example_exits_with_a_message(capsys):
     err = capsys.readouterr().err
     assert "IncompatibleLayoutError" in err and "lcm = 16789504" in err
     assert main(["plan", "--prefill-block-size", "16", "--decode-block-size", "24"]) == 0
+
+
+def _rdma_providers() -> str | None:
+    """Where the system's ``libefa`` (rdma-core's ``ibverbs-providers``) lives, or None.
+
+    It is what NIXL's UCX EFA module links against and the wheel does not bundle: with it
+    present the module loads and brings the system's libibverbs and libnl-route beside the
+    wheel's own copies (kvplan_nixl/_nixl.py, UCX_MODULES_DEFAULT)."""
+    import ctypes.util
+
+    return ctypes.util.find_library("efa")
+
+
+def _demo(env: dict) -> subprocess.CompletedProcess:
+    # `kvplan demo` as a shell user runs it: a fresh interpreter, its own exit
+    return subprocess.run([sys.executable, "-m", "kvplan.cli", "demo", "--tokens", "64",
+                           "--num-blocks", "16"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_demo_exits_0_on_the_rdma_stack():
+    """With rdma-core's providers installed (as on every RDMA GPU server) ``kvplan demo``
+    exits 0: its status is its own, not the segfault at exit (139) that two libnl-route copies
+    caused. The control shows the test runs where the crash lives: with every UCX module
+    allowed (the user's own UCX_MODULES wins over ours) the same demo dies by SIGSEGV."""
+    where = _rdma_providers()
+    if where is None:
+        msg = ("rdma-core's ibverbs-providers (libefa) is not installed: "
+               "apt-get install -y ibverbs-providers, as .ci/run does")
+        print(msg)
+        pytest.skip(msg)
+    env = {k: v for k, v in peer_env().items() if k != "UCX_MODULES"}
+    ours = _demo(env)
+    assert ours.returncode == 0, (where, ours.returncode, ours.stderr[-2000:])
+    assert "verified: all" in ours.stdout
+    control = _demo({**env, "UCX_MODULES": "all"})
+    assert "verified: all" in control.stdout, control.stderr[-2000:]
+    assert control.returncode == -11, (
+        f"with UCX's EFA module loaded (libefa at {where}) the demo exited "
+        f"{control.returncode}, not by SIGSEGV: if this NIXL build no longer crashes at exit, "
+        "UCX_MODULES_DEFAULT in kvplan_nixl/_nixl.py may go")

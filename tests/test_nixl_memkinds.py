@@ -227,7 +227,7 @@ def test_dram_and_vram_on_one_rank_move_exact_bytes(mode, how):
         for ep in pr.endpoints:
             assert ep.mem_type is None and {m for m in ep.mem_types if m} == {"DRAM", "VRAM"}
             assert ep.handles()["registrations"] == 2
-            assert {md.decode(ep.metadata()).buffer_mem(b) for b in range(2)} == {
+            assert {md.decode(ep.metadata(), b"mk secret").buffer_mem(b) for b in range(2)} == {
                 "DRAM", "VRAM"}
         pr.connect(mode)
         initiators = pr.d if mode == "pull" else pr.p

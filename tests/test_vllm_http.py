@@ -91,7 +91,7 @@ class Serving:
                 "VLLM_CACHE_ROOT": str(workdir / f"vllm-cache-{name}-{role}")}, workdir)
         for mode, port in MODES.items():
             self._spawn(f"proxy-{mode}", "a", pd_serve.proxy_command(self.s, mode, port),
-                        {"PYTHONPATH": str(REPO)}, workdir)
+                        pd_serve.proxy_env(self.s), workdir)
         self.wait_ready()
 
     def _spawn(self, role: str, host: str, argv: list[str], env: dict, workdir: Path) -> None:

@@ -10,10 +10,12 @@ request), a decode under ``recompute`` and one under ``fail``. The first tests n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -28,6 +30,7 @@ from tests.vllm_pool import (
     Engine,
     Pool,
     check_equal,
+    free_base_port,
     pd_equals_plain,
     prompt,
     remove_orphan_shm,
@@ -72,6 +75,67 @@ assert s.backends() == ("UCX", "GDS")
 assert Settings("e", "h", 5700, 1).backends() == ("UCX",)
 with pytest.raises(ValueError, match="nixl_backends"):
     Settings("e", "h", 5700, 1, extra={"nixl_backends": []}).backends()
+print("ok")
+"""
+
+ADDRESS_CHECK = r"""
+import os
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from kvplan_nixl.errors import ArgumentError
+from kvplan_nixl.vllm import KvplanConnector
+
+def connector(extra):
+    cfg = VllmConfig(kv_transfer_config=KVTransferConfig(
+        kv_connector="KvplanConnector", kv_connector_module_path="kvplan_nixl.vllm",
+        kv_role="kv_producer", kv_buffer_device="cpu", engine_id="pre",
+        kv_connector_extra_config=extra))
+    return KvplanConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
+os.environ.pop("VLLM_HOST_IP", None)
+s = connector({"side_channel_host": "0.0.0.0", "side_channel_advertise_host": "10.0.0.1"})
+assert (s.settings.listen_host, s.settings.host) == ("0.0.0.0", "10.0.0.1"), s.settings
+assert connector({}).settings.listen_host == connector({}).settings.host == "127.0.0.1"
+for extra, env, key in [({"side_channel_host": "0.0.0.0"}, None, "'side_channel_host'"),
+                        ({}, "::", "$VLLM_HOST_IP"),
+                        ({"side_channel_host": "0.0.0.0",
+                          "side_channel_advertise_host": "127.0.0.1"}, None,
+                         "'side_channel_advertise_host'")]:
+    if env:
+        os.environ["VLLM_HOST_IP"] = env
+    try:
+        connector(extra)
+    except ArgumentError as e:
+        assert key in str(e) and "side_channel_advertise_host" in str(e), str(e)
+    else:
+        raise AssertionError(f"{extra} {env} accepted")
+    os.environ.pop("VLLM_HOST_IP", None)
+print("ok")
+"""
+
+OUTCOMES_CHECK = r"""
+from vllm.v1.outputs import KVConnectorOutput
+from kvplan_nixl.vllm.outcomes import LoadOutcomes
+from kvplan_nixl.vllm.scheduler import Load
+
+def load(req, blocks, parked=True):
+    return Load(req_id=req, remote_req="r" + req, engine="pre", host="10.0.0.1", port=5700,
+                remote_tp=1, remote_ids=[[1, 2]], remote_first=[0], local_ids=[blocks],
+                start=0, end=64, parked=parked)
+
+o = LoadOutcomes("recompute")
+for x in (load("a", [3, 4]), load("b", [5, 6]), load("c", [7]), load("d", [8], parked=False)):
+    o.started(x)
+o.update(KVConnectorOutput(finished_recving={"a", "b"}, invalid_block_ids={6}))
+o.update(KVConnectorOutput(finished_recving={"c"}, failed_recving={"c"}))
+assert o.finished("a") is None                      # loaded: nothing added
+assert o.finished("b") == {"kvplan_load_failed": {"remote_engine_id": "pre",
+    "remote_host": "10.0.0.1", "remote_port": 5700, "policy": "recompute"}}
+assert o.finished("c")["kvplan_load_failed"]["policy"] == "recompute"  # a hybrid's, by id
+assert o.finished("b") is None and o.finished("d") is None  # once; an unparked load: never
+st = o.take_stats()
+assert st.data["num_failed_loads"] == [1, 1] and st.reduce()["Num failed loads"] == 2
+assert o.take_stats() is None and not o.pending
 print("ok")
 """
 
@@ -123,15 +187,29 @@ def test_ports_by_data_parallel_rank_and_config_keys_checked_by_name():
     _in_vllm_venv(SETTINGS_CHECK)
 
 
+def test_addresses_that_cannot_work_are_refused_when_the_connector_is_made():
+    """The facade reads the bind and advertised addresses (kvplan_nixl.addresses): a wildcard
+    or a loopback advertised beside a bind that serves other hosts stops the engine at start,
+    naming the key or variable; a wildcard bind with an advertised address is taken."""
+    _in_vllm_venv(ADDRESS_CHECK)
+
+
+def test_failed_loads_are_told_once_per_request():
+    """The scheduler learns a load failed from the workers' output (blocks, or the request
+    for several groups), adds ``kvplan_load_failed`` to its params once, and counts it."""
+    _in_vllm_venv(OUTCOMES_CHECK)
+
+
 def test_prefill_holds_and_decode_control_messages_over_the_side_channel():
     """control.py's two sides: holds end by the last reader's CONFIRM or the lease, only
     ended holds are freed, a refused, forged or misaddressed message changes nothing."""
     _in_vllm_venv(HOLDS_CHECK)
 
 
-def _fake_engine(name: str, seen: dict, answer: dict, before=None):
+def _fake_engine(name: str, seen: dict, answer, before=None):
     """An HTTP server standing in for an engine: records each POST body in ``seen[name]``,
-    calls ``before()`` (if any), answers ``answer``."""
+    calls ``before()`` (if any), answers ``answer`` (a JSON body with status 200, or a
+    callable returning ``(status, body)``)."""
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -140,8 +218,9 @@ def _fake_engine(name: str, seen: dict, answer: dict, before=None):
             seen[name] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if before is not None:
                 before()
-            out = json.dumps(answer).encode()
-            self.send_response(200)
+            code, body = answer() if callable(answer) else (200, answer)
+            out = json.dumps(body).encode()
+            self.send_response(code)
             self.send_header("Content-Length", str(len(out)))
             self.end_headers()
             self.wfile.write(out)
@@ -210,6 +289,165 @@ def test_example_proxy_in_push_mode_sends_both_legs_under_one_transfer_id():
         "remote_port": 5700, "tp_size": 2, "transfer_id": tid})
     assert seen["prefill"] == dict(body, max_tokens=1, stream=False, kv_transfer_params={
         "do_remote_decode": True, "transfer_mode": "layerwise", "transfer_id": tid})
+
+
+class _Prefill:
+    """A prefill's HTTP server (fake) and its rank side channels (real, with a hold table):
+    answers one kvplan pull's params for request ``req`` held under a fresh generation."""
+
+    def __init__(self, seen: dict, tp: int = 2, secret: str = "s") -> None:
+        from kvplan_nixl import sidechannel as sc
+        from kvplan_nixl.holds import Holds, new_generation
+
+        self.req, self.gen = "pre-req-1", new_generation()
+        base = free_base_port(tp)  # rank r listens on base + r, as an engine's ranks do
+        self.holds = [Holds() for _ in range(tp)]
+        self.servers = [sc.SideChannelServer("127.0.0.1", base + r, sc.server_identity("pre", r),
+                                             secret=secret, holds=h)
+                        for r, h in enumerate(self.holds)]
+        for h in self.holds:
+            h.hold(self.req, time.monotonic(), 120.0, self.gen)
+        self.params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]],
+                       "remote_engine_id": "pre", "remote_request_id": self.req,
+                       "remote_host": "127.0.0.1", "remote_port": base, "tp_size": tp,
+                       "transfer_mode": "kvplan", "remote_generation": str(self.gen)}
+        self.http = _fake_engine("prefill", seen, {"kv_transfer_params": self.params})
+
+    def held(self) -> list[bool]:
+        out = []
+        for srv, h in zip(self.servers, self.holds):
+            with srv.lock:
+                out.append(self.req in h)
+        return out
+
+    def close(self) -> None:
+        for srv in self.servers:
+            srv.close()
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def _post(proxy, body: dict, timeout: float = 20) -> tuple[int, bytes]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{proxy.server_address[1]}/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _proxy(pre: _Prefill, decode_url: str, secret: str | None = "s"):
+    from examples import pd_proxy
+
+    proxy = pd_proxy.serve(f"http://127.0.0.1:{pre.http.server_address[1]}", decode_url,
+                           port=0, secret=secret)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    return proxy
+
+
+def _wait(cond, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_example_proxy_answers_a_dead_decode_502_and_releases_the_prefill(capfd):
+    """The decode down: a 502 naming it (not an empty reply), and every prefill rank's hold
+    ended at once by the proxy's RELEASE (it used to stay for lease_s)."""
+    import json
+
+    seen: dict[str, dict] = {}
+    pre = _Prefill(seen)
+    with socket.socket() as gone:
+        gone.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{gone.getsockname()[1]}"
+    proxy = _proxy(pre, dead)
+    try:
+        assert pre.held() == [True, True]
+        status, body = _post(proxy, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
+        assert status == 502, body
+        err = json.loads(body)["error"]
+        assert err.startswith(f"decode {dead} failed: ") and "refused" in err, err
+        assert pre.held() == [False, False]  # released before the 502 went out
+        assert [h.counts["released"] for h in pre.holds] == [1, 1]
+        log = capfd.readouterr().err
+        assert "pd_proxy: decode unreachable" in log and "RELEASE of prefill req=pre-req-1: " \
+            "rank 0 at 127.0.0.1" in log and log.count(": YES") == 2, log
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        pre.close()
+
+
+def test_example_proxy_releases_after_a_decode_error_not_after_a_decode_answer():
+    """A decode's own HTTP error is relayed as is and releases the prefill's hold; a decode
+    that answered leaves it alone (its pull's CONFIRM ends it)."""
+    seen: dict[str, dict] = {}
+    pre = _Prefill(seen, tp=1)
+    answers = [(200, {"choices": []}), (500, {"error": "boom"})]
+    dec = _fake_engine("decode", seen, lambda: answers[0])
+    proxy = _proxy(pre, f"http://127.0.0.1:{dec.server_address[1]}")
+    try:
+        assert _post(proxy, {"model": "m", "prompt": "x"}) == (200, b'{"choices": []}')
+        assert seen["prefill"]["kv_transfer_params"] == {"do_remote_decode": True}
+        assert pre.held() == [True]  # answered: not the proxy's to release
+        answers.pop(0)
+        assert _post(proxy, {"model": "m", "prompt": "x"}) == (500, b'{"error": "boom"}')
+        assert pre.held() == [False]
+    finally:
+        for srv in (proxy, dec):
+            srv.shutdown()
+            srv.server_close()
+        pre.close()
+
+
+def test_example_proxy_releases_when_the_client_leaves_mid_stream():
+    """The client gone while the decode streams: the proxy stops relaying and releases."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: dict[str, dict] = {}
+    pre = _Prefill(seen, tp=1)
+
+    class Decode(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(400):  # a long stream of tokens, 20 s at most
+                    self.wfile.write(b"%x\r\n%s\r\n" % (4096, b"t" * 4096))
+                    self.wfile.flush()
+                    time.sleep(0.05)
+
+        def log_message(self, *a: object) -> None:
+            pass
+    dec = ThreadingHTTPServer(("127.0.0.1", 0), Decode)
+    threading.Thread(target=dec.serve_forever, daemon=True).start()
+    proxy = _proxy(pre, f"http://127.0.0.1:{dec.server_address[1]}")
+    try:
+        body = b'{"model": "m", "prompt": "x", "stream": true}'
+        with socket.create_connection(("127.0.0.1", proxy.server_address[1])) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert c.recv(64).startswith(b"HTTP/1.1 200")  # the stream started
+            assert pre.held() == [True]
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset
+        assert _wait(lambda: pre.held() == [False]), "the hold outlived the client"
+    finally:
+        for srv in (proxy, dec):
+            srv.shutdown()
+            srv.server_close()
+        pre.close()
 
 
 # -- real engines ------------------------------------------------------------------------------
@@ -366,6 +604,7 @@ def test_hostile_side_channels_fail_their_pulls_only(pool):
     plain, plain_other = p.generate(ids, 16), p.generate(other, 16)
     a = p.generate(ids, 1, REMOTE)["params"]
     silent, huge = _Hostile("silent"), _Hostile("huge")
+    failed_loads = _metric(d.metrics(), "vllm:kvplan_num_failed_loads")
     try:
         t0 = time.monotonic()
         res = d.batch([
@@ -373,7 +612,11 @@ def test_hostile_side_channels_fail_their_pulls_only(pool):
              "params": dict(a, remote_engine_id="silent", remote_port=silent.port)},
             {"prompt": ids, "max_tokens": 16,
              "params": dict(a, remote_engine_id="huge", remote_port=huge.port)},
-            {"prompt": other, "max_tokens": 16, "params": None}])
+            {"prompt": other, "max_tokens": 16, "params": None},
+            # finding 9: a prefill that advertised loopback from another host makes the
+            # decode dial its own side channel, which answers as itself
+            {"prompt": ids, "max_tokens": 16,
+             "params": dict(a, remote_engine_id="elsewhere", remote_port=d.port)}])
         took = time.monotonic() - t0
     finally:
         silent.close()
@@ -381,12 +624,29 @@ def test_hostile_side_channels_fail_their_pulls_only(pool):
     check_equal(res[0], plain, "a pull from a silent side channel (recomputed)")
     check_equal(res[1], plain, "a pull from a side channel claiming 4 GiB (recomputed)")
     check_equal(res[2], plain_other, "a plain request beside them")
+    check_equal(res[3], plain, "a pull that dialled the decode's own side channel")
     assert res[2]["seconds"] < res[0]["seconds"] and res[2]["seconds"] < 4, res
     assert took < 30, took
     assert d.log_lines(r"from silent failed \(handshake failed: rank 0: SideChannelTimeout"), \
         d.tail()
     assert d.log_lines(r"from huge failed \(handshake failed: rank 0: SideChannelProtocolError"
                        r".*4294967295 bytes, above the limit"), d.tail()
+    # never a silent recompute: the cause with the address dialled, a WARNING per request,
+    # the response's kv_transfer_params and a count once per request
+    assert d.log_lines(rf"from elsewhere failed \(handshake failed: rank 0: SideChannelRejected"
+                       rf".*; dialled 127\.0\.0\.1:{d.port}, as the prefill advertised; a "
+                       r"loopback address: a prefill on another host must advertise"), d.tail()
+    for r, engine, port in ((res[0], "silent", silent.port), (res[1], "huge", huge.port),
+                            (res[3], "elsewhere", d.port)):
+        assert r["params"] == {"kvplan_load_failed": {
+            "remote_engine_id": engine, "remote_host": "127.0.0.1", "remote_port": port,
+            "policy": "recompute"}}, r
+        rid = re.escape(r["id"])
+        assert d.log_lines(rf"WARNING.*kvplan: decode req={rid}\S* loaded no KV from prefill "
+                           rf"{engine} at 127\.0\.0\.1:{port} \(pull mode\): vLLM's "
+                           r"kv_load_failure_policy=recompute recomputes its prompt"), d.tail()
+    assert res[2]["params"] is None, res[2]
+    assert _wait_metric(d, "vllm:kvplan_num_failed_loads", failed_loads + 3) == failed_loads + 3
 
 
 def test_fail_policy_fails_the_request_whose_hold_ended(pool):
@@ -421,6 +681,21 @@ def test_a_taken_port_is_named_with_its_config_key(pool):
                                r"port'\]"), e.tail()
         finally:
             e.stop()
+
+
+def test_a_wildcard_side_channel_address_stops_the_engine_at_start(pool):
+    """``side_channel_host: 0.0.0.0`` with nothing advertised: the engine does not start (it
+    used to start and advertise 0.0.0.0, failing every pull); the log names the key."""
+    pool.only()
+    e = Engine("llama-p1-wildcard", pool.py, pool.model("llama"), pool.workdir, tp=1,
+               cores="0", extra={"side_channel_host": "0.0.0.0"})
+    try:
+        with pytest.raises(AssertionError, match="exited"):
+            e.wait_ready()
+        assert e.log_lines(r"ArgumentError: kv_connector_extra_config\['side_channel_host'\] "
+                           r"is '0.0.0.0', a wildcard: .*side_channel_advertise_host"), e.tail()
+    finally:
+        e.stop()
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))

@@ -143,6 +143,9 @@ def serve(args: argparse.Namespace) -> None:
     elif args.connector == "nixl":  # vLLM's own, for comparison (its port from the env)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.side_port)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = args.side_host
+        # what kvplan_nixl sets for our connector, as docs/vllm.md tells NixlConnector users:
+        # no UCX EFA module, whose system libnl crashes the process at exit on an RDMA stack
+        os.environ.setdefault("UCX_MODULES", "^efa")
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
             kv_load_failure_policy=args.policy)

@@ -55,7 +55,10 @@ step.
   "KV Transfer metrics" log line and ``vllm:kvplan_*`` Prometheus metrics.
 
 Extra config keys: ``secret`` (str, signs the metadata and every side channel message; the
-same on every engine), ``side_channel_host`` (default ``$VLLM_HOST_IP`` or 127.0.0.1),
+same on every engine), ``side_channel_host`` (where the side channel listens; default
+``$VLLM_HOST_IP`` or 127.0.0.1), ``side_channel_advertise_host`` (what peers dial; default
+``side_channel_host``; a wildcard, or loopback beside a non-loopback bind, is refused at
+start: :mod:`kvplan_nixl.addresses`),
 ``side_channel_port`` (base port, default 5700: rank ``r`` of DP rank ``dp`` listens on
 ``base + dp * tp_size + r``), ``transfer_timeout_s`` (default 30), ``handshake_timeout_s``
 (default 5), ``lease_s`` (default 120), ``heartbeat_s`` (default ``lease_s / 3``),
@@ -78,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvplan_nixl.addresses import side_channel_addresses
 from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load, Scheduler
 from kvplan_nixl.vllm.settings import Settings
 from kvplan_nixl.vllm.worker import Worker
@@ -88,6 +92,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KvplanConnector", "KvplanMetadata", "Load", "Settings"]
@@ -114,15 +119,16 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
             raise ValueError("kv_connector_extra_config['side_channel_port'] must be a port "
                              f"number (the base: rank ports are base + dp_rank * tp_size + "
                              f"tp_rank), got {port!r}")
+        # a wildcard or loopback address that peers on other hosts would dial: refused here
+        bind, advertised = side_channel_addresses(extra, os.environ.get("VLLM_HOST_IP"))
         self.settings = Settings(
-            engine_id=str(cfg.engine_id),
-            host=str(extra.get("side_channel_host")
-                     or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"),
+            engine_id=str(cfg.engine_id), host=advertised, bind_host=bind,
             port=int(port), tp_size=par.tensor_parallel_size, extra=extra, dp_rank=int(dp))
         self.settings.rank_port(self.settings.tp_size - 1)  # every rank's port fits: fail now
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KvplanConnector: pipeline parallelism is not supported yet")
-        self._scheduler = Scheduler(self.settings, kv_cache_config) \
+        self._scheduler = Scheduler(self.settings, kv_cache_config,
+                                    str(cfg.kv_load_failure_policy)) \
             if role == KVConnectorRole.SCHEDULER else None
         self._worker = Worker(self.settings, vllm_config) \
             if role == KVConnectorRole.WORKER else None
@@ -147,6 +153,12 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
         """This step's pulls, newly finished prefill sends and pushes, and the layer-wise
         pushes whose prompt this step computes, for every worker."""
         return self._scheduler.meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' results of a step: which decode loads failed (their response and the
+        ``num_failed_loads`` count say so: :mod:`.outcomes`)."""
+        if self._scheduler is not None:
+            self._scheduler.outcomes.update(connector_output)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -210,7 +222,9 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KvplanStats | None:
         """This worker's pulls, failures, expired leases, refused confirmations and dropped
         side channel messages since the last call (vLLM's log line and Prometheus)."""
-        return self._worker.take_stats() if self._worker is not None else None
+        if self._worker is None:  # the scheduler's: decode requests whose load failed
+            return self._scheduler.outcomes.take_stats() if self._scheduler else None
+        return self._worker.take_stats()
 
     def shutdown(self) -> None:
         """Stop the side channel and the progress thread, release every NIXL handle."""

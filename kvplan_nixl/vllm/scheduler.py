@@ -31,6 +31,7 @@ from vllm.logger import init_logger
 from kvplan.adapters.vllm import TransferGroups
 from kvplan_nixl.holds import new_generation
 from kvplan_nixl.pushes import PushSend, transfer_key
+from kvplan_nixl.vllm.outcomes import LoadOutcomes
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.settings import Settings
@@ -75,8 +76,11 @@ class KvplanMetadata(KVConnectorMetadata):
 class Scheduler:
     """The scheduler half: which requests pull, into which blocks, and the returned params."""
 
-    def __init__(self, settings: Settings, kv_cache_config: Any) -> None:
+    def __init__(self, settings: Settings, kv_cache_config: Any,
+                 policy: str = "fail") -> None:
         self.c = settings
+        # which parked loads failed (policy: vLLM's kv_load_failure_policy)
+        self.outcomes = LoadOutcomes(policy)
         cfg = kv_cache_config
         self.groups = TransferGroups.from_config(cfg) if cfg is not None else None
         # tokens the decode computes itself: one with a state group (see the module docstring)
@@ -124,8 +128,9 @@ class Scheduler:
         p["do_remote_prefill"] = False  # one pull per request
         end = self._end(request)
         local = [list(g) for g in blocks.get_block_ids()] if num_external > 0 else []
-        self.loads[request.request_id] = _load(request.request_id, p, local,
-                                               end - num_external, end, num_external > 0)
+        load = _load(request.request_id, p, local, end - num_external, end, num_external > 0)
+        self.loads[request.request_id] = load
+        self.outcomes.started(load)
 
     def meta(self, scheduled: Any = None) -> KvplanMetadata:
         """This step's metadata; ``scheduled`` (vLLM's ``SchedulerOutput``) names the layer-wise
@@ -159,6 +164,9 @@ class Scheduler:
             p["do_remote_prefill"] = False
             self.loads[request.request_id] = _load(request.request_id, p, [], 0, 0, False)
             return False, None
+        outcome = self.outcomes.finished(request.request_id)
+        if outcome is not None:  # a decode whose load failed: its response says so
+            return False, outcome
         layered = request.request_id in self.layered
         self.layered.discard(request.request_id)
         if not p.get("do_remote_decode") or request.status not in (

@@ -18,11 +18,17 @@ class Settings:
     """One engine's connector settings (see the package docstring for the extra keys)."""
 
     engine_id: str
-    host: str  # the side channel's host (``side_channel_host``, else $VLLM_HOST_IP)
+    host: str  # the side channel's advertised host: what peers dial (kvplan_nixl.addresses)
     port: int  # the side channel's base port (``side_channel_port``)
     tp_size: int
     extra: dict[str, Any] = field(default_factory=dict)
     dp_rank: int = 0  # vLLM's data_parallel_index: each DP rank has tp_size ports of its own
+    bind_host: str = ""  # where the side channel listens, when not ``host`` (a wildcard, NAT)
+
+    @property
+    def listen_host(self) -> str:
+        """The address the side channel listens on: ``bind_host``, else ``host``."""
+        return self.bind_host or self.host
 
     def rank_port(self, tp_rank: int) -> int:
         """The side channel port of TP rank ``tp_rank`` of this engine's DP rank:

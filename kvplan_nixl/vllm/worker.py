@@ -25,6 +25,7 @@ from vllm.logger import init_logger
 import kvplan
 from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, whole_pages
 from kvplan_nixl import sidechannel as sc
+from kvplan_nixl.addresses import is_loopback
 from kvplan_nixl.handshakes import Handshakes
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.pulling import Pulls
@@ -111,14 +112,15 @@ class Worker:
                     "+".join(self.groups.kinds), len(spec.buffers))
         port = self.c.rank_port(self.rank)
         try:  # a taken port: PortInUseError names it and the key to change
-            self.sends = Sends(self.c.host, port, sc.server_identity(self.c.engine_id,
-                                                                     self.rank),
+            self.sends = Sends(self.c.listen_host, port,
+                               sc.server_identity(self.c.engine_id, self.rank),
                                self.ep.metadata(), secret=self.secret, lease=self.lease)
         except BaseException:
             self.ep.close()
             raise
-        logger.info("kvplan: rank %d side channel on %s:%d (base %d, dp rank %d)", self.rank,
-                    self.c.host, port, self.c.port, self.c.dp_rank)
+        logger.info("kvplan: rank %d side channel on %s:%d, advertised as %s (base %d, dp rank "
+                    "%d)", self.rank, self.c.listen_host, port, self.c.host, self.c.port,
+                    self.c.dp_rank)
         self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
                              workers=2, retry_after_s=min(5.0, self.lease))
         self.receives, self.writes = Receives(self), Writes(self)
@@ -215,7 +217,8 @@ class Worker:
                 try:  # the handshake runs on Handshakes' threads, never on this step
                     self.hs.start(load.engine, _address(load))
                 except Exception as e:
-                    self.fail(load, f"{type(e).__name__}: {e}")
+                    self.stats.record("num_failed_handshakes")
+                    self.fail(load, f"{type(e).__name__}: {e}{_dialled(load)}")
                     continue
                 # bounded: a handshake takes at most a few handshake_timeout_s per rank
                 self.waiting[load.req_id] = (load, now + self.timeout)
@@ -239,12 +242,13 @@ class Worker:
                     del self.waiting[req_id]
                     self.stats.record("num_failed_handshakes")
                     self.fail(load, f"handshake with {load.engine} at {load.host}:"
-                                     f"{load.port} not done within {self.timeout:g} s")
+                                     f"{load.port} not done within {self.timeout:g} s"
+                                     f"{_dialled(load, address=False)}")
                 continue
             del self.waiting[req_id]
             if st.failed:
                 self.stats.record("num_failed_handshakes")
-                self.fail(load, f"handshake failed: {st.reason}")
+                self.fail(load, f"handshake failed: {st.reason}{_dialled(load)}")
                 continue
             try:
                 self._post(load, deadline)
@@ -350,6 +354,17 @@ def _readers(tmap: Any, engine: str, whole: bool) -> list[int]:
         for p in kvplan.pull_map(src, dst, d).peers:
             counts[p] += 1
     return counts
+
+
+def _dialled(load: Load, address: bool = True) -> str:
+    """What a failed handshake's message adds: the address dialled (the prefill advertised
+    it), and what a loopback one means (kvplan_nixl.addresses)."""
+    out = f"; dialled {load.host}:{load.port}, as the prefill advertised" if address else ""
+    if is_loopback(load.host):
+        out += ("; a loopback address: a prefill on another host must advertise one this "
+                "host reaches (its side_channel_host, side_channel_advertise_host or "
+                "VLLM_HOST_IP)")
+    return out
 
 
 def _address(load: Load) -> Any:
