@@ -118,9 +118,11 @@ class Engine:
             VLLM_LOG_STATS_INTERVAL="1",
         )
         cmd = [*prefix, str(py), str(SCRIPT), "serve", "--model", str(model), "--tp", str(tp),
-               "--side-port", str(self.port), "--side-host", ip, "--policy", policy,
+               "--side-port", str(self.port), "--policy", policy,
                "--block-size", str(block_size), "--transfer-timeout", "20",
                "--connector", connector]
+        if place is not None:  # the side channel on the host's address
+            cmd += ["--side-host", ip]
         if attention_backend:
             cmd += ["--attention-backend", attention_backend]
         if extra:
