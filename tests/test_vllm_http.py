@@ -92,7 +92,11 @@ class Serving:
         for mode, port in MODES.items():
             self._spawn(f"proxy-{mode}", "a", pd_serve.proxy_command(self.s, mode, port),
                         pd_serve.proxy_env(self.s), workdir)
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # its engines' processes (own sessions) must not outlive it
+            self.stop()
+            raise
 
     def _spawn(self, role: str, host: str, argv: list[str], env: dict, workdir: Path) -> None:
         log = workdir / f"{self.name}-{role}.log"
