@@ -25,16 +25,22 @@ compute), TP1 -> TP1: pull, push (the prefill writes once the request finished) 
 push (each layer written from the forward), by the TTFT a proxy sees (from the first leg sent)
 and the handover beyond the plain prefill's TTFT (:func:`run_modes`).
 
+``--two-hosts``: the prefill engine in one network namespace, the decode in another, joined by
+a veth pair (tests/netns.py; needs root), UCX over TCP on that link and the side channels on
+the hosts' addresses: the same rows with the KV crossing a network link instead of loopback.
+
 Run (about 9 minutes for each part; serialise with other engine runs)::
 
     flock /tmp/vllm-engines.lock python benchmarks/bench_vllm_pd.py
     python benchmarks/bench_vllm_pd.py --quick --check   # a smoke run; exit 1 on wrong output
     python benchmarks/bench_vllm_pd.py --connectors      # the modes part alone
+    python benchmarks/bench_vllm_pd.py --two-hosts       # P and D on two hosts (veth)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -44,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests import vllm_env  # noqa: E402  (the repo's test helpers build and drive the engines)
+from tests import netns, vllm_env  # noqa: E402  (the repo's test helpers build and drive the engines)
 from tests.vllm_pool import (  # noqa: E402
     LAYERED,
     PUSH_REGISTERED,
@@ -263,15 +269,23 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if any decode was wrong")
     ap.add_argument("--json", type=Path, help="write the rows and ratios here")
     ap.add_argument("--logs", type=Path, help="keep the engines' logs here (default: removed)")
+    ap.add_argument("--two-hosts", action="store_true",
+                    help="prefill and decode in two network namespaces joined by a veth")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.lengths, args.mode_lengths = 4, [64, 960], [960]
     py = vllm_env.ensure()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-vllm-pd-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-pd-") as tmp, \
+            contextlib.ExitStack() as stack:
         workdir = args.logs or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        pool = Pool(py, workdir)
+        hosts = None
+        if args.two_hosts:
+            if (why := netns.unavailable()) is not None:
+                ap.error(f"--two-hosts: {why}")
+            hosts = stack.enter_context(netns.TwoHosts())
+        pool = Pool(py, workdir, hosts)
         try:
             for name in args.connectors:
                 rows += run_connector(pool, name, args.lengths, args.concurrency,

@@ -130,3 +130,30 @@ def test_docs_stand_on_their_own():
             assert bad not in text, f"{f.name} points at {bad}, which is not in the repository"
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
             assert (f.parent / target).exists(), f"{f.name}: broken link {target}"
+
+
+RENDERED = re.compile(r"^<!--\s*examples/pd_serve\.py:\s*(one host|two hosts)\s*-->$")
+
+
+def test_serving_command_blocks_are_the_ones_the_tests_run():
+    """docs/vllm.md's command blocks are examples/pd_serve.py's output, the module
+    tests/test_vllm_http.py starts its engines and proxies with: one source."""
+    from examples import pd_serve
+
+    want = {"one host": pd_serve.render(pd_serve.DOCS_ONE_HOST, two_hosts=False),
+            "two hosts": pd_serve.render(pd_serve.DOCS_TWO_HOSTS, two_hosts=True)}
+    path = ROOT / "docs" / "vllm.md"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found = {}
+    for b in blocks(path):
+        m = RENDERED.match(lines[b.line - 2].strip()) if b.line >= 2 else None
+        if m:
+            found[m.group(1)] = b.code
+    assert found.keys() == want.keys(), f"marked blocks {sorted(found)}, want {sorted(want)}"
+    for which, code in found.items():
+        assert code == want[which], (f"docs/vllm.md's {which} block differs from "
+                                     f"`python examples/pd_serve.py`'s; paste its output:\n"
+                                     f"{want[which]}")
+    printed = subprocess.run([sys.executable, "examples/pd_serve.py"], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0 and printed.stdout == want["two hosts"], printed.stderr

@@ -133,6 +133,7 @@ def serve(args: argparse.Namespace) -> None:
     kw = {}
     if args.connector == "kvplan":
         extra = {"secret": args.secret, "side_channel_port": args.side_port,
+                 **({"side_channel_host": args.side_host} if args.side_host else {}),
                  "transfer_timeout_s": args.transfer_timeout,
                  "push_timeout_s": args.transfer_timeout, **json.loads(args.extra)}
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -141,7 +142,7 @@ def serve(args: argparse.Namespace) -> None:
             kv_load_failure_policy=args.policy, kv_connector_extra_config=extra)
     elif args.connector == "nixl":  # vLLM's own, for comparison (its port from the env)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.side_port)
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = args.side_host or "127.0.0.1"
         # what kvplan_nixl sets for our connector, as docs/vllm.md tells NixlConnector users:
         # no UCX EFA module, whose system libnl crashes the process at exit on an RDMA stack
         os.environ.setdefault("UCX_MODULES", "^efa")
@@ -228,6 +229,8 @@ def main() -> None:
     s.add_argument("--tp", type=int, default=1)
     s.add_argument("--block-size", type=int, default=32, help="0: vLLM's choice")
     s.add_argument("--side-port", type=int, default=0)
+    s.add_argument("--side-host", default=None,
+                   help="the side channel's address (default: $VLLM_HOST_IP, 127.0.0.1)")
     s.add_argument("--secret", default="kvplan-test")
     s.add_argument("--policy", default="recompute", choices=["recompute", "fail"])
     s.add_argument("--transfer-timeout", type=float, default=20.0)

@@ -92,15 +92,24 @@ class Engine:
     def __init__(self, name: str, py: Path, model: Path, workdir: Path, *, tp: int, cores: str,
                  policy: str = "recompute", block_size: int = 32, connector: str = "kvplan",
                  attention_backend: str | None = None, extra: dict | None = None,
-                 num_blocks: int = 0, log_stats: bool = False, port: int | None = None):
+                 num_blocks: int = 0, log_stats: bool = False, port: int | None = None,
+                 place: tuple[str, str] | None = None):
+        """``place``: (network namespace, its address) to run in, UCX over TCP on its veth
+        (tests/netns.py: two hosts); None: this host, loopback."""
         self.name, self.tp = name, tp
         self.port = free_base_port(tp) if port is None else port
         _STARTS[name] = _STARTS.get(name, 0) + 1
         self.log_path = workdir / f"{name}.{_STARTS[name]}.log"  # one per start, all kept
         env = dict(os.environ)
+        prefix, ip, dev = [], "127.0.0.1", "lo"
+        if place is not None:
+            from tests.netns import IFACE
+
+            prefix, ip, dev = ["ip", "netns", "exec", place[0]], place[1], IFACE
+            env["UCX_TLS"] = "tcp"  # over the veth: never shared memory or CMA
         env.update(
-            PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1",
-            UCX_NET_DEVICES="lo", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", VLLM_HOST_IP=ip,
+            UCX_NET_DEVICES=dev, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
             VLLM_CPU_OMP_THREADS_BIND=cores,
             # one inductor cache for all engines: vLLM compiles some ops even eager (MLA's
             # first request compiled C++ for 60 s per engine, and timed out in CI with three
@@ -110,10 +119,12 @@ class Engine:
             VLLM_CACHE_ROOT=str(workdir / f"vllm-cache-{name}"),
             VLLM_LOG_STATS_INTERVAL="1",
         )
-        cmd = [str(py), str(SCRIPT), "serve", "--model", str(model), "--tp", str(tp),
+        cmd = [*prefix, str(py), str(SCRIPT), "serve", "--model", str(model), "--tp", str(tp),
                "--side-port", str(self.port), "--policy", policy,
                "--block-size", str(block_size), "--transfer-timeout", "20",
                "--connector", connector]
+        if place is not None:  # the side channel on the host's address
+            cmd += ["--side-host", ip]
         if attention_backend:
             cmd += ["--attention-backend", attention_backend]
         if extra:
@@ -281,8 +292,10 @@ class Pool:
     """Engines by name (``MODEL-ROLE[-nixl]``), started on first use; ``only(...)`` stops the
     others."""
 
-    def __init__(self, py: Path, workdir: Path) -> None:
-        self.py, self.workdir = py, workdir
+    def __init__(self, py: Path, workdir: Path, hosts=None) -> None:
+        """``hosts``: a :class:`tests.netns.TwoHosts`: prefill roles (``p1``) then run on its
+        host ``a``, the others on ``b``, UCX over the veth between them."""
+        self.py, self.workdir, self.hosts = py, workdir, hosts
         self.models: dict[str, Path] = {}
 
     def model(self, key: str) -> Path:
@@ -307,6 +320,11 @@ class Pool:
                 opts = dict(MODELS[key][2])
                 for v in rest:  # "nixl", or variants of VARIANTS
                     opts.update({"connector": "nixl"} if v == "nixl" else VARIANTS[v])
+                if self.hosts is not None:
+                    from tests.netns import ADDRS
+
+                    h = "a" if role == "p1" else "b"
+                    opts["place"] = (self.hosts.ns[h], ADDRS[h])
                 _LIVE[n] = Engine(n, self.py, self.model(key), self.workdir, tp=tp,
                                   cores=cores, **opts)
         engines = [_LIVE[n] for n in names]

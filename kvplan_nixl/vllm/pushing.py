@@ -235,6 +235,12 @@ class Writes:
 
     # -- layer-wise: opened before the forward, posted from it -------------------------------
 
+    def ready(self, s: PushSend, now: float) -> bool:
+        """Layer-wise ``s`` can open: its registration is in, its decode's handshake over."""
+        reg = self.table.registration(s.key, now)
+        st = None if reg is None else self.hs.state(reg.engine)
+        return st is not None and not st.pending
+
     def begin(self, sends: list[PushSend], now: float) -> None:
         """Open the layer-wise pushes of this step's forward: those whose registration is in
         and whose decode is connected (the others are pushed whole once finished; all of them

@@ -33,20 +33,21 @@ class Settings:
         ``port + dp_rank * tp_size + tp_rank``."""
         return side_channel_port(self.port, tp_rank, self.tp_size, self.dp_rank)
 
-    def seconds(self, key: str, default: float) -> float:
-        """``extra[key]`` as a finite number of seconds > 0 (``default`` when absent); a
-        ValueError naming the key otherwise."""
+    def seconds(self, key: str, default: float, *, zero: bool = False) -> float:
+        """``extra[key]`` as a finite number of seconds > 0 (>= 0 with ``zero``; ``default``
+        when absent); a ValueError naming the key otherwise."""
         v = self.extra.get(key, default)
+        bound = ">= 0" if zero else "> 0"
         if isinstance(v, bool) or not isinstance(v, (int, float, str)):
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number of seconds "
-                             f"> 0, got {v!r}")
+                             f"{bound}, got {v!r}")
         try:
             s = float(v)
         except ValueError:
             s = math.nan
-        if not (math.isfinite(s) and s > 0):
+        if not (math.isfinite(s) and (s >= 0 if zero else s > 0)):
             raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number of seconds "
-                             f"> 0, got {v!r}")
+                             f"{bound}, got {v!r}")
         return s
 
     def mode(self) -> str:

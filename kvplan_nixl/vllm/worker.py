@@ -56,6 +56,7 @@ class Worker:
         self.timeout = c.seconds("transfer_timeout_s", 30.0)
         self.hs_timeout = c.seconds("handshake_timeout_s", 5.0)
         self.lease = c.seconds("lease_s", 120.0)
+        self.layer_wait = c.seconds("layerwise_wait_s", 1.0, zero=True)
         self.heartbeat = c.seconds("heartbeat_s", self.lease / 3)
         if self.heartbeat > self.lease / 3:
             raise ValueError(
@@ -165,10 +166,28 @@ class Worker:
     # -- prefill: layer-wise pushes, from the forward ----------------------------------------
 
     def begin_layers(self, layered: list[PushSend]) -> None:
-        """Before the forward: open the layer-wise pushes of the requests it computes."""
-        if self.writes is not None:
+        """Before the forward: open the layer-wise pushes of the requests it computes.
+
+        A proxy sends both legs at once, and the decode's registration leaves from its
+        ``start_load_kv``, which vLLM 0.32 calls after the decode's own step: it often arrives
+        a few ms after this forward would start. So the forward waits, at most
+        ``layerwise_wait_s``, until every request's registration is in and its decode engine
+        connected (the progress thread takes both meanwhile); a request still lacking one is
+        pushed whole after it finished."""
+        if self.writes is None:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + self.layer_wait
+        while True:
             with self.lock:
-                self.writes.begin(layered, time.monotonic())
+                now = time.monotonic()
+                if now >= deadline or all(self.writes.ready(s, now) for s in layered):
+                    if now - t0 > 0.001:
+                        logger.info("kvplan: %d layer-wise request(s) waited %.4f s for their "
+                                    "registration before the forward", len(layered), now - t0)
+                    self.writes.begin(layered, now)
+                    return
+            time.sleep(0.0005)
 
     def save_layer(self, name: str) -> None:
         """The forward wrote layer ``name``'s KV: post its writes (layer-wise pushes)."""

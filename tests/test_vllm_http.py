@@ -1,0 +1,348 @@
+"""The serving path as users run it, on two hosts: prefill and decode as vLLM's OpenAI HTTP
+servers, each in its own network namespace (tests/netns.py) joined by a veth, UCX over that link
+only, the side channels on the hosts' addresses, ``examples/pd_proxy.py`` in front.
+
+Every command is built by ``examples/pd_serve.py``, the module docs/vllm.md's "Serving" and
+"Two hosts" blocks are rendered from (tests/test_docs.py checks the blocks equal it): what the
+docs show is what runs here, with the hosts' values. Two engine sets, one at a time, each
+started once and driven in every mode (three proxies, ``pull``, ``push`` and ``layerwise``; the
+mode is per request):
+
+- a dense tiny Llama, prefill TP1 (host A) -> decode TP1 (host B);
+- a tiny NemotronH with one B/C group, prefill TP1 -> decode TP2 (the pair vLLM's
+  NixlConnector decodes garbage for), prompts under one 128-token block (vLLM 0.32's CPU Mamba2
+  scan crashes on longer ones with prefix caching on).
+
+Each answer through the proxy must equal the plain run (the same body straight to the prefill),
+no transfer may have failed (equal tokens alone would follow a recompute), and the veth's
+receive counter on the decode's host must have grown by at least the bytes the connector
+logged as moved. The negative control: the same body straight to the decode computes the same
+tokens while the link carries a fraction of those bytes, so the counter check can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from examples import pd_serve
+from tests import netns
+from tests.vllm_pool import prompt
+
+REPO = Path(__file__).resolve().parent.parent
+WHY = netns.unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"two-host tests: {WHY}")
+
+MODES = {"pull": 8000, "push": 8001, "layerwise": 8002}  # a proxy per mode, on host A
+START_TIMEOUT = float(os.environ.get("KVPLAN_VLLM_START_TIMEOUT", 600))
+TOKENS = 8
+#: what a decode rank logs per pull posted / push received, and per failure
+MOVED = re.compile(r"kvplan: (?:pull req=\S+ remote=.* bytes=(\d+)|push req=\S+ rank=\d+ "
+                   r"written by prefill rank\S* \S+: bytes=(\d+))")
+FAILED = re.compile(r"kvplan: pu(ll|sh) req=\S+ from \S+ failed")
+HOOKED = re.compile(r"done layer-wise in \S+ s \(\d+ parts, (\d+) from layer hooks\)")
+WHOLE = re.compile(r"no registration before its forward|decode not connected")
+
+#: POST (or GET without a body) from inside a host; prints the status and the answer
+CLIENT = r"""
+import json, sys, urllib.error, urllib.request
+url, body = sys.argv[1], sys.argv[2]
+req = urllib.request.Request(url, data=body.encode() if body else None,
+                             headers={"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=float(sys.argv[3])) as r:
+        print(json.dumps({"status": r.status, "body": r.read().decode()}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "body": e.read().decode()}))
+except OSError as e:
+    print(json.dumps({"status": 0, "body": f"{type(e).__name__}: {e}"}))
+"""
+
+
+class Serving:
+    """One engine set on the two hosts: prefill on A, decode on B, a proxy per mode on A."""
+
+    def __init__(self, hosts: netns.TwoHosts, py: Path, workdir: Path, model: Path, *,
+                 decode_tp: int, name: str) -> None:
+        self.hosts, self.name = hosts, name
+        a, b = netns.ADDRS["a"], netns.ADDRS["b"]
+        # cores: the prefill pinned to core 0; a TP 2 decode unpinned (pinned beside another
+        # engine its workers starve it: docs/vllm.md), a TP 1 decode on core 1
+        self.s = pd_serve.Setup(
+            str(model), pd_serve.Host(a, netns.IFACE, "0"),
+            pd_serve.Host(b, netns.IFACE, "1" if decode_tp == 1 else "nobind"),
+            decode_tp=decode_tp, kv_gib=1, pythonpath=str(REPO), python=str(py))
+        self.procs: list[subprocess.Popen] = []
+        self.logs: dict[str, Path] = {}
+        for role, host in (("prefill", "a"), ("decode", "b")):
+            env, argv = pd_serve.engine_command(self.s, role)
+            self._spawn(role, host, argv, {
+                **env, "HF_HUB_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN",
+                # each engine its own compile and vLLM caches (docs/vllm.md, install notes)
+                "TORCHINDUCTOR_CACHE_DIR": str(workdir / f"inductor-{name}-{role}"),
+                "VLLM_CACHE_ROOT": str(workdir / f"vllm-cache-{name}-{role}")}, workdir)
+        for mode, port in MODES.items():
+            self._spawn(f"proxy-{mode}", "a", pd_serve.proxy_command(self.s, mode, port),
+                        pd_serve.proxy_env(self.s), workdir)
+        try:
+            self.wait_ready()
+        except BaseException:  # its engines' processes (own sessions) must not outlive it
+            self.stop()
+            raise
+
+    def _spawn(self, role: str, host: str, argv: list[str], env: dict, workdir: Path) -> None:
+        log = workdir / f"{self.name}-{role}.log"
+        self.logs[role] = log
+        with open(log, "w") as f:
+            f.write(f"$ {' '.join(argv)}\n")
+            f.flush()
+            # its own session: the engine's processes (engine core, workers) die with it
+            self.procs.append(self.hosts.spawn(host, argv, env={**os.environ, **env},
+                                               stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                               start_new_session=True))
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        for role, host, port in (("prefill", "a", self.s.http_ports[0]),
+                                 ("decode", "b", self.s.http_ports[1])):
+            while True:
+                r = self.http(host, f"http://127.0.0.1:{port}/health", None, timeout=5)
+                if r["status"] == 200:
+                    break
+                dead = [p.args[-1] for p in self.procs if p.poll() is not None]
+                assert not dead and time.monotonic() < deadline, (
+                    f"{self.name} {role} not ready ({r['body'][:200]}; exited: {dead})"
+                    f"{self.tails()}")
+                time.sleep(2)
+
+    def http(self, host: str, url: str, body: dict | None, timeout: float = 240) -> dict:
+        out = subprocess.run(["ip", "netns", "exec", self.hosts.ns[host], sys.executable, "-c",
+                              CLIENT, url, "" if body is None else json.dumps(body),
+                              str(timeout)], capture_output=True, text=True,
+                             timeout=timeout + 30)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def complete(self, url: str, ids: list[int], what: str) -> list[int]:
+        """The token ids ``url`` (``.../v1/completions``, reached from host A) answers."""
+        r = self.http("a", url, pd_serve.request_body(self.s, ids, TOKENS))
+        assert r["status"] == 200, f"{what}: HTTP {r['status']}: {r['body'][:500]}{self.tails()}"
+        choice = json.loads(r["body"])["choices"][0]
+        assert choice["token_ids"] and len(choice["token_ids"]) == TOKENS, choice
+        return choice["token_ids"]
+
+    def url(self, port: int) -> str:
+        return f"http://{self.s.prefill.ip}:{port}/v1/completions"
+
+    def decode_url(self) -> str:
+        return f"http://{self.s.decode.ip}:{self.s.http_ports[1]}/v1/completions"
+
+    def rx(self) -> int:
+        """Bytes the decode's host received on the veth so far."""
+        out = self.hosts.exec("b", "cat", f"/sys/class/net/{netns.IFACE}/statistics/rx_bytes")
+        return int(out.stdout)
+
+    def lines(self, role: str) -> list[str]:
+        return self.logs[role].read_text(errors="replace").splitlines()
+
+    def moved(self, since: int) -> int:
+        """Bytes the decode's ranks logged as pulled or pushed to them, past line ``since``."""
+        return sum(int(m.group(1) or m.group(2)) for x in self.lines("decode")[since:]
+                   if (m := MOVED.search(x)))
+
+    def hooked(self, since: int, n: int) -> list[int]:
+        """Parts posted from layer hooks by each layer-wise write the prefill logged past line
+        ``since``, once ``n`` are logged (it logs a write once it completed: it may trail
+        the answer), or after 10 s."""
+        deadline = time.monotonic() + 10
+        while True:
+            got = [int(m.group(1)) for x in self.lines("prefill")[since:]
+                   if (m := HOOKED.search(x))]
+            if len(got) >= n or time.monotonic() > deadline:
+                return got
+            time.sleep(0.2)
+
+    def tails(self, n: int = 30) -> str:
+        out = ""
+        for role, log in self.logs.items():
+            lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+            first = next((i for i, x in enumerate(lines) if "Traceback" in x), None)
+            cause = "" if first is None else "\n[first traceback]\n" + "\n".join(
+                lines[first:first + 25])
+            out += f"\n--- {self.name} {role} ({log}) ---\n" + "\n".join(lines[-n:]) + cause
+        return out
+
+    def via_proxy(self, mode: str, ids: list[int], what: str) -> dict:
+        """The plain run of ``ids``, then the same body through ``mode``'s proxy: equal tokens,
+        no failed transfer, and at least the moved bytes on the link. Returns the numbers."""
+        plain = self.complete(self.url(self.s.http_ports[0]), ids, f"{what} plain run")
+        since, rx = len(self.lines("decode")), self.rx()
+        got = self.complete(self.url(MODES[mode]), ids, what)
+        assert got == plain, f"{what}: tokens {got} != plain run {plain}{self.tails()}"
+        # a push decode logs its write once its PUSHED came, which may trail the answer
+        deadline = time.monotonic() + 10
+        while (n := self.moved(since)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        crossed = self.rx() - rx
+        failed = [x for x in self.lines("decode")[since:] if FAILED.search(x)]
+        assert not failed, f"{what}: {failed}{self.tails()}"
+        assert n > 0, f"{what}: the decode logged no bytes moved{self.tails()}"
+        assert crossed >= n, f"{what}: {crossed} bytes crossed the veth < {n} moved"
+        return {"moved": n, "crossed": crossed}
+
+    def stop(self) -> None:
+        """SIGTERM every process's session (vLLM shuts its workers down), SIGKILL what is
+        left after 10 s."""
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+            for p in self.procs:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            end = time.monotonic() + wait
+            while time.monotonic() < end and any(_group_alive(p.pid) for p in self.procs):
+                time.sleep(0.2)
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with netns.TwoHosts() as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    from tests import vllm_env
+    from tests.vllm_pool import Pool, remove_orphan_shm, shm_files
+
+    try:
+        py = vllm_env.ensure()
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+    shm = shm_files()
+    yield Pool(py, tmp_path_factory.mktemp("http"))  # only its model writer is used
+    remove_orphan_shm(shm)
+
+
+@pytest.fixture(scope="module")
+def sets(hosts, pool):
+    """Engine sets by name, one alive at a time (a new one stops the previous)."""
+    live: dict[str, Serving] = {}
+
+    def get(name: str) -> Serving:
+        if name not in live:
+            for old in list(live):
+                live.pop(old).stop()
+            model, tp = {"llama": ("llama", 1), "nemo1-tp2": ("nemo1", 2)}[name]
+            live[name] = Serving(hosts, pool.py, pool.workdir, pool.model(model),
+                                 decode_tp=tp, name=name)
+        return live[name]
+
+    yield get
+    for s in live.values():
+        s.stop()
+
+
+N = 100  # prompt tokens: the hybrid's under one 128-token block
+
+
+def modes(s: Serving, name: str) -> None:
+    for k, mode in enumerate(MODES):
+        since = len(s.lines("prefill"))
+        got = s.via_proxy(mode, prompt(1000 * k + N, N), f"{name} {mode}")
+        print(f"{name} {mode}: {got['moved']} bytes moved, {got['crossed']} crossed the veth")
+        if mode == "layerwise":  # written from the forward's layer hooks, not whole after it
+            hooked = s.hooked(since, 1)
+            assert hooked and min(hooked) >= 1, f"{name}: hooks {hooked}{s.tails()}"
+
+
+def control(s: Serving, name: str) -> None:
+    """Without the proxy the decode computes the prompt itself: the same tokens, nothing
+    logged as moved, and the link carries less than one transfer of the prompt did."""
+    moved = s.via_proxy("pull", prompt(7, N), f"{name} control's pull")["moved"]
+    ids = prompt(8, N)
+    plain = s.complete(s.url(s.s.http_ports[0]), ids, f"{name} control's plain run")
+    since, rx = len(s.lines("decode")), s.rx()
+    got = s.complete(s.decode_url(), ids, f"{name} straight to the decode")
+    crossed = s.rx() - rx
+    assert got == plain, f"{name}: the decode alone answered {got}, the prefill {plain}"
+    assert s.moved(since) == 0, f"{name}: the decode logged a transfer it was not asked for"
+    assert crossed < moved, f"{name}: {crossed} bytes crossed without a transfer, {moved} with"
+    print(f"{name} control: {crossed} bytes crossed without a transfer, {moved} moved with one")
+
+
+def test_layerwise_wait_takes_zero_and_refuses_a_negative_naming_the_key():
+    """``layerwise_wait_s`` (the prefill's bounded wait for a registration before its forward)
+    is checked at start like every key; 0 turns the wait off (in the vLLM venv: the connector
+    package imports vLLM)."""
+    from tests import vllm_env
+
+    try:
+        py = vllm_env.ensure()
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+    check = (
+        "from kvplan_nixl.vllm.settings import Settings\n"
+        "s = lambda v: Settings('e', 'h', 5700, 1, extra={'layerwise_wait_s': v})\n"
+        "assert s(0).seconds('layerwise_wait_s', 1.0, zero=True) == 0.0\n"
+        "assert Settings('e', 'h', 5700, 1).seconds('layerwise_wait_s', 1.0, zero=True) == 1\n"
+        "for bad in (-1, 'soon', float('inf')):\n"
+        "    try:\n"
+        "        s(bad).seconds('layerwise_wait_s', 1.0, zero=True)\n"
+        "    except ValueError as e:\n"
+        "        assert \"['layerwise_wait_s'] must be a number of seconds >= 0\" in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError(bad)\n"
+        "print('ok')\n")
+    r = subprocess.run([str(py), "-c", check], capture_output=True, text=True, timeout=300,
+                       cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+# file order: every test of one engine set, then the next set's
+
+def test_dense_tp1_to_tp1_in_every_mode_equals_the_plain_run(sets):
+    modes(sets("llama"), "llama TP1 -> TP1")
+
+
+def test_dense_negative_control_straight_to_the_decode(sets):
+    control(sets("llama"), "llama TP1 -> TP1")
+
+
+def test_layerwise_requests_are_written_from_the_layer_hooks(sets):
+    """Both legs sent at once, as the proxy sends them: every layer-wise request's KV is
+    written from the prefill's layer hooks, none pushed whole for want of a registration."""
+    s = sets("llama")
+    n, since = 6, len(s.lines("prefill"))
+    for i in range(n):
+        s.via_proxy("layerwise", prompt(5000 + i, N), f"layer-wise request {i}")
+    hooked = s.hooked(since, n)
+    whole = [x for x in s.lines("prefill")[since:] if WHOLE.search(x)]
+    print(f"layer-wise: {sum(h > 0 for h in hooked)} of {n} written from layer hooks")
+    assert not whole and len(hooked) == n and min(hooked) >= 1, (hooked, whole)
+
+
+def test_hybrid_n_groups_1_tp1_to_tp2_in_every_mode_equals_the_plain_run(sets):
+    modes(sets("nemo1-tp2"), "NemotronH n_groups=1 TP1 -> TP2")
+
+
+def test_hybrid_negative_control_straight_to_the_decode(sets):
+    control(sets("nemo1-tp2"), "NemotronH n_groups=1 TP1 -> TP2")
