@@ -83,6 +83,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvplan_nixl.addresses import side_channel_addresses
+from kvplan_nixl.vllm import layer_hooks
 from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load, Scheduler
 from kvplan_nixl.vllm.settings import Settings
 from kvplan_nixl.vllm.worker import Worker
@@ -184,7 +185,7 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
         ``_get_kv_connector_output`` in ``v1/worker/kv_connector_model_runner_mixin.py``)."""
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, KvplanMetadata) and connector_metadata.layered:
-            self._worker.begin_layers(connector_metadata.layered)
+            layer_hooks.begin(self._worker, connector_metadata.layered)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Post this step's pulls (non-blocking)."""
@@ -199,13 +200,13 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
                       **kwargs: Any) -> None:
         """Layer-wise push: post the writes of ``layer_name``'s region (the forward has just
         written its KV) for this step's layer-wise requests; nothing otherwise."""
-        self._worker.save_layer(layer_name)
+        layer_hooks.save(self._worker, layer_name)
 
     def wait_for_save(self) -> None:
         """Layer-wise push: post what no layer hook posted (state regions, after the forward's
         last update) and close the step's layer-wise writes; they complete in the
         background, their blocks held until they end."""
-        self._worker.end_layers()
+        layer_hooks.end(self._worker)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(prefill sends released, decode pulls finished) since the last call."""

@@ -35,7 +35,6 @@ from kvplan_nixl.vllm.spans import lacking
 from kvplan_nixl.vllm_stats import KvplanStats
 
 if TYPE_CHECKING:
-    from kvplan_nixl.pushes import PushSend
     from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load
     from kvplan_nixl.vllm.settings import Settings
 
@@ -162,50 +161,6 @@ class Worker:
         if self.waiting:
             self._poll_waiting(now)
         self.pulls.progress(now)
-
-    # -- prefill: layer-wise pushes, from the forward ----------------------------------------
-
-    def begin_layers(self, layered: list[PushSend]) -> None:
-        """Before the forward: open the layer-wise pushes of the requests it computes.
-
-        A proxy sends both legs at once, and the decode's registration leaves from its
-        ``start_load_kv``, which vLLM 0.32 calls after the decode's own step: it often arrives
-        a few ms after this forward would start. So the forward waits, at most
-        ``layerwise_wait_s``, until every request's registration is in and its decode engine
-        connected (the progress thread takes both meanwhile); a request still lacking one is
-        pushed whole after it finished."""
-        if self.writes is None:
-            return
-        t0 = time.monotonic()
-        deadline = t0 + self.layer_wait
-        while True:
-            with self.lock:
-                now = time.monotonic()
-                if now >= deadline or all(self.writes.ready(s, now) for s in layered):
-                    if now - t0 > 0.001:
-                        logger.info("kvplan: %d layer-wise request(s) waited %.4f s for their "
-                                    "registration before the forward", len(layered), now - t0)
-                    self.writes.begin(layered, now)
-                    return
-            time.sleep(0.0005)
-
-    def save_layer(self, name: str) -> None:
-        """The forward wrote layer ``name``'s KV: post its writes (layer-wise pushes)."""
-        if self.writes is None or not self.writes.open:
-            return
-        if self.cuda:  # the kernels that wrote it may still run: NIXL must read what they wrote
-            torch.cuda.current_stream().synchronize()
-        with self.lock:
-            self.writes.save_layer(name)
-
-    def end_layers(self) -> None:
-        """The forward is over: post what is left of this step's layer-wise pushes."""
-        if self.writes is None or not self.writes.open:
-            return
-        if self.cuda:
-            torch.cuda.current_stream().synchronize()
-        with self.lock:
-            self.writes.end_layers(time.monotonic())
 
     # -- decode: handshakes and pulls --------------------------------------------------------
 
