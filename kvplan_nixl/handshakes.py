@@ -16,7 +16,7 @@ verified (``identify``: signed under the deployment secret) to be that engine's 
 an address serving another rank's metadata fails, so READY means every rank verified its own
 rank, and nothing of a wrong claim reaches ``connect``.
 
-**Bounded.** The jobs run on :class:`~kvplan_nixl.lanes.Lanes`: a fixed number of threads,
+**Bounded.** The jobs run on :class:`~kvplan_nixl.host_pools.HostPool`: a fixed number of threads,
 a quarter of them per host and one per address, hosts served in turn, a bounded number
 waiting, a quarter of them per host (beyond, the handshake fails at once, unrecorded, so the
 next request tries again). Requests naming silent side channels on one host cost that host's
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from kvplan_nixl import metadata as md
 from kvplan_nixl.errors import ArgumentError, ClosedError, MetadataError
-from kvplan_nixl.lanes import Lanes
+from kvplan_nixl.host_pools import HostPool
 from kvplan_nixl.sidechannel import fetch_metadata, server_identity
 
 __all__ = ["FAILED", "MAX_STATES", "PENDING", "READY", "HandshakeState", "Handshakes",
@@ -124,7 +124,7 @@ class Handshakes:
         self.timeout, self.retry_after_s, self._clock = timeout, retry_after_s, clock
         # one job per address at a time: a second engine id named at the same silent port
         # waits behind the first instead of taking another thread
-        self._lanes = Lanes("kvplan-hs", workers=workers, per_host=per_host, per_address=1,
+        self._pool = HostPool("kvplan-hs", workers=workers, per_host=per_host, per_address=1,
                             queued=queued, queued_per_host=max(1, queued // 4))
         self._mu = threading.Lock()  # guards the table below (never held while waiting)
         self._states: dict[Key, HandshakeState] = {}
@@ -159,14 +159,14 @@ class Handshakes:
             self._epoch += 1
             epoch = self._epochs[key] = self._epoch
             s = self._states[key] = HandshakeState(PENDING, since=now)
-        if not self._lanes.submit(where, lambda: self._run(key, address, first, epoch)):
+        if not self._pool.submit(where, lambda: self._run(key, address, first, epoch)):
             with self._mu:  # refused: forgotten, so that the next request tries again
                 if self._epochs.get(key) == epoch:
                     del self._states[key], self._epochs[key]
-            lanes = self._lanes
-            return HandshakeState(FAILED, f"the handshake pool is full ({lanes.waiting} "
-                                  f"waiting; at most {lanes.queued} in all and "
-                                  f"{lanes.queued_per_host} for host {host}); try again later",
+            pool = self._pool
+            return HandshakeState(FAILED, f"the handshake pool is full ({pool.waiting} "
+                                  f"waiting; at most {pool.queued} in all and "
+                                  f"{pool.queued_per_host} for host {host}); try again later",
                                   self._clock())
         return s
 
@@ -186,7 +186,7 @@ class Handshakes:
     def close(self) -> None:
         """Stop: jobs end at their next step (a fetch within its timeout), threads joined."""
         self._stop.set()
-        self._lanes.close()
+        self._pool.close()
 
     def __enter__(self) -> Handshakes:
         return self

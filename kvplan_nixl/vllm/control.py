@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.errors import ArgumentError, ExecutorError
 from kvplan_nixl.holds import Holds, Verdict
-from kvplan_nixl.lanes import Lanes
+from kvplan_nixl.host_pools import HostPool
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.scheduler import Load
@@ -88,7 +88,7 @@ class Sends:
 
 class Control:
     """A decode rank's control messages to prefill ranks, each bounded by ``timeout``, on two
-    pools of their own (:class:`~kvplan_nixl.lanes.Lanes`; a slow or dead prefill costs a
+    pools of their own (:class:`~kvplan_nixl.host_pools.HostPool`; a slow or dead prefill costs a
     pool thread, never the step).
 
     The address of each message is the request's ``remote_host`` / ``remote_port``, which
@@ -106,10 +106,10 @@ class Control:
     def __init__(self, secret: str | None, timeout: float, workers: int = 16) -> None:
         self.secret, self.timeout = secret, timeout
         # a quarter per host: a host that answers nothing holds up no other host's CONFIRMs
-        self.urgent = Lanes("kvplan-ctl", workers=workers, per_host=max(1, workers // 4),
+        self.urgent = HostPool("kvplan-ctl", workers=workers, per_host=max(1, workers // 4),
                             per_address=max(1, workers // 4), queued=URGENT_QUEUE,
                             queued_per_host=URGENT_QUEUE // 4)
-        self.releases = Lanes("kvplan-release", workers=RELEASE_WORKERS, per_host=2,
+        self.releases = HostPool("kvplan-release", workers=RELEASE_WORKERS, per_host=2,
                               per_address=1, queued=RELEASE_QUEUE,
                               queued_per_host=RELEASE_QUEUE // 8)
 

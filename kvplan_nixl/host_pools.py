@@ -1,4 +1,4 @@
-"""Lanes: a bounded thread pool whose jobs each talk to one network address, served so that
+"""HostPool: a bounded thread pool whose jobs each talk to one network address, served so that
 jobs for one host cannot hold up jobs for another.
 
 The connector's handshakes and control messages are jobs of this kind, and the address each
@@ -12,7 +12,7 @@ while genuine requests queue behind them. Here:
 * waiting jobs are served host by host in turn (round-robin), and within a host port by port,
   so a new host's job starts as soon as a thread is free, ahead of a second job of any host;
 * at most ``queued`` jobs wait in all, and at most ``queued_per_host`` for one host:
-  :meth:`Lanes.submit` refuses more at once (the caller fails or drops that job; nothing
+  :meth:`HostPool.submit` refuses more at once (the caller fails or drops that job; nothing
   queues without bound, and requests naming one host cannot fill the queue for the others);
 * a job whose ``key`` is waiting or running already is not added twice (the same RELEASE sent
   for many requests' failures is sent once).
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvplan_nixl.errors import ArgumentError
 
-__all__ = ["Lanes"]
+__all__ = ["HostPool"]
 
 logger = logging.getLogger("vllm.kvplan_nixl")
 
@@ -39,7 +39,7 @@ logger = logging.getLogger("vllm.kvplan_nixl")
 Where = tuple[str, int]
 
 
-class Lanes:
+class HostPool:
     """Jobs by address on a bounded pool, fair across hosts (see the module docstring)."""
 
     def __init__(self, name: str, *, workers: int, per_host: int, per_address: int,
