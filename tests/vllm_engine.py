@@ -148,7 +148,8 @@ def serve(args: argparse.Namespace) -> None:
         os.environ.setdefault("UCX_MODULES", "^efa")
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
-            kv_load_failure_policy=args.policy)
+            kv_load_failure_policy=args.policy,
+            kv_connector_extra_config=json.loads(args.extra))
     if args.attention_backend:
         kw["attention_config"] = {"backend": args.attention_backend}
     llm = LLM(model=args.model, skip_tokenizer_init=True, tensor_parallel_size=args.tp,
@@ -236,7 +237,8 @@ def main() -> None:
     s.add_argument("--transfer-timeout", type=float, default=20.0)
     s.add_argument("--connector", default="kvplan", choices=["kvplan", "nixl", "none"])
     s.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA")
-    s.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
+    s.add_argument("--extra", default="{}",
+                   help="JSON merged into kv_connector_extra_config (NixlConnector's: all of it)")
     s.add_argument("--num-blocks", type=int, default=0, help="KV cache blocks (0: vLLM's)")
     s.add_argument("--log-stats", action="store_true", help="vLLM's stats log and metrics")
     args = ap.parse_args()

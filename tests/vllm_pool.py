@@ -50,13 +50,18 @@ ROLES = {"p1": (1, "0"), "d1": (1, "1"), "t2": (2, "nobind")}
 #: ``short``: leases of 3 s (heartbeats every second), handshakes and control messages of 1 s,
 #: vLLM's stats log and metrics; ``few``: 40 KV blocks, so that freed blocks are soon reused;
 #: ``fail``: ``kv_load_failure_policy="fail"``; ``stats``: vLLM's stats log and metrics alone;
-#: ``digest``: the transfer digest on.
+#: ``digest``: the transfer digest on; ``soak`` and ``nlease``: see below.
 VARIANTS = {
     "short": {"extra": {"lease_s": 3, "handshake_timeout_s": 1}, "log_stats": True},
     "few": {"num_blocks": 40},
     "fail": {"policy": "fail"},
     "stats": {"log_stats": True},
     "digest": {"extra": {"digest": True}},
+    # the soak (benchmarks/soak_vllm_pd.py): 256 KV blocks, so that prompts cycled through
+    # the run are evicted from the decode's prefix cache and pulled again; ``nlease``: vLLM's
+    # NixlConnector with the lease of ``short`` (its ``kv_lease_duration``, default 30 s)
+    "soak": {"num_blocks": 256},
+    "nlease": {"extra": {"kv_lease_duration": 3}, "log_stats": True},
 }
 
 
