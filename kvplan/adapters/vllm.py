@@ -84,10 +84,14 @@ TOKEN_CONTENT = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"})
 STREAM_CONTENT = frozenset({"CPU_ATTN"})
 
 
-def whole_pages(backend: str | None) -> bool:
+def whole_pages(backend: str | Mapping[str, str | None] | None) -> bool:
     """Whether ``backend`` keeps a (block, head, K or V) page in a kernel-specific order, so
     that only whole pages may be copied: whole blocks, equal block sizes on both sides
-    (``CPU_ATTN``). Head slices (heterogeneous TP) stay exact: heads are outside the page."""
+    (``CPU_ATTN``). Head slices (heterogeneous TP) stay exact: heads are outside the page.
+    For a mapping of layer backends: whether any layer's backend does (a request moves the
+    blocks of every layer at once)."""
+    if isinstance(backend, Mapping):
+        return any(b in STREAM_CONTENT for b in backend.values())
     return backend in STREAM_CONTENT
 
 
@@ -176,8 +180,8 @@ def spec_from_vllm(
     kv_cache_config: Any,
     *,
     tp_size: int = 1,
-    backend: str | None = None,
-    total_num_kv_heads: int | None = None,
+    backend: str | Mapping[str, str | None] | None = None,
+    total_num_kv_heads: int | Mapping[str, int] | None = None,
     dcp_size: int = 1,
     dcp_interleave: int = 1,
     mamba_n_groups: int | None = None,
@@ -193,8 +197,15 @@ def spec_from_vllm(
     comes from the tensors' strides. ``tp_size`` and ``dcp_size`` / ``dcp_interleave`` are the
     engine's (vLLM's ``tensor_parallel_size``, ``decode_context_parallel_size``,
     ``cp_kv_cache_interleave_size``); ``backend`` is the attention backend's name (see the
-    module docstring); ``total_num_kv_heads`` is the model's KV head count, needed only when
-    it is smaller than ``tp_size`` (replicated heads), else read from the tensors.
+    module docstring), or a mapping from layer name to the backend of that layer (vLLM gives
+    each layer its own: an EAGLE-3 draft's attention layer beside an MLA model's layers);
+    ``total_num_kv_heads`` is the model's KV head count, or a mapping from layer name to the
+    count of the model that owns the layer (a draft's is its own, never the target's), needed
+    only where it is smaller than ``tp_size`` (replicated heads), else read from the tensors.
+    A given count is checked against the layer's tensor: a count that does not match it is
+    refused naming the layer and both numbers. Every layer is described by its own
+    ``KVCacheSpec`` (head count, head size) and its own backend, so the layers of one
+    KV-cache group (``UniformTypeKVCacheSpecs``) may differ.
 
     Mamba2 state layers need ``mamba_n_groups`` (the model's ``n_groups``) when ``tp_size`` >
     1: a rank's tensors look the same whether its B/C group is its own share or a replica of
@@ -203,8 +214,9 @@ def spec_from_vllm(
     or ``"DS"``).
 
     Raises :class:`~kvplan.SpecError` naming the layer for a tensor whose shape, dtype or
-    strides do not match its ``KVCacheSpec``, a layer missing on either side, or a cache this
-    adapter does not cover (see the module docstring).
+    strides do not match its ``KVCacheSpec`` or its head count, a layer missing on either side
+    (or from a ``backend`` / ``total_num_kv_heads`` mapping), or a cache this adapter does not
+    cover (see the module docstring).
     """
     if conv_layout not in CONV_LAYOUTS:
         raise SpecError(f"conv_layout {conv_layout!r} is not one of {CONV_LAYOUTS} "
@@ -256,11 +268,41 @@ class _Context:
     """What every region of one engine is read with (spec_from_vllm's keywords)."""
 
     tp_size: int
-    backend: str | None
-    total_heads: int | None
+    backend: str | Mapping[str, str | None] | None
+    total_heads: int | Mapping[str, int] | None
     dcp_size: int
     mamba_n_groups: int | None
     conv_layout: str
+
+    def backend_of(self, name: str) -> str | None:
+        """The attention backend of layer ``name``: its own entry of a mapping, else the one
+        name given for every layer."""
+        if isinstance(self.backend, Mapping):
+            if name not in self.backend:
+                raise SpecError(f"layer {name!r} has no entry in the backend mapping (it names "
+                                f"{len(self.backend)} layers): give every attention layer its "
+                                "backend")
+            return self.backend[name]
+        return self.backend
+
+    def heads_of(self, name: str, local: int) -> int:
+        """Layer ``name``'s total KV head count, checked against the ``local`` heads its
+        tensor holds on this rank (vLLM: ``max(1, total // tp)``, heads replicated when
+        fewer than ranks)."""
+        given = self.total_heads
+        if isinstance(given, Mapping):
+            given = given.get(name)
+        if given is None:
+            return local * self.tp_size
+        total, tp = int(given), self.tp_size
+        want = total // tp if total >= tp else 1
+        if total < 1 or local != want or (total >= tp and total % tp) or (total < tp
+                                                                           and tp % total):
+            raise SpecError(f"layer {name!r}: total_num_kv_heads {total} at tp_size {tp} "
+                            f"means {want} KV head(s) per rank, its tensor holds {local}: "
+                            "pass the head count of the model that owns this layer (a "
+                            "draft's own, not the target's)")
+        return total
 
 
 def _pools(kv_caches: Mapping[str, Any], kv_cache_config: Any,
@@ -333,13 +375,13 @@ def _region(name: str, t: Any, group_spec: tuple[int, Any], kt: Any, num_blocks:
     nl = len(kt.layers)
     axes = [("L", nl, int(kt.layer_stride)), ("B", b, st[0]), ("H", h, st[1]),
             ("N", n, st[2]), ("C", c, es)]
-    order = _order(name, axes, _content(ctx.backend, kind == "mla"))
+    order = _order(name, axes, _content(ctx.backend_of(name), kind == "mla"))
     r: dict[str, Any] = {"name": name, "kind": kind, "group": group, "num_blocks": num_blocks,
                          "block_size": block_size, "dtype": dtype, "layout": order}
     if kind == "mla":
         r["dim"] = hs
     else:
-        heads = ctx.total_heads if ctx.total_heads is not None else h * ctx.tp_size
+        heads = ctx.heads_of(name, h)
         r.update(num_kv_heads=heads, head_dim=hs)
         if getattr(s, "sliding_window", None):
             r["window"] = int(s.sliding_window)
