@@ -53,11 +53,30 @@ page bytes]`` of ``int8`` whose page holds the conv state then the temporal (SSM
   Mamba1 has x only; GDN has q | k | v (``ssm_conv_transfer_utils.py`` decomposes them alike);
 - the temporal state is sharded on heads (Mamba2: ``(heads, head_dim, state_size)``; GDN:
   ``(v_heads, v_dim, k_dim)``; Mamba1: ``(channels, state_size)``).
+- KDA (Kimi-Linear) is a GDN layer to vLLM 0.32 (``KimiGatedDeltaNetAttention`` subclasses
+  ``GatedDeltaNetAttention``, ``mamba_type`` ``GDN_ATTN``; shapes from ``kda_state_shape``):
+  one conv state of q | k | v (``heads * head_dim`` channels each, each sharded on its own
+  channels: the fused conv weight loader shards them one by one) and the recurrent state
+  ``(heads, head_dim, head_dim)``, float32 by default (``kda_state_dtype``) where the conv
+  state is the model's dtype; the parts are GDN's (``q_conv``, ``k_conv``, ``v_conv``,
+  ``ssm`` = the recurrent state).
+
+vLLM 0.32 aliases every KV-cache group of a hybrid model from byte 0 of one allocation, a
+group's layers the layer slots of its ``KVCacheTensor`` (``get_kv_cache_config_from_groups``):
+with several layers per group (Kimi-Linear: 3 KDA groups and 1 MLA group of ``n`` layers
+each) layer slot ``s`` of every group views the same pages, one pool per slot (``pool.<t>.<s>``
+after the first such tensor ``t``; ``pool.<t>`` when a tensor holds one layer).
+
+Every layer is read with its own ``KVCacheSpec`` (head count and size, per rank) and, given a
+mapping, its own backend and its model's total KV head count: the layers of one KV-cache
+group (``UniformTypeKVCacheSpecs``) may differ, e.g. an MLA model's layers and a GQA
+EAGLE-3 draft's attention layer (vLLM PR 44583's case).
 
 Not covered yet (refused with a :class:`~kvplan.SpecError` naming the layer): layers of two
-groups in one multi-layer ``KVCacheTensor`` slot scheme other than the page pool above,
+groups in one multi-layer ``KVCacheTensor`` slot scheme other than the page pools above,
 padded attention pages, ``head_size_v`` different from ``head_size``, pipeline stages, other
-state kinds than Mamba1, Mamba2 and GDN (``mamba_type``).
+state kinds than Mamba1, Mamba2 and GDN / KDA (``mamba_type``), states of more than a conv
+and a temporal part (Kimi-K3's ``use_kda_recoverssm`` records).
 
 Layer 4 (adapters, beside hf): imports spec, regions, layout, request (for ``ABSENT``) and
 errors; ``EngineSpec.from_vllm`` delegates here by a lazy import.
@@ -240,7 +259,15 @@ def spec_from_vllm(
             raise SpecError(f"KVCacheTensor {ti} holds layers of several KV-cache groups "
                             f"({names}) as layer slots: kvplan's vLLM adapter takes a hybrid "
                             "pool as one tensor per group viewing the same pages")
-        alloc = f"kv_cache_tensors.{ti}" if len(kt.layers) > 1 else None
+        pooled = [n for n in kt.layers if n in pools]
+        if pooled and len(pooled) < len(kt.layers):
+            raise SpecError(f"KVCacheTensor {ti}: layers {pooled} share their pages with other "
+                            f"KV-cache groups, layers {sorted(set(kt.layers) - set(pooled))} "
+                            "do not: kvplan's vLLM adapter takes a tensor's layer slots all "
+                            "pooled or none")
+        # a multi-layer tensor whose slots other groups overlay (vLLM 0.32 aliases every
+        # group from byte 0: Kimi-Linear's MLA and KDA groups) is one pool per layer slot
+        alloc = f"kv_cache_tensors.{ti}" if len(kt.layers) > 1 and not pooled else None
         for name in kt.layers:
             if name in seen:
                 raise SpecError(f"layer {name!r} is in more than one KVCacheTensor")
@@ -328,7 +355,10 @@ def _pools(kv_caches: Mapping[str, Any], kv_cache_config: Any,
         if len(set(pages.values())) > 1:
             raise SpecError(f"layers {names} view the same memory with different block "
                             f"strides {pages}: a page pool has one page size")
-        pool = f"pool.{min(tensor_of[n] for n in names)}"
+        first = min(names, key=lambda n: tensor_of[n])
+        kt = kv_cache_config.kv_cache_tensors[tensor_of[first]]
+        slot = f".{kt.layers.index(first)}" if len(kt.layers) > 1 else ""
+        pool = f"pool.{tensor_of[first]}{slot}"
         out.update((n, (pool, pages[n])) for n in names)
     return out
 
@@ -372,7 +402,7 @@ def _region(name: str, t: Any, group_spec: tuple[int, Any], kt: Any, num_blocks:
     if shape != want:
         raise SpecError(f"layer {name!r}: tensor shape {shape} does not match its "
                         f"{type(s).__name__} ([B, H, N, C] = {want})")
-    nl = len(kt.layers)
+    nl = len(kt.layers) if alloc is not None else 1  # a pooled slot steps by its own pages
     axes = [("L", nl, int(kt.layer_stride)), ("B", b, st[0]), ("H", h, st[1]),
             ("N", n, st[2]), ("C", c, es)]
     order = _order(name, axes, _content(ctx.backend_of(name), kind == "mla"))
