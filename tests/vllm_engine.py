@@ -12,7 +12,8 @@ prefixed by :data:`MARK` (vLLM's own logs go to the same streams)::
 ``seconds`` of its own: when it finished, and a ``first``: when its first token came, both from
 the batch's start), answered by one line with ``"results"``; ``{"id": "m", "op": "metrics"}``
 answers the engine's Prometheus metrics whose names start with ``"prefix"`` (default
-``vllm:kvplan``; ``--log-stats``) and logs vLLM's stats line now.
+``vllm:kvplan``; ``--log-stats``) and logs vLLM's stats line now; ``{"id": "k", "op": "dump",
+"path": DIR}`` writes every worker's KV cache to ``DIR/rank<r>.npz`` (:func:`dump_kv`).
 
 The engine uses ``KvplanConnector`` (``--connector kvplan``), vLLM's own ``NixlConnector``
 (``--connector nixl``, for comparison) or none. The main guard matters: vLLM
@@ -31,7 +32,7 @@ MARK = "@@kvplan "
 
 
 #: The tiny models the tests write (``model DIR --kind KIND``).
-KINDS = ("llama", "llama-deep", "mla", "nemotron-h", "gemma3", "llama-eagle3")
+KINDS = ("llama", "llama-deep", "mla", "nemotron-h", "gemma3", "llama-eagle3", "mla-eagle3")
 
 
 def model_config(kind: str, *, n_groups: int = 1) -> dict:
@@ -49,10 +50,15 @@ def model_config(kind: str, *, n_groups: int = 1) -> dict:
     - ``llama-eagle3``: a Llama of 4 layers (EAGLE-3 takes hidden states of layers 2, 2, 1:
       ``get_eagle3_default_aux_hidden_state_layers``), 4 heads, 4 KV heads of 64; its draft
       (:func:`eagle3_config`) is written beside it.
+    - ``mla-eagle3``: ``mla`` with 4 layers in bfloat16 (an MLA main model needs AMX and
+      bfloat16 on vLLM's CPU build beside a CPU_ATTN draft), the same draft beside it.
     """
     common = {"hidden_size": 256, "vocab_size": 1024, "max_position_embeddings": 2048,
               "torch_dtype": "float32", "tie_word_embeddings": False,
               "bos_token_id": 0, "eos_token_id": 1}
+    if kind == "mla-eagle3":
+        return {**model_config("mla"), "num_hidden_layers": 4, "first_k_dense_replace": 4,
+                "torch_dtype": "bfloat16"}
     if kind == "mla":
         return {**common,
                 "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
@@ -171,7 +177,7 @@ def write_model(path: str, kind: str = "llama", *, n_groups: int = 1, seed: int 
             t = torch.randn(p.shape, generator=g) * 0.08
         tensors[name] = t.contiguous()
     save_file(tensors, os.path.join(path, "model.safetensors"))
-    if kind == "llama-eagle3":
+    if kind in ("llama-eagle3", "mla-eagle3"):
         write_eagle3(os.path.join(path, DRAFT_DIR))
 
 
@@ -201,7 +207,7 @@ def serve(args: argparse.Namespace) -> None:
         kw["speculative_config"] = {"method": "eagle3", "num_speculative_tokens": args.speculative,
                                     "model": os.path.join(args.model, DRAFT_DIR)}
     llm = LLM(model=args.model, skip_tokenizer_init=True, tensor_parallel_size=args.tp,
-              dtype="float32", block_size=args.block_size or None, max_model_len=1024,
+              dtype=args.dtype, block_size=args.block_size or None, max_model_len=1024,
               enable_prefix_caching=True, enforce_eager=True, seed=0,
               distributed_executor_backend="mp" if args.tp > 1 else None,
               num_gpu_blocks_override=args.num_blocks or None,
@@ -228,7 +234,10 @@ def serve(args: argparse.Namespace) -> None:
             break
         t0 = time.monotonic()
         try:
-            if req.get("op") == "metrics":
+            if req.get("op") == "dump":  # every worker's KV cache, to PATH/rank<r>.npz
+                res = {"id": req["id"], "error": None,
+                       "ranks": llm.collective_rpc(dump_kv, args=(req["path"],))}
+            elif req.get("op") == "metrics":
                 llm.llm_engine.do_log_stats()
                 res = {"id": req["id"], "error": None, "metrics": [
                     dict(vars(m), kind=type(m).__name__) for m in llm.get_metrics()
@@ -259,6 +268,25 @@ def serve(args: argparse.Namespace) -> None:
         emit(res)
 
 
+def dump_kv(worker: object, path: str) -> int:
+    """Run on each worker (``collective_rpc``): write every attention layer's KV cache as the
+    layer holds it (``[B, H, N, C]``, this rank's heads) to ``path/rank<r>.npz``; the rank."""
+    import numpy as np
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(worker.vllm_config, AttentionLayerBase)
+    out = {}
+    for name, layer in layers.items():
+        kv = layer.kv_cache
+        kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+        out[name] = kv.detach().cpu().float().numpy()
+    rank = get_tensor_model_parallel_rank()
+    np.savez(os.path.join(path, f"rank{rank}.npz"), **out)
+    return rank
+
+
 def emit(res: dict) -> None:
     """One result line in one write: the engine's worker processes log to the same pipe, and
     a line written in pieces (text, then newline) can get one of their lines in between."""
@@ -286,6 +314,7 @@ def main() -> None:
     s.add_argument("--extra", default="{}", help="JSON merged into kv_connector_extra_config")
     s.add_argument("--num-blocks", type=int, default=0, help="KV cache blocks (0: vLLM's)")
     s.add_argument("--log-stats", action="store_true", help="vLLM's stats log and metrics")
+    s.add_argument("--dtype", default="float32", help="the engine's dtype")
     s.add_argument("--speculative", type=int, default=0,
                    help="EAGLE-3 speculative decoding with this many draft tokens")
     args = ap.parse_args()

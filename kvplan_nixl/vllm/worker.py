@@ -108,7 +108,7 @@ class Worker:
         self.ep = Endpoint(self.c.engine_id, spec, self.rank, bufs, secret=self.secret,
                            backends=self.backends)
         kinds = ",".join(sorted({r.kind.value for r in spec.regions}))
-        logger.info("kvplan: rank %d registered %d regions (%s; backends %s, layouts %s, "
+        logger.info("kvplan: rank %d registered %d regions (%s; backend %s, layouts %s, "
                     "groups %s, %d buffers)", self.rank, len(spec.regions), kinds,
                     _backend_counts(backend, spec),
                     ",".join(sorted({r.layout_name for r in spec.regions if not r.is_state})),
@@ -401,9 +401,13 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
 def _backend_counts(backend: dict[str, str | None], spec: Any) -> str:
-    """``AMX_MLA x4, CPU_ATTN x1``: the backends of the token regions, for the start-up log."""
+    """The token regions' backend for the start-up log: ``CPU_ATTN``, or where layers differ
+    ``AMX_MLA x4 + CPU_ATTN x1``."""
     names = [backend.get(r.name) or "-" for r in spec.regions if not r.is_state]
-    return ", ".join(f"{b} x{names.count(b)}" for b in sorted(set(names))) or "-"
+    kinds = sorted(set(names))
+    if len(kinds) <= 1:
+        return kinds[0] if kinds else "-"
+    return " + ".join(f"{b} x{names.count(b)}" for b in kinds)
 
 
 def _mamba_n_groups(cfg: Any) -> int | None:
