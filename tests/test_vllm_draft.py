@@ -112,9 +112,34 @@ def run_pair(pool, prefill: str, decode: str, ids: list[int], tmp: Path, block: 
 
 
 def pair_names(model: str, ptp: int, dtp: int) -> tuple[str, str]:
-    p = f"{model}-p1" if ptp == 1 else f"{model}-t2"
+    """Engine names of P TP ``ptp`` -> D TP ``dtp``: 40 KV blocks each (``few``), so that a
+    dump of the whole cache stays small (a few MB)."""
+    p = f"{model}-p1-few" if ptp == 1 else f"{model}-t2-few"
     d = f"{model}-d1-few" if dtp == 1 else f"{model}-t2-few"
     return p, d
+
+
+@pytest.mark.parametrize("model", ["eagle", "mlaeagle"])
+def test_negative_control_other_prompts_draft_pages(pool, model, tmp_path):
+    # the decode of prompt A given prompt B's KV holds B's draft pages, not A's (A's pages:
+    # a prefill of A alone; the decode never saw A, so nothing of it is cached there). First
+    # in the file: the next test starts with the same engine pair
+    needs(model)
+    block = CASES[model]["block"]
+    prefill, decode = pair_names(model, 1, 2)
+    ids, other = prompt(3600, 3 * block + 5), prompt(3601, 3 * block + 5)
+    p, _ = pool.only(prefill, decode)
+    own = p.generate(ids, 1, {"do_remote_decode": True})
+    assert own["error"] is None, f"{own}{tails()}"
+    pa = p.dump(tmp_path / "a-kv")
+    pblock_a = int(own["params"]["remote_block_ids"][0][0])
+    pb, db, pblocks_b, _, _ = run_pair(pool, prefill, decode, ids, tmp_path / "b", block,
+                                       prefill_ids=other)
+    draft = next(k[1] for k in db if is_draft(k[1]))
+    dblock = decode_blocks(pb, db, 1, 2, pblocks_b)[0]
+    got = global_pages(db, 2, draft, dblock)
+    assert not np.array_equal(got, global_pages(pa, 1, draft, pblock_a))
+    np.testing.assert_array_equal(got, global_pages(pb, 1, draft, pblocks_b[0]))
 
 
 @pytest.mark.parametrize("model,ptp,dtp", [("eagle", 1, 2), ("eagle", 2, 1),
@@ -154,25 +179,3 @@ def test_draft_pages_arrive_through_the_placement(pool, model, ptp, dtp, tmp_pat
         main = blocks * block * per_token * case["value"]
         assert nbytes == main + blocks * block * draft_per_token * case["value"], \
             (line, main)
-
-
-@pytest.mark.parametrize("model", ["eagle", "mlaeagle"])
-def test_negative_control_other_prompts_draft_pages(pool, model, tmp_path):
-    # the decode of prompt A given prompt B's KV holds B's draft pages, not A's (A's pages:
-    # a prefill of A alone; the decode never saw A, so nothing of it is cached there)
-    needs(model)
-    block = CASES[model]["block"]
-    prefill, decode = pair_names(model, 1, 2)
-    ids, other = prompt(3600, 3 * block + 5), prompt(3601, 3 * block + 5)
-    p, _ = pool.only(prefill, decode)
-    own = p.generate(ids, 1, {"do_remote_decode": True})
-    assert own["error"] is None, f"{own}{tails()}"
-    pa = p.dump(tmp_path / "a-kv")
-    pblock_a = int(own["params"]["remote_block_ids"][0][0])
-    pb, db, pblocks_b, _, _ = run_pair(pool, prefill, decode, ids, tmp_path / "b", block,
-                                       prefill_ids=other)
-    draft = next(k[1] for k in db if is_draft(k[1]))
-    dblock = decode_blocks(pb, db, 1, 2, pblocks_b)[0]
-    got = global_pages(db, 2, draft, dblock)
-    assert not np.array_equal(got, global_pages(pa, 1, draft, pblock_a))
-    np.testing.assert_array_equal(got, global_pages(pb, 1, draft, pblocks_b[0]))
