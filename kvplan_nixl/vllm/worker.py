@@ -363,8 +363,11 @@ def _layer_backends(cfg: Any, kv_caches: dict) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in kv_caches:
         layer = layers.get(name)
-        got = layer.get_attn_backend().get_name() if layer is not None else None
-        out[name] = None if got and any(k in got.upper() for k in STATE_BACKENDS) else got
+        if layer is None:  # a layer vLLM does not list: its one choice, not a guess of SD
+            out[name] = _backend_name(cfg)
+            continue
+        got = layer.get_attn_backend().get_name()
+        out[name] = None if any(k in got.upper() for k in STATE_BACKENDS) else got
     return out
 
 
