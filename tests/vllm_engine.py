@@ -47,8 +47,7 @@ def model_config(kind: str, *, n_groups: int = 1) -> dict:
       8 heads x 32 with ``n_groups`` B/C groups of state 16, conv kernel 4.
     - ``gemma3``: Gemma 3 text, a sliding-window layer (window 32) then a full-attention layer:
       two KV-cache groups under vLLM's hybrid manager.
-    - ``llama-eagle3``: a Llama of 4 layers (EAGLE-3 takes hidden states of layers 2, 2, 1:
-      ``get_eagle3_default_aux_hidden_state_layers``), 4 heads, 4 KV heads of 64; its draft
+    - ``llama-eagle3``: a Llama of 4 layers, 4 heads, 4 KV heads of 64; its draft
       (:func:`eagle3_config`) is written beside it.
     - ``mla-eagle3``: ``mla`` with 4 layers in bfloat16 (an MLA main model needs AMX and
       bfloat16 on vLLM's CPU build beside a CPU_ATTN draft), the same draft beside it.
@@ -116,7 +115,11 @@ def eagle3_config() -> dict:
             "vocab_size": 1024, "draft_vocab_size": 1024, "max_position_embeddings": 2048,
             "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
             "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 0,
-            "eos_token_id": 1}
+            "eos_token_id": 1,
+            # the main model's hidden states the draft takes, 3 distinct layers: vLLM's default
+            # for 4 layers, (2, 4 // 2, 4 - 3), names layer 2 twice, and the draft's fc (3 x
+            # hidden inputs) then fails on 2 states ("shape '[-1, 768]' is invalid")
+            "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
 
 
 def write_eagle3(path: str, seed: int = 4321) -> None:
