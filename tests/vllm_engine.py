@@ -206,6 +206,9 @@ def serve(args: argparse.Namespace) -> None:
             kv_load_failure_policy=args.policy)
     if args.attention_backend:
         kw["attention_config"] = {"backend": args.attention_backend}
+    # the "dump" op sends a function to the workers (collective_rpc), which vLLM's msgpack
+    # transport carries only with pickle allowed; these engines serve the tests alone
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if args.speculative:  # the EAGLE-3 draft written beside the model (llama-eagle3)
         kw["speculative_config"] = {"method": "eagle3", "num_speculative_tokens": args.speculative,
                                     "model": os.path.join(args.model, DRAFT_DIR)}
