@@ -12,7 +12,8 @@ prefixed by :data:`MARK` (vLLM's own logs go to the same streams)::
 ``seconds`` of its own: when it finished, and a ``first``: when its first token came, both from
 the batch's start), answered by one line with ``"results"``; ``{"id": "m", "op": "metrics"}``
 answers the engine's Prometheus metrics whose names start with ``"prefix"`` (default
-``vllm:kvplan``; ``--log-stats``) and logs vLLM's stats line now.
+``vllm:kvplan``; ``--log-stats``) and logs vLLM's stats line now; ``{"id": "k", "op": "dump",
+"path": DIR}`` writes every worker's KV cache to ``DIR/rank<r>.npz`` (:func:`dump_kv`).
 
 The engine uses ``KvplanConnector`` (``--connector kvplan``), vLLM's own ``NixlConnector``
 (``--connector nixl``, for comparison) or none. The main guard matters: vLLM
@@ -31,7 +32,7 @@ MARK = "@@kvplan "
 
 
 #: The tiny models the tests write (``model DIR --kind KIND``).
-KINDS = ("llama", "llama-deep", "mla", "nemotron-h", "gemma3")
+KINDS = ("llama", "llama-deep", "mla", "nemotron-h", "gemma3", "llama-eagle3", "mla-eagle3")
 
 
 def model_config(kind: str, *, n_groups: int = 1) -> dict:
@@ -46,10 +47,17 @@ def model_config(kind: str, *, n_groups: int = 1) -> dict:
       8 heads x 32 with ``n_groups`` B/C groups of state 16, conv kernel 4.
     - ``gemma3``: Gemma 3 text, a sliding-window layer (window 32) then a full-attention layer:
       two KV-cache groups under vLLM's hybrid manager.
+    - ``llama-eagle3``: a Llama of 4 layers, 4 heads, 4 KV heads of 64; its draft
+      (:func:`eagle3_config`) is written beside it.
+    - ``mla-eagle3``: ``mla`` with 4 layers in bfloat16 (an MLA main model needs AMX and
+      bfloat16 on vLLM's CPU build beside a CPU_ATTN draft), the same draft beside it.
     """
     common = {"hidden_size": 256, "vocab_size": 1024, "max_position_embeddings": 2048,
               "torch_dtype": "float32", "tie_word_embeddings": False,
               "bos_token_id": 0, "eos_token_id": 1}
+    if kind == "mla-eagle3":
+        return {**model_config("mla"), "num_hidden_layers": 4, "first_k_dense_replace": 4,
+                "torch_dtype": "bfloat16"}
     if kind == "mla":
         return {**common,
                 "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
@@ -83,14 +91,63 @@ def model_config(kind: str, *, n_groups: int = 1) -> dict:
                 "query_pre_attn_scalar": 64, "rms_norm_eps": 1e-6,
                 "rope_theta": 10000.0, "rope_local_base_freq": 10000.0,
                 "hidden_activation": "gelu_pytorch_tanh"}
-    if kind in ("llama", "llama-deep"):
-        layers, kv_heads = (2, 2) if kind == "llama" else (16, 4)
+    if kind in ("llama", "llama-deep", "llama-eagle3"):
+        layers, kv_heads = {"llama": (2, 2), "llama-deep": (16, 4), "llama-eagle3": (4, 4)}[kind]
         return {**common,
                 "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 "intermediate_size": 512, "num_hidden_layers": layers, "num_attention_heads": 4,
                 "num_key_value_heads": kv_heads, "head_dim": 64, "rms_norm_eps": 1e-6,
                 "rope_theta": 10000.0, "hidden_act": "silu"}
     raise ValueError(f"model kind {kind!r} is not one of {KINDS}")
+
+
+#: Where ``llama-eagle3`` writes its draft, inside the main model's directory.
+DRAFT_DIR = "eagle3"
+
+
+def eagle3_config() -> dict:
+    """config.json of the tiny EAGLE-3 draft of ``llama-eagle3``: one Llama layer (vLLM's
+    ``Eagle3LlamaForCausalLM``) of 4 heads and **2** KV heads of 64, so that its KV-cache
+    layer differs from the main model's 4 KV heads."""
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "vocab_size": 1024, "draft_vocab_size": 1024, "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+            "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 0,
+            "eos_token_id": 1,
+            # the main model's hidden states the draft takes, 3 distinct layers: vLLM's default
+            # for 4 layers, (2, 4 // 2, 4 - 3), names layer 2 twice, and the draft's fc (3 x
+            # hidden inputs) then fails on 2 states ("shape '[-1, 768]' is invalid")
+            "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+
+
+def write_eagle3(path: str, seed: int = 4321) -> None:
+    """The draft's weights by the names of EAGLE-3 checkpoints (``midlayer.*``, ``fc``,
+    ``norm``, ``lm_head``; the embedding is the main model's, as vLLM shares it when absent):
+    no transformers class builds this architecture."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = eagle3_config()
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    shapes = {"midlayer.self_attn.q_proj.weight": (q, 2 * h),  # embeds | hidden states
+              "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+              "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, q),
+              "midlayer.mlp.gate_proj.weight": (i, h), "midlayer.mlp.up_proj.weight": (i, h),
+              "midlayer.mlp.down_proj.weight": (h, i),
+              "fc.weight": (h, 3 * h), "lm_head.weight": (c["draft_vocab_size"], h)}
+    norms = ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+             "midlayer.post_attention_layernorm.weight", "norm.weight")
+    g = torch.Generator().manual_seed(seed)
+    tensors = {n: (torch.randn(s, generator=g) * 0.08).contiguous() for n, s in shapes.items()}
+    tensors.update({n: torch.ones(h) for n in norms})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=1)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
 
 
 def write_model(path: str, kind: str = "llama", *, n_groups: int = 1, seed: int = 1234) -> None:
@@ -123,6 +180,8 @@ def write_model(path: str, kind: str = "llama", *, n_groups: int = 1, seed: int 
             t = torch.randn(p.shape, generator=g) * 0.08
         tensors[name] = t.contiguous()
     save_file(tensors, os.path.join(path, "model.safetensors"))
+    if kind in ("llama-eagle3", "mla-eagle3"):
+        write_eagle3(os.path.join(path, DRAFT_DIR))
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -152,8 +211,14 @@ def serve(args: argparse.Namespace) -> None:
             kv_connector_extra_config=json.loads(args.extra))
     if args.attention_backend:
         kw["attention_config"] = {"backend": args.attention_backend}
+    # the "dump" op sends a function to the workers (collective_rpc), which vLLM's msgpack
+    # transport carries only with pickle allowed; these engines serve the tests alone
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    if args.speculative:  # the EAGLE-3 draft written beside the model (llama-eagle3)
+        kw["speculative_config"] = {"method": "eagle3", "num_speculative_tokens": args.speculative,
+                                    "model": os.path.join(args.model, DRAFT_DIR)}
     llm = LLM(model=args.model, skip_tokenizer_init=True, tensor_parallel_size=args.tp,
-              dtype="float32", block_size=args.block_size or None, max_model_len=1024,
+              dtype=args.dtype, block_size=args.block_size or None, max_model_len=1024,
               enable_prefix_caching=True, enforce_eager=True, seed=0,
               distributed_executor_backend="mp" if args.tp > 1 else None,
               num_gpu_blocks_override=args.num_blocks or None,
@@ -180,7 +245,10 @@ def serve(args: argparse.Namespace) -> None:
             break
         t0 = time.monotonic()
         try:
-            if req.get("op") == "metrics":
+            if req.get("op") == "dump":  # every worker's KV cache, to PATH/rank<r>.npz
+                res = {"id": req["id"], "error": None,
+                       "ranks": llm.collective_rpc(dump_kv, args=(req["path"],))}
+            elif req.get("op") == "metrics":
                 llm.llm_engine.do_log_stats()
                 res = {"id": req["id"], "error": None, "metrics": [
                     dict(vars(m), kind=type(m).__name__) for m in llm.get_metrics()
@@ -209,6 +277,25 @@ def serve(args: argparse.Namespace) -> None:
             res = {"id": req["id"], "tokens": None, "error": f"{type(e).__name__}: {e}"}
         res["seconds"] = round(time.monotonic() - t0, 3)
         emit(res)
+
+
+def dump_kv(worker: object, path: str) -> int:
+    """Run on each worker (``collective_rpc``): write every attention layer's KV cache as the
+    layer holds it (``[B, H, N, C]``, this rank's heads) to ``path/rank<r>.npz``; the rank."""
+    import numpy as np
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(worker.vllm_config, AttentionLayerBase)
+    out = {}
+    for name, layer in layers.items():
+        kv = layer.kv_cache
+        kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+        out[name] = kv.detach().cpu().float().numpy()
+    rank = get_tensor_model_parallel_rank()
+    np.savez(os.path.join(path, f"rank{rank}.npz"), **out)
+    return rank
 
 
 def emit(res: dict) -> None:
@@ -241,6 +328,9 @@ def main() -> None:
                    help="JSON merged into kv_connector_extra_config (NixlConnector's: all of it)")
     s.add_argument("--num-blocks", type=int, default=0, help="KV cache blocks (0: vLLM's)")
     s.add_argument("--log-stats", action="store_true", help="vLLM's stats log and metrics")
+    s.add_argument("--dtype", default="float32", help="the engine's dtype")
+    s.add_argument("--speculative", type=int, default=0,
+                   help="EAGLE-3 speculative decoding with this many draft tokens")
     args = ap.parse_args()
     if args.cmd == "model":
         write_model(args.path, args.kind, n_groups=args.n_groups)

@@ -40,6 +40,11 @@ MODELS = {
     "nemo1": ("nemotron-h", ["--n-groups", "1"], {"block_size": 0}),
     "nemo2": ("nemotron-h", ["--n-groups", "2"], {"block_size": 0}),
     "gemma3": ("gemma3", [], {}),
+    # a Llama of 4 KV heads with an EAGLE-3 draft of 2, speculative decoding (2 tokens)
+    "eagle": ("llama-eagle3", [], {"speculative": 2}),
+    # an MLA main with that draft: bfloat16, blocks of 128 (AMX_MLA beside CPU_ATTN; needs AMX)
+    "mlaeagle": ("mla-eagle3", [], {"speculative": 2, "block_size": 128,
+                                     "dtype": "bfloat16"}),
 }
 #: role -> (TP size, cores). p1/d1 are pinned to a core each; the TP 2 engine is not pinned
 #: ("nobind"): pinned to "0|1" its workers shared a core with p1's or d1's, and a prefill worker
@@ -98,9 +103,11 @@ class Engine:
                  policy: str = "recompute", block_size: int = 32, connector: str = "kvplan",
                  attention_backend: str | None = None, extra: dict | None = None,
                  num_blocks: int = 0, log_stats: bool = False, port: int | None = None,
-                 place: tuple[str, str] | None = None):
+                 place: tuple[str, str] | None = None, speculative: int = 0,
+                 dtype: str = "float32"):
         """``place``: (network namespace, its address) to run in, UCX over TCP on its veth
-        (tests/netns.py: two hosts); None: this host, loopback."""
+        (tests/netns.py: two hosts); None: this host, loopback. ``speculative``: draft tokens
+        per step with the model's EAGLE-3 draft (0: none)."""
         self.name, self.tp = name, tp
         self.port = free_base_port(tp) if port is None else port
         _STARTS[name] = _STARTS.get(name, 0) + 1
@@ -138,6 +145,10 @@ class Engine:
             cmd += ["--num-blocks", str(num_blocks)]
         if log_stats:
             cmd += ["--log-stats"]
+        if speculative:
+            cmd += ["--speculative", str(speculative)]
+        if dtype != "float32":
+            cmd += ["--dtype", dtype]
         self.log = open(self.log_path, "w")  # closed in stop()
         self.log.write(f"$ {' '.join(cmd)}\n")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -220,6 +231,24 @@ class Engine:
         r = self._get(REQUEST_TIMEOUT, f"batch {rid}")
         assert r["id"] == rid and r["error"] is None, r
         return r["results"]
+
+    def dump(self, path: Path) -> dict:
+        """Every worker's KV cache now: ``{(tp rank, layer name): [B, H, N, C]}`` (float32
+        numpy arrays)."""
+        import numpy as np
+
+        path.mkdir(parents=True, exist_ok=True)
+        self.n += 1
+        self.proc.stdin.write(json.dumps({"id": f"k{self.n}", "op": "dump",
+                                          "path": str(path)}) + "\n")
+        self.proc.stdin.flush()
+        res = self._get(REQUEST_TIMEOUT, "dump")
+        assert res["error"] is None, f"{self.name}: dump failed: {res}{tails()}"
+        out = {}
+        for r in res["ranks"]:
+            with np.load(path / f"rank{r}.npz") as z:
+                out.update({(r, k): z[k] for k in z.files})
+        return out
 
     def metrics(self, prefix: str = "vllm:kvplan") -> dict[str, dict]:
         """The engine's metrics whose names start with ``prefix``, by name (``--log-stats``

@@ -53,11 +53,30 @@ page bytes]`` of ``int8`` whose page holds the conv state then the temporal (SSM
   Mamba1 has x only; GDN has q | k | v (``ssm_conv_transfer_utils.py`` decomposes them alike);
 - the temporal state is sharded on heads (Mamba2: ``(heads, head_dim, state_size)``; GDN:
   ``(v_heads, v_dim, k_dim)``; Mamba1: ``(channels, state_size)``).
+- KDA (Kimi-Linear) is a GDN layer to vLLM 0.32 (``KimiGatedDeltaNetAttention`` subclasses
+  ``GatedDeltaNetAttention``, ``mamba_type`` ``GDN_ATTN``; shapes from ``kda_state_shape``):
+  one conv state of q | k | v (``heads * head_dim`` channels each, each sharded on its own
+  channels: the fused conv weight loader shards them one by one) and the recurrent state
+  ``(heads, head_dim, head_dim)``, float32 by default (``kda_state_dtype``) where the conv
+  state is the model's dtype; the parts are GDN's (``q_conv``, ``k_conv``, ``v_conv``,
+  ``ssm`` = the recurrent state).
+
+vLLM 0.32 aliases every KV-cache group of a hybrid model from byte 0 of one allocation, a
+group's layers the layer slots of its ``KVCacheTensor`` (``get_kv_cache_config_from_groups``):
+with several layers per group (Kimi-Linear: 3 KDA groups and 1 MLA group of ``n`` layers
+each) layer slot ``s`` of every group views the same pages, one pool per slot (``pool.<t>.<s>``
+after the first such tensor ``t``; ``pool.<t>`` when a tensor holds one layer).
+
+Every layer is read with its own ``KVCacheSpec`` (head count and size, per rank) and, given a
+mapping, its own backend and its model's total KV head count: the layers of one KV-cache
+group (``UniformTypeKVCacheSpecs``) may differ, e.g. an MLA model's layers and a GQA
+EAGLE-3 draft's attention layer (vLLM PR 44583's case).
 
 Not covered yet (refused with a :class:`~kvplan.SpecError` naming the layer): layers of two
-groups in one multi-layer ``KVCacheTensor`` slot scheme other than the page pool above,
+groups in one multi-layer ``KVCacheTensor`` slot scheme other than the page pools above,
 padded attention pages, ``head_size_v`` different from ``head_size``, pipeline stages, other
-state kinds than Mamba1, Mamba2 and GDN (``mamba_type``).
+state kinds than Mamba1, Mamba2 and GDN / KDA (``mamba_type``), states of more than a conv
+and a temporal part (Kimi-K3's ``use_kda_recoverssm`` records).
 
 Layer 4 (adapters, beside hf): imports spec, regions, layout, request (for ``ABSENT``) and
 errors; ``EngineSpec.from_vllm`` delegates here by a lazy import.
@@ -84,10 +103,14 @@ TOKEN_CONTENT = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"})
 STREAM_CONTENT = frozenset({"CPU_ATTN"})
 
 
-def whole_pages(backend: str | None) -> bool:
+def whole_pages(backend: str | Mapping[str, str | None] | None) -> bool:
     """Whether ``backend`` keeps a (block, head, K or V) page in a kernel-specific order, so
     that only whole pages may be copied: whole blocks, equal block sizes on both sides
-    (``CPU_ATTN``). Head slices (heterogeneous TP) stay exact: heads are outside the page."""
+    (``CPU_ATTN``). Head slices (heterogeneous TP) stay exact: heads are outside the page.
+    For a mapping of layer backends: whether any layer's backend does (a request moves the
+    blocks of every layer at once)."""
+    if isinstance(backend, Mapping):
+        return any(b in STREAM_CONTENT for b in backend.values())
     return backend in STREAM_CONTENT
 
 
@@ -176,8 +199,8 @@ def spec_from_vllm(
     kv_cache_config: Any,
     *,
     tp_size: int = 1,
-    backend: str | None = None,
-    total_num_kv_heads: int | None = None,
+    backend: str | Mapping[str, str | None] | None = None,
+    total_num_kv_heads: int | Mapping[str, int] | None = None,
     dcp_size: int = 1,
     dcp_interleave: int = 1,
     mamba_n_groups: int | None = None,
@@ -193,8 +216,15 @@ def spec_from_vllm(
     comes from the tensors' strides. ``tp_size`` and ``dcp_size`` / ``dcp_interleave`` are the
     engine's (vLLM's ``tensor_parallel_size``, ``decode_context_parallel_size``,
     ``cp_kv_cache_interleave_size``); ``backend`` is the attention backend's name (see the
-    module docstring); ``total_num_kv_heads`` is the model's KV head count, needed only when
-    it is smaller than ``tp_size`` (replicated heads), else read from the tensors.
+    module docstring), or a mapping from layer name to the backend of that layer (vLLM gives
+    each layer its own: an EAGLE-3 draft's attention layer beside an MLA model's layers);
+    ``total_num_kv_heads`` is the model's KV head count, or a mapping from layer name to the
+    count of the model that owns the layer (a draft's is its own, never the target's), needed
+    only where it is smaller than ``tp_size`` (replicated heads), else read from the tensors.
+    A given count is checked against the layer's tensor: a count that does not match it is
+    refused naming the layer and both numbers. Every layer is described by its own
+    ``KVCacheSpec`` (head count, head size) and its own backend, so the layers of one
+    KV-cache group (``UniformTypeKVCacheSpecs``) may differ.
 
     Mamba2 state layers need ``mamba_n_groups`` (the model's ``n_groups``) when ``tp_size`` >
     1: a rank's tensors look the same whether its B/C group is its own share or a replica of
@@ -203,8 +233,9 @@ def spec_from_vllm(
     or ``"DS"``).
 
     Raises :class:`~kvplan.SpecError` naming the layer for a tensor whose shape, dtype or
-    strides do not match its ``KVCacheSpec``, a layer missing on either side, or a cache this
-    adapter does not cover (see the module docstring).
+    strides do not match its ``KVCacheSpec`` or its head count, a layer missing on either side
+    (or from a ``backend`` / ``total_num_kv_heads`` mapping), or a cache this adapter does not
+    cover (see the module docstring).
     """
     if conv_layout not in CONV_LAYOUTS:
         raise SpecError(f"conv_layout {conv_layout!r} is not one of {CONV_LAYOUTS} "
@@ -228,7 +259,15 @@ def spec_from_vllm(
             raise SpecError(f"KVCacheTensor {ti} holds layers of several KV-cache groups "
                             f"({names}) as layer slots: kvplan's vLLM adapter takes a hybrid "
                             "pool as one tensor per group viewing the same pages")
-        alloc = f"kv_cache_tensors.{ti}" if len(kt.layers) > 1 else None
+        pooled = [n for n in kt.layers if n in pools]
+        if pooled and len(pooled) < len(kt.layers):
+            raise SpecError(f"KVCacheTensor {ti}: layers {pooled} share their pages with other "
+                            f"KV-cache groups, layers {sorted(set(kt.layers) - set(pooled))} "
+                            "do not: kvplan's vLLM adapter takes a tensor's layer slots all "
+                            "pooled or none")
+        # a multi-layer tensor whose slots other groups overlay (vLLM 0.32 aliases every
+        # group from byte 0: Kimi-Linear's MLA and KDA groups) is one pool per layer slot
+        alloc = f"kv_cache_tensors.{ti}" if len(kt.layers) > 1 and not pooled else None
         for name in kt.layers:
             if name in seen:
                 raise SpecError(f"layer {name!r} is in more than one KVCacheTensor")
@@ -256,11 +295,41 @@ class _Context:
     """What every region of one engine is read with (spec_from_vllm's keywords)."""
 
     tp_size: int
-    backend: str | None
-    total_heads: int | None
+    backend: str | Mapping[str, str | None] | None
+    total_heads: int | Mapping[str, int] | None
     dcp_size: int
     mamba_n_groups: int | None
     conv_layout: str
+
+    def backend_of(self, name: str) -> str | None:
+        """The attention backend of layer ``name``: its own entry of a mapping, else the one
+        name given for every layer."""
+        if isinstance(self.backend, Mapping):
+            if name not in self.backend:
+                raise SpecError(f"layer {name!r} has no entry in the backend mapping (it names "
+                                f"{len(self.backend)} layers): give every attention layer its "
+                                "backend")
+            return self.backend[name]
+        return self.backend
+
+    def heads_of(self, name: str, local: int) -> int:
+        """Layer ``name``'s total KV head count, checked against the ``local`` heads its
+        tensor holds on this rank (vLLM: ``max(1, total // tp)``, heads replicated when
+        fewer than ranks)."""
+        given = self.total_heads
+        if isinstance(given, Mapping):
+            given = given.get(name)
+        if given is None:
+            return local * self.tp_size
+        total, tp = int(given), self.tp_size
+        want = total // tp if total >= tp else 1
+        if total < 1 or local != want or (total >= tp and total % tp) or (total < tp
+                                                                           and tp % total):
+            raise SpecError(f"layer {name!r}: total_num_kv_heads {total} at tp_size {tp} "
+                            f"means {want} KV head(s) per rank, its tensor holds {local}: "
+                            "pass the head count of the model that owns this layer (a "
+                            "draft's own, not the target's)")
+        return total
 
 
 def _pools(kv_caches: Mapping[str, Any], kv_cache_config: Any,
@@ -286,7 +355,10 @@ def _pools(kv_caches: Mapping[str, Any], kv_cache_config: Any,
         if len(set(pages.values())) > 1:
             raise SpecError(f"layers {names} view the same memory with different block "
                             f"strides {pages}: a page pool has one page size")
-        pool = f"pool.{min(tensor_of[n] for n in names)}"
+        first = min(names, key=lambda n: tensor_of[n])
+        kt = kv_cache_config.kv_cache_tensors[tensor_of[first]]
+        slot = f".{kt.layers.index(first)}" if len(kt.layers) > 1 else ""
+        pool = f"pool.{tensor_of[first]}{slot}"
         out.update((n, (pool, pages[n])) for n in names)
     return out
 
@@ -330,16 +402,16 @@ def _region(name: str, t: Any, group_spec: tuple[int, Any], kt: Any, num_blocks:
     if shape != want:
         raise SpecError(f"layer {name!r}: tensor shape {shape} does not match its "
                         f"{type(s).__name__} ([B, H, N, C] = {want})")
-    nl = len(kt.layers)
+    nl = len(kt.layers) if alloc is not None else 1  # a pooled slot steps by its own pages
     axes = [("L", nl, int(kt.layer_stride)), ("B", b, st[0]), ("H", h, st[1]),
             ("N", n, st[2]), ("C", c, es)]
-    order = _order(name, axes, _content(ctx.backend, kind == "mla"))
+    order = _order(name, axes, _content(ctx.backend_of(name), kind == "mla"))
     r: dict[str, Any] = {"name": name, "kind": kind, "group": group, "num_blocks": num_blocks,
                          "block_size": block_size, "dtype": dtype, "layout": order}
     if kind == "mla":
         r["dim"] = hs
     else:
-        heads = ctx.total_heads if ctx.total_heads is not None else h * ctx.tp_size
+        heads = ctx.heads_of(name, h)
         r.update(num_kv_heads=heads, head_dim=hs)
         if getattr(s, "sliding_window", None):
             r["window"] = int(s.sliding_window)

@@ -14,6 +14,7 @@ CONFIRM and RELEASE on a small pool of their own.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -89,15 +90,18 @@ class Worker:
         from kvplan_nixl import Endpoint
 
         cfg = self.vllm_config
-        backend = _backend_name(cfg)
+        # every layer its own backend and the head count of the model that owns it: an
+        # EAGLE-3 draft's attention layer sits in the MLA target's KV-cache group
+        backend, heads = _layer_backends(cfg, kv_caches), _layer_heads(cfg, kv_caches)
         spec = spec_from_vllm(
             kv_caches, kv_cache_config, tp_size=self.c.tp_size, backend=backend,
-            total_num_kv_heads=cfg.model_config.get_total_num_kv_heads(),
+            total_num_kv_heads=heads,
             dcp_size=cfg.parallel_config.decode_context_parallel_size,
             dcp_interleave=getattr(cfg.parallel_config, "cp_kv_cache_interleave_size", 1),
             mamba_n_groups=_mamba_n_groups(cfg), conv_layout=_conv_layout())
         self.groups = TransferGroups.from_config(kv_cache_config)
         # CPU_ATTN keeps each (block, head) page in its kernel's order: move whole blocks only
+        # (a request's blocks move for every layer at once, so one such layer decides)
         self.whole = whole_pages(backend)
         bufs: dict[str, Any] = dict(vllm_buffers(kv_caches, spec, self.rank))
         first = next(iter(kv_caches.values()))
@@ -109,7 +113,8 @@ class Worker:
                            backends=self.backends)
         kinds = ",".join(sorted({r.kind.value for r in spec.regions}))
         logger.info("kvplan: rank %d registered %d regions (%s; backend %s, layouts %s, "
-                    "groups %s, %d buffers)", self.rank, len(spec.regions), kinds, backend,
+                    "groups %s, %d buffers)", self.rank, len(spec.regions), kinds,
+                    _backend_counts(backend, spec),
                     ",".join(sorted({r.layout_name for r in spec.regions if not r.is_state})),
                     "+".join(self.groups.kinds), len(spec.buffers))
         port = self.c.rank_port(self.rank)
@@ -345,9 +350,32 @@ def _dialled(load: Load, address: bool = True) -> str:
 STATE_BACKENDS = ("MAMBA", "GDN", "LINEAR", "SHORT_CONV", "KDA")
 
 
+def _layer_backends(cfg: Any, kv_caches: dict) -> dict[str, str | None]:
+    """Each registered layer's attention backend name (how the adapter reads its pages), from
+    the layer vLLM built (``AttentionLayerBase.get_attn_backend``): a draft's layers have their
+    own. State layers' backends keep no attention pages: None for them."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(cfg, AttentionLayerBase, list(kv_caches))
+    except ImportError:
+        layers = {}
+    if not layers:  # no static forward context (vLLM's own tests): vLLM's one choice
+        return dict.fromkeys(kv_caches, _backend_name(cfg))
+    out: dict[str, str | None] = {}
+    for name in kv_caches:
+        layer = layers.get(name)
+        if layer is None:  # a layer vLLM does not list: its one choice, not a guess of SD
+            out[name] = _backend_name(cfg)
+            continue
+        got = layer.get_attn_backend().get_name()
+        out[name] = None if any(k in got.upper() for k in STATE_BACKENDS) else got
+    return out
+
+
 def _backend_name(cfg: Any) -> str | None:
-    """The attention layers' backend name (how the adapter reads a page's content): the first
-    backend vLLM lists that is not a state layer's."""
+    """The backend vLLM would choose for attention layers, when it lists no layers."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
@@ -356,6 +384,36 @@ def _backend_name(cfg: Any) -> str | None:
         return None
     attn = [n for n in names if not any(k in n.upper() for k in STATE_BACKENDS)]
     return attn[0] if attn else None
+
+
+def _layer_heads(cfg: Any, kv_caches: dict) -> dict[str, int]:
+    """Each layer's total KV head count, from the model that owns it: vLLM numbers a draft's
+    layers after the target's (``llama_eagle3.py``: ``start_layer_id`` = the target's layer
+    count), so ``layers.<i>`` with ``i`` at or past the target's count is the draft's."""
+    mc = cfg.model_config
+    target, n_target = mc.get_total_num_kv_heads(), mc.get_total_num_hidden_layers()
+    spec = getattr(cfg, "speculative_config", None)
+    dmc = getattr(spec, "draft_model_config", None) if spec is not None else None
+    draft = dmc.get_total_num_kv_heads() if dmc is not None and dmc is not mc else None
+    out = {}
+    for name in kv_caches:
+        m = _LAYER_INDEX.search(name)
+        own = draft is not None and m is not None and int(m.group(1)) >= n_target
+        out[name] = draft if own else target
+    return out
+
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def _backend_counts(backend: dict[str, str | None], spec: Any) -> str:
+    """The token regions' backend for the start-up log: ``CPU_ATTN``, or where layers differ
+    ``AMX_MLA x4 + CPU_ATTN x1``."""
+    names = [backend.get(r.name) or "-" for r in spec.regions if not r.is_state]
+    kinds = sorted(set(names))
+    if len(kinds) <= 1:
+        return kinds[0] if kinds else "-"
+    return " + ".join(f"{b} x{names.count(b)}" for b in kinds)
 
 
 def _mamba_n_groups(cfg: Any) -> int | None:
