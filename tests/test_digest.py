@@ -3,9 +3,6 @@ real NIXL transfers whose digests agree, or disagree once one byte is flipped in
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import attrs
 import numpy as np
 import pytest
@@ -21,7 +18,7 @@ from kvplan_nixl import (
     PlanMismatchError,
 )
 from kvplan_nixl import digest as dg
-from tests.nixl_util import REPO, attn, blocks, mla, pair, spec
+from tests.nixl_util import attn, blocks, mla, pair, spec
 
 P = (1 << 31) - 1
 
@@ -270,12 +267,6 @@ print("ok")
 
 
 def test_connector_push_checks_the_digest_before_the_first_token():
-    from tests import vllm_env
+    from tests.test_vllm_serving import _in_vllm_venv
 
-    try:
-        py = vllm_env.ensure()
-    except vllm_env.EnvUnavailable as e:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
-    r = subprocess.run([str(py), "-c", CONNECTOR_CHECK], capture_output=True, text=True,
-                       timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    _in_vllm_venv(CONNECTOR_CHECK)

@@ -109,6 +109,21 @@ print("ok")
 """
 
 
+#: the worker attributes Writes reads (endpoint, holds and side channels are real), for the
+#: scripts below (each defines KEY before it)
+WRITER_RANK = r"""
+class Rank:  # the worker attributes Writes reads; endpoint, holds, side channels are real
+    def __init__(self, ep):
+        self.c = Settings("prefill", "127.0.0.1", 5700, 1)
+        self.rank, self.lock, self.ep = 0, threading.Lock(), ep
+        self.hs_timeout, self.lease = 2.0, 5.0
+        self.stats, self.whole = KvplanStats(), False
+        self.secret, self.digester = KEY, None  # handshakes check signed metadata; no digest
+        self.groups = TransferGroups((0,), ("full",), (16,), (None,), (0,))
+        self.sends = Sends("127.0.0.1", 0, sc.server_identity("prefill", 0), ep.metadata(),
+                           secret=KEY, lease=self.lease)
+"""
+
 COLLISION_CHECK = r"""
 import threading, time
 from kvplan.adapters.vllm import TransferGroups
@@ -124,17 +139,7 @@ from tests.nixl_util import attn, pair, spec
 KEY = "kvplan-test-deployment-secret-18"
 SP = spec(1, attn(heads=2, nb=16))
 
-class Rank:  # the worker attributes Writes reads; endpoint, holds, side channels are real
-    def __init__(self, ep):
-        self.c = Settings("prefill", "127.0.0.1", 5700, 1)
-        self.rank, self.lock, self.ep = 0, threading.Lock(), ep
-        self.hs_timeout, self.lease = 2.0, 5.0
-        self.stats, self.whole = KvplanStats(), False
-        self.secret, self.digester = KEY, None  # handshakes check signed metadata; no digest
-        self.groups = TransferGroups((0,), ("full",), (16,), (None,), (0,))
-        self.sends = Sends("127.0.0.1", 0, sc.server_identity("prefill", 0), ep.metadata(),
-                           secret=KEY, lease=self.lease)
-
+{WRITER_RANK}
 with pair(SP, SP, secret=KEY.encode()) as pr:
     pr.connect("pull")  # the decode reached the prefill (it registers through it)
     p, d = pr.p[0], pr.d[0]
@@ -179,7 +184,7 @@ def test_a_transfer_key_registered_twice_fails_both_and_writes_neither():
     """Item 2: two decode requests registering one key are both answered PUSHFAIL (over a
     real NIXL connection the prefill makes through the decode's real side channel), the
     prefill request of that key is written into neither and its hold ends."""
-    _in_vllm_venv(COLLISION_CHECK)
+    _in_vllm_venv(COLLISION_CHECK.replace("{WRITER_RANK}", WRITER_RANK))
 
 
 LATE_CHECK = r"""
@@ -197,17 +202,7 @@ from tests.nixl_util import attn, pair, spec
 KEY = "kvplan-test-deployment-secret-18"
 SP = spec(1, *[attn(f"layers.{k}.attn", heads=2, nb=16) for k in range(2)])
 
-class Rank:  # as in COLLISION_CHECK
-    def __init__(self, ep):
-        self.c = Settings("prefill", "127.0.0.1", 5700, 1)
-        self.rank, self.lock, self.ep = 0, threading.Lock(), ep
-        self.hs_timeout, self.lease = 2.0, 5.0
-        self.stats, self.whole = KvplanStats(), False
-        self.secret, self.digester = KEY, None  # handshakes check signed metadata; no digest
-        self.groups = TransferGroups((0,), ("full",), (16,), (None,), (0,))
-        self.sends = Sends("127.0.0.1", 0, sc.server_identity("prefill", 0), ep.metadata(),
-                           secret=KEY, lease=self.lease)
-
+{WRITER_RANK}
 with pair(SP, SP, secret=KEY.encode()) as pr:
     pr.connect("pull")
     p, d = pr.p[0], pr.d[0]
@@ -255,7 +250,7 @@ def test_a_layer_computed_after_the_window_closed_is_never_posted():
     """Item 3: layer-wise, a layer hook that fires after the decode's window closed (a slow
     forward) posts nothing (its time is never clamped to 0 and posted): the push fails
     with PUSHFAIL to the decode, whose blocks of that layer are untouched."""
-    _in_vllm_venv(LATE_CHECK)
+    _in_vllm_venv(LATE_CHECK.replace("{WRITER_RANK}", WRITER_RANK))
 
 
 def test_push_answers_count_only_from_the_named_engine_and_malformed_ones_drop_alone():
