@@ -238,7 +238,7 @@ class Writes:
     def ready(self, s: PushSend, now: float) -> bool:
         """Layer-wise ``s`` can open: its registration is in, its decode's handshake over."""
         reg = self.table.registration(s.key, now)
-        st = None if reg is None else self.hs.state(reg.engine)
+        st = None if reg is None else self.hs.state(reg.engine, reg.host, reg.port)
         return st is not None and not st.pending
 
     def begin(self, sends: list[PushSend], now: float) -> None:
