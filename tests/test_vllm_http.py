@@ -230,16 +230,10 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    from tests import vllm_env
-    from tests.vllm_pool import Pool, remove_orphan_shm, shm_files
+    from tests.vllm_pool import engine_pool
 
-    try:
-        py = vllm_env.ensure()
-    except vllm_env.EnvUnavailable as e:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
-    shm = shm_files()
-    yield Pool(py, tmp_path_factory.mktemp("http"))  # only its model writer is used
-    remove_orphan_shm(shm)
+    with engine_pool(tmp_path_factory, "http") as p:  # only its model writer is used
+        yield p
 
 
 @pytest.fixture(scope="module")

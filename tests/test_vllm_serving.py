@@ -28,13 +28,11 @@ from tests.vllm_pool import (
     FAILED,
     REPO,
     Engine,
-    Pool,
     check_equal,
+    engine_pool,
     free_base_port,
     pd_equals_plain,
     prompt,
-    remove_orphan_shm,
-    shm_files,
     tails,
 )
 
@@ -513,15 +511,8 @@ def test_example_proxy_releases_when_the_client_leaves_mid_stream():
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    try:
-        py = vllm_env.ensure()
-    except vllm_env.EnvUnavailable as e:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
-    shm = shm_files()
-    p = Pool(py, tmp_path_factory.mktemp("vllm"))
-    yield p
-    p.close()
-    remove_orphan_shm(shm)
+    with engine_pool(tmp_path_factory, "vllm") as p:
+        yield p
 
 
 def _metric(m: dict, name: str, field: str = "value") -> float:

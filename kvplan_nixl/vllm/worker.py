@@ -361,16 +361,20 @@ def _layer_backends(cfg: Any, kv_caches: dict) -> dict[str, str | None]:
         layers = get_layers_from_vllm_config(cfg, AttentionLayerBase, list(kv_caches))
     except ImportError:
         layers = {}
-    if not layers:  # no static forward context (vLLM's own tests): vLLM's one choice
-        return dict.fromkeys(kv_caches, _backend_name(cfg))
     out: dict[str, str | None] = {}
     for name in kv_caches:
         layer = layers.get(name)
-        if layer is None:  # a layer vLLM does not list: its one choice, not a guess of SD
-            out[name] = _backend_name(cfg)
-            continue
-        got = layer.get_attn_backend().get_name()
-        out[name] = None if any(k in got.upper() for k in STATE_BACKENDS) else got
+        if layer is not None:
+            got = layer.get_attn_backend().get_name()
+            out[name] = None if any(k in got.upper() for k in STATE_BACKENDS) else got
+    unlisted = [name for name in kv_caches if name not in out]
+    if unlisted:  # no static forward context (vLLM's own tests): its one choice, said, since
+        # a draft's layers may use another backend than the model's
+        chosen = _backend_name(cfg)
+        logger.warning("kvplan: vLLM lists no attention layer for %d of %d KV caches (first "
+                       "%r): their pages are read as backend %s, vLLM's choice for the model",
+                       len(unlisted), len(kv_caches), unlisted[0], chosen)
+        out.update(dict.fromkeys(unlisted, chosen))
     return out
 
 
