@@ -13,7 +13,10 @@ prefixed by :data:`MARK` (vLLM's own logs go to the same streams)::
 the batch's start), answered by one line with ``"results"``; ``{"id": "m", "op": "metrics"}``
 answers the engine's Prometheus metrics whose names start with ``"prefix"`` (default
 ``vllm:kvplan``; ``--log-stats``) and logs vLLM's stats line now; ``{"id": "k", "op": "dump",
-"path": DIR}`` writes every worker's KV cache to ``DIR/rank<r>.npz`` (:func:`dump_kv`).
+"path": DIR}`` writes every worker's KV cache to ``DIR/rank<r>.npz`` (:func:`dump_kv`);
+``{"id": "d", "op": "drafts"}`` (``--speculative``) answers the draft token ids the drafter
+proposed since the last such op, ``"drafts": [[request id, [token, ...]], ...]`` one per
+request and step (rank 0's record, :func:`record_drafts`), and clears them.
 
 The engine uses ``KvplanConnector`` (``--connector kvplan``), vLLM's own ``NixlConnector``
 (``--connector nixl``, for comparison) or none. The main guard matters: vLLM
@@ -223,6 +226,8 @@ def serve(args: argparse.Namespace) -> None:
               distributed_executor_backend="mp" if args.tp > 1 else None,
               num_gpu_blocks_override=args.num_blocks or None,
               disable_log_stats=not args.log_stats, **kw)
+    if args.speculative:  # the tests compare the drafter's proposals with a plain run's
+        llm.collective_rpc(record_drafts)
     cfg = llm.llm_engine.vllm_config.kv_transfer_config
     emit({"id": "ready", "engine_id": cfg.engine_id if cfg else None})
 
@@ -248,6 +253,9 @@ def serve(args: argparse.Namespace) -> None:
             if req.get("op") == "dump":  # every worker's KV cache, to PATH/rank<r>.npz
                 res = {"id": req["id"], "error": None,
                        "ranks": llm.collective_rpc(dump_kv, args=(req["path"],))}
+            elif req.get("op") == "drafts":  # rank 0's record: every rank's is the same
+                res = {"id": req["id"], "error": None,
+                       "drafts": llm.collective_rpc(take_drafts)[0]}
             elif req.get("op") == "metrics":
                 llm.llm_engine.do_log_stats()
                 res = {"id": req["id"], "error": None, "metrics": [
@@ -296,6 +304,35 @@ def dump_kv(worker: object, path: str) -> int:
     rank = get_tensor_model_parallel_rank()
     np.savez(os.path.join(path, f"rank{rank}.npz"), **out)
     return rank
+
+
+def record_drafts(worker: object) -> None:
+    """Run on each worker (``collective_rpc``) once: record what its model runner's
+    ``take_draft_token_ids`` returns, the draft token ids proposed for each request in the step
+    just run (vLLM's engine core asks for them after every step that ran the model, when it
+    schedules synchronously, as it always does on CPU), for :func:`take_drafts`."""
+    runner = worker.model_runner
+    record: list[list] = []
+    take = runner.take_draft_token_ids
+
+    def recorded():
+        out = take()
+        if out is not None:
+            record.extend([rid, [int(t) for t in ids]]
+                          for rid, ids in zip(out.req_ids, out.draft_token_ids, strict=True))
+        return out
+
+    runner.take_draft_token_ids = recorded
+    runner.kvplan_drafts = record
+
+
+def take_drafts(worker: object) -> list[list]:
+    """Run on each worker (``collective_rpc``): the proposals :func:`record_drafts` recorded
+    since the last call, ``[request id, [token, ...]]`` per request and step, cleared."""
+    record = worker.model_runner.kvplan_drafts
+    out = list(record)
+    record.clear()
+    return out
 
 
 def emit(res: dict) -> None:
