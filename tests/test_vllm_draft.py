@@ -4,19 +4,27 @@ through real vLLM CPU engines (issue 35, vLLM PR 44583's case).
 
 What runs here (float32, CPU_ATTN for every layer): a tiny Llama of 4 layers x 4 KV heads and
 its EAGLE-3 draft of 2 KV heads (tests/vllm_engine.py ``llama-eagle3``), speculative decoding
-(2 draft tokens) on both engines, P TP1 -> D TP2 and P TP2 -> D TP1. Judged by bytes: after
-the decode, every engine's KV cache is dumped and each block of the prompt the decode did not
-compute itself must hold, in every layer, the draft's included, exactly the prefill's pages
-(the heads of all ranks of a side side by side: the placement); the pull's byte count must be
-the main layers' plus the draft's own 2 heads (with the main model's 4, the count the
+(2 draft tokens) on both engines, P TP1 -> D TP1, P TP1 -> D TP2 and P TP2 -> D TP1 pulled,
+P TP1 -> D TP2 pushed. Judged by bytes: after the decode, every engine's KV cache is dumped and
+each block of the prompt the decode did not compute itself must hold, in every layer, the
+draft's included, exactly the prefill's pages (the heads of all ranks of a side side by side:
+the placement); each pull's byte count, and each decode rank's written bytes in push mode,
+must be the main layers' plus the draft's own 2 heads (with the main model's 4, the count the
 connector used to give every layer, it is larger), and the draft layer must be registered.
-A negative control: a decode given another prompt's KV holds other draft pages.
+At TP1 -> TP1 the decode's drafter must also propose, step by step, exactly the draft tokens
+the prefill engine's drafter proposes in the plain run of the prompt (recorded from vLLM's
+``take_draft_token_ids`` on the workers, tests/vllm_engine.py ``record_drafts``), and those
+proposals must vary. A negative control: a decode given another prompt's KV holds other draft
+pages, and proposes other tokens than the plain run of its own prompt.
 
 The issue's own case, an MLA main (4 layers of DeepSeek-V2 shape) with the same GQA draft
-(``mlaeagle``: MLA replicated, the draft's heads split), is the same test in bfloat16 with
-blocks of 128, P TP1 -> D TP1 as well: vLLM's CPU build runs it only with AMX (AMX_MLA beside
-CPU_ATTN; in float32 CPU_MLA takes blocks of 16 and CPU_ATTN multiples of 32: "No common block
-size", docs/vllm.md), so it skips, saying why, on a CPU without ``amx_bf16``.
+(``mlaeagle``: MLA replicated, the draft's heads split), is the same tests in bfloat16 with
+blocks of 128, but for the proposals: with an MLA main, vLLM's CPU path gives a decode other
+tokens than the plain run even from exact KV (issue 35, NixlConnector's too), so only its bytes
+judge it. vLLM's CPU build runs it only with AMX (AMX_MLA beside CPU_ATTN; in float32 CPU_MLA
+takes blocks of 16 and CPU_ATTN multiples of 32: "No common block size", docs/vllm.md), so it
+skips, saying why, on a CPU without ``amx_bf16``. One model's tests run, then the other's
+(a module-scoped ``model`` fixture), its three engines up together: each starts once.
 """
 
 from __future__ import annotations
@@ -156,11 +164,15 @@ def rank_bytes(case: dict, dtp: int, blocks: int) -> tuple[int, int]:
 
 
 def proposals(e, what: str) -> list[list[int]]:
-    """The draft tokens ``e``'s drafter proposed for the request it just ran, a list per step;
-    non-trivial: a drafter that proposed one thing throughout would judge nothing."""
+    """The draft tokens ``e``'s drafter proposed for the one request it ran since the last
+    call, a list per step; non-trivial: a drafter that proposed one thing throughout would
+    judge nothing."""
     got = e.drafts()
-    assert len(got) >= 2 and len({tuple(x) for x in got}) >= 2, f"{what}: proposals {got}"
-    return got
+    reqs = sorted({req for req, _ in got})
+    assert len(reqs) == 1, f"{what}: proposals for {len(reqs)} requests, not 1: {reqs}"
+    steps = [ids for _, ids in got]
+    assert len(steps) >= 2 and len({tuple(x) for x in steps}) >= 2, f"{what}: {steps}"
+    return steps
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -178,7 +190,7 @@ def test_negative_control_other_prompts_draft_pages(pool, model, tmp_path):
     block = CASES[model]["block"]
     p, d = engines(pool, model, 1, 2)
     ids, other = prompt(3600, 3 * block + 5), prompt(3601, 3 * block + 5)
-    p.drafts()
+    p.drafts()  # forget the proposals of earlier requests
     plain = p.generate(ids, 16)
     assert plain["error"] is None, f"{plain}{tails()}"
     plain_drafts = proposals(p, f"{p.name}: plain run")
@@ -206,13 +218,14 @@ def test_tp1_to_tp1_pages_and_proposals_equal_plain_run(pool, model, tmp_path):
     case = CASES[model]
     p, d = engines(pool, model, 1, 1)
     ids = prompt(3700, 3 * case["block"] + 5)
-    p.drafts()
+    p.drafts()  # forget the proposals of earlier requests
     plain = p.generate(ids, 16)
     assert plain["error"] is None, f"{plain}{tails()}"
     want = proposals(p, f"{p.name}: plain run")
     d.drafts()
     pdump, ddump, pblocks, _ = run_pair(p, d, ids, tmp_path, case["block"])
     got = proposals(d, f"{d.name}: decode")
+    print(f"{model} TP1 -> TP1: {len(got)} steps proposed {got}, the plain run {want}")
     if not case["mla"]:
         assert got == want, f"decode's proposals {got} != plain run's {want}{tails()}"
     assert_pages_arrived(pdump, ddump, 1, 1, pblocks, case)

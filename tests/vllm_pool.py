@@ -250,10 +250,10 @@ class Engine:
                 out.update({(r, k): z[k] for k in z.files})
         return out
 
-    def drafts(self) -> list[list[int]]:
+    def drafts(self) -> list[tuple[str, list[int]]]:
         """The draft token ids the engine's drafter proposed since the last call (or its
-        start), one list per step, and forget them (``--speculative`` engines). The engine
-        serves one request at a time here: proposals for two requests raise."""
+        start), ``(request id, ids)`` per request and step, and forget them (``--speculative``
+        engines)."""
         self.wait_ready()
         self.n += 1
         rid = f"{self.name}-{self.n}"
@@ -261,9 +261,7 @@ class Engine:
         self.proc.stdin.flush()
         r = self._get(REQUEST_TIMEOUT, f"drafts {rid}")
         assert r["error"] is None, f"{self.name}: drafts failed: {r}{tails()}"
-        reqs = {req for req, _ in r["drafts"]}
-        assert len(reqs) <= 1, f"{self.name}: proposals of {len(reqs)} requests: {sorted(reqs)}"
-        return [ids for _, ids in r["drafts"]]
+        return [(req, ids) for req, ids in r["drafts"]]
 
     def metrics(self, prefix: str = "vllm:kvplan") -> dict[str, dict]:
         """The engine's metrics whose names start with ``prefix``, by name (``--log-stats``
