@@ -63,22 +63,36 @@ def ask(w: Rank, p: Pull) -> None:
     w.ep.notify(load.engine, p.peers, msg)
 
 
+def received(w: Rank, p: Pull) -> tuple[dict[int, Digest] | str, float]:
+    """This rank's digests of what ``p`` read from each prefill rank (or why they could not be
+    made), and the seconds they took."""
+    t0 = time.perf_counter()
+    try:
+        got: dict[int, Digest] | str = w.digester.digests(p.t.plan, "dst")
+    except (KVPlanError, ValueError) as e:
+        got = f"{type(e).__name__}: {e}"
+    return got, time.perf_counter() - t0
+
+
 def check(w: Rank, p: Pull, got: Mapping[int, tuple[Digest | None, str]]) -> str | None:
     """None when every prefill rank ``p`` read answered a digest equal to what this rank
-    received from it (``got``: each rank's answer), else why not, naming the ranks."""
+    received from it (``got``: each rank's answer; ``p.received``: :func:`received`), else why
+    not, naming the ranks."""
     reasons = {r: "no digest within transfer_timeout_s (is kv_connector_extra_config"
                   f"['digest'] on at {p.load.engine}?)" for r in p.peers if r not in got}
     reasons.update({r: why for r, (d, why) in got.items() if d is None})
     if reasons:
         return f"transfer digest: prefill rank(s) {reasons}"
-    t0 = time.perf_counter()
+    mine, secs = p.received
+    if isinstance(mine, str):
+        return f"transfer digest: this rank's digest: {mine}"
     try:
-        w.digester.verify(p.t.plan, {r: d for r, (d, _) in got.items()})
+        w.digester.verify(p.t.plan, {r: d for r, (d, _) in got.items()}, mine)
     except (KVPlanError, ValueError) as e:  # DigestMismatch names every rank that differs
         return f"transfer digest: {type(e).__name__}: {e}"
     logger.info("kvplan: pull req=%s rank=%d digest verified: %d bytes from prefill rank(s) %s "
-                "in %.4f s", p.load.req_id, w.rank, p.t.plan.nbytes, list(p.peers),
-                time.perf_counter() - t0)
+                "(its own digest %.4f s, answers %.4f s after the read)", p.load.req_id, w.rank,
+                p.t.plan.nbytes, list(p.peers), secs, time.monotonic() - p.seen_done)
     return None
 
 

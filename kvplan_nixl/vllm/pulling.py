@@ -52,6 +52,7 @@ class Pull:
     asked_until: float = 0.0  # digest: monotonic time the answers are due (0: not asked)
     digests: dict[int, tuple[Digest | None, str]] = field(default_factory=dict)  # answers
     verified: bool = False  # digest: every answer matched (checked once)
+    received: Any = None  # digest: this rank's digests of what it read (or why none)
 
 
 class Pulls:
@@ -123,11 +124,13 @@ class Pulls:
         if p.verified:
             return True
         if not p.asked_until:
-            p.asked_until = now + w.timeout
+            p.asked_until, p.seen_done = now + w.timeout, now
             try:
                 pull_digest.ask(w, p)
             except Exception as e:  # cannot ask: never used unchecked
                 p.digests = {r: (None, f"not asked: {type(e).__name__}: {e}") for r in p.peers}
+            # while the prefill ranks digest their side: the two sides run in parallel
+            p.received = pull_digest.received(w, p)
         if len(p.digests) < len(p.peers) and now < p.asked_until:
             return False
         why = pull_digest.check(w, p, p.digests)
