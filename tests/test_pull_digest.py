@@ -200,9 +200,9 @@ with pair(src, dst) as pr:
     assert req not in D.recv_done and len(D.failed) == 2, D.failed
     assert "the transfer digest is off at this prefill" in D.failed[1], D.failed
     assert [pf.sends.holds.counts["confirmed"] for pf in P] == [1, 1]
-    D.ctl.close(); D.server.close()
+    D.ctl.close(); D.server.close(); D.pulls.close()
     for pf in P:
-        pf.hs.close(); pf.sends.close()
+        pf.hs.close(); pf.sends.close(); pf.answers.close()
 print("ok")
 """
 

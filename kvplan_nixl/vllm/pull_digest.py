@@ -13,14 +13,18 @@ docs/vllm.md, "Transfer digest"): both sides, the words in :mod:`kvplan_nixl.pul
   live (checked before and after), and answers ``DIGEST``. A prefill with the digest off
   answers that it is off, so the decode fails by name instead of at its timeout.
 
-Both run under the worker's lock from its progress loop (as a push's digest does): a digest
-costs that thread its time, no call here waits on the network.
+Both are called under the worker's lock from its progress loop, and no call here waits on the
+network; the digests themselves run on a thread of their own (``kvplan-digest``, one per rank
+and side), outside that lock, so neither the engine step nor the rank's other transfers wait
+for them.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +38,7 @@ from kvplan_nixl.pull_digests import DIGASK, DigestAsk, digest_answer
 from kvplan_nixl.vllm.spans import span
 
 if TYPE_CHECKING:
+    from kvplan import TransferPlan
     from kvplan_nixl.handshakes import Handshakes
     from kvplan_nixl.pushes import PushSend
     from kvplan_nixl.vllm.pulling import Pull
@@ -65,25 +70,25 @@ def ask(w: Rank, p: Pull) -> None:
 
 def received(w: Rank, p: Pull) -> tuple[dict[int, Digest] | str, float]:
     """This rank's digests of what ``p`` read from each prefill rank (or why they could not be
-    made), and the seconds they took."""
+    made), and the seconds they took (on the digest thread: reads memory, takes no lock)."""
     t0 = time.perf_counter()
     try:
         got: dict[int, Digest] | str = w.digester.digests(p.t.plan, "dst")
-    except (KVPlanError, ValueError) as e:
+    except Exception as e:  # never lost: the check says why
         got = f"{type(e).__name__}: {e}"
     return got, time.perf_counter() - t0
 
 
 def check(w: Rank, p: Pull, got: Mapping[int, tuple[Digest | None, str]]) -> str | None:
     """None when every prefill rank ``p`` read answered a digest equal to what this rank
-    received from it (``got``: each rank's answer; ``p.received``: :func:`received`), else why
-    not, naming the ranks."""
+    received from it (``got``: each rank's answer; ``p.received``: the finished future of
+    :func:`received`), else why not, naming the ranks."""
     reasons = {r: "no digest within transfer_timeout_s (is kv_connector_extra_config"
                   f"['digest'] on at {p.load.engine}?)" for r in p.peers if r not in got}
     reasons.update({r: why for r, (d, why) in got.items() if d is None})
     if reasons:
         return f"transfer digest: prefill rank(s) {reasons}"
-    mine, secs = p.received
+    mine, secs = p.received.result()
     if isinstance(mine, str):
         return f"transfer digest: this rank's digest: {mine}"
     try:
@@ -106,12 +111,17 @@ class _Asked:
 
 class Answers:
     """A prefill rank's answers to pull digest questions (see the module docstring). ``hs``
-    connects decode engines in push mode (the push's :class:`Handshakes`)."""
+    connects decode engines in push mode (the push's :class:`Handshakes`). The plan is made
+    under the worker's lock (milliseconds), the digest on a thread of its own (``kvplan-digest``:
+    the engine step never waits for it), the answer sent at the next progress."""
 
     def __init__(self, w: Rank, hs: Handshakes) -> None:
         self.w, self.hs = w, hs
         self.sources: dict[str, PushSend] = {}  # held pull sends: this rank's handed lists
         self.asked: list[_Asked] = []
+        self.busy = 0  # questions on the digest thread (bounded with the waiting ones)
+        self.done: collections.deque[tuple[_Asked, Digest | None, str]] = collections.deque()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvplan-digest")
 
     def add(self, sends: Iterable[PushSend]) -> None:
         """Pull sends this rank holds now, with the lists it handed (the scheduler's)."""
@@ -133,7 +143,7 @@ class Answers:
             logger.warning("kvplan: dropped a pull digest question from %s rank %d: %s",
                            n.engine, n.rank, e)
             return True
-        if len(self.asked) >= MAX_ASKS:  # bounded: that decode fails at its timeout
+        if len(self.asked) + self.busy >= MAX_ASKS:  # bounded: that decode fails at its timeout
             logger.warning("kvplan: dropped a pull digest question of %s req=%s from rank "
                            "%d: %d questions wait already", n.engine, a.decode_req, n.rank,
                            MAX_ASKS)
@@ -144,7 +154,10 @@ class Answers:
         return True
 
     def progress(self, now: float) -> None:
-        """Answer the questions whose decode is connected (push mode)."""
+        """Send the digests made; plan the questions whose decode is connected (push mode)."""
+        while self.done:
+            self.busy -= 1
+            self._answer(*self.done.popleft())
         for q in list(self.asked):
             st = self.hs.state(q.engine, q.ask.host, q.ask.port) \
                 or self.hs.start(q.engine, q.ask.host, q.ask.port)
@@ -156,42 +169,65 @@ class Answers:
                              "answered: %s", q.ask.req, q.engine, q.ask.decode_req, q.rank,
                              st.reason if st.failed else "decode not connected in time")
                 continue
-            digest, why = self._digest(q, now)
+            plan = self._plan(q)
+            if isinstance(plan, str):
+                self._answer(q, None, plan)
+                continue
+            self.busy += 1
             try:
-                self.w.ep.notify(q.engine, [q.rank], digest_answer(q.ask.decode_req, digest,
-                                                                   why))
-            except Exception as e:  # gone: its timeout fails the request
-                logger.warning("kvplan: could not answer the pull digest of %s req=%s: %s",
-                               q.engine, q.ask.decode_req, e)
+                self.pool.submit(self._digest, q, plan)
+            except RuntimeError:  # shut down: nobody answers (the decode's timeout)
+                self.busy -= 1
+
+    def _answer(self, q: _Asked, digest: Digest | None, why: str) -> None:
+        try:
+            self.w.ep.notify(q.engine, [q.rank], digest_answer(q.ask.decode_req, digest, why))
+        except Exception as e:  # gone: its timeout fails the request
+            logger.warning("kvplan: could not answer the pull digest of %s req=%s: %s",
+                           q.engine, q.ask.decode_req, e)
 
     def _live(self, a: DigestAsk) -> bool:
         sends = self.w.sends
         with sends.lock:
             return sends.holds.verdict(a.req, a.generation, time.monotonic()) is Verdict.YES
 
-    def _digest(self, q: _Asked, now: float) -> tuple[Digest | None, str]:
-        """This rank's digest of what decode rank ``q.rank`` read, or None and why not."""
+    def _plan(self, q: _Asked) -> TransferPlan | str:
+        """The plan of what decode rank ``q.rank`` read, made here from this rank's own lists
+        (under the worker's lock), or why there is none."""
         w, a = self.w, q.ask
         s = self.sources.get(a.req)
         if w.digester is None:
-            return None, OFF
+            return OFF
         if s is None or s.generation != a.generation or not self._live(a):
-            return None, (f"prefill req={a.req} is not held here under generation "
-                          f"{a.generation} (released, expired or another request)")
-        t0 = time.perf_counter()
+            return (f"prefill req={a.req} is not held here under generation {a.generation} "
+                    "(released, expired or another request)")
         try:
             tmap = w.ep.map(q.engine, "push")
             src = w.groups.remote([list(g) for g in s.ids], list(s.first))
             dst = w.groups.local([list(g) for g in a.lists])
             start, end = span(w.groups, w.whole, a.start, a.end, src, dst)
-            plan = tmap.plan(src, dst, tokens=(start, end))
-            d = w.digester.digests(plan, "src").get(q.rank)
+            return tmap.plan(src, dst, tokens=(start, end))
         except (KVPlanError, ValueError, TypeError, KeyError) as e:  # lists it cannot plan
-            return None, f"{type(e).__name__}: {e}"
-        if not self._live(a):  # the bytes digested were held throughout
-            return None, f"prefill req={a.req}'s hold ended while it was digested"
-        if d is None:  # nothing of it read from this rank: the empty stream's digest
-            d = Digest(0, 0, 0)
-        logger.info("kvplan: pull req=%s digest of %d bytes for %s req=%s rank %d in %.4f s",
-                    a.req, d.nbytes, q.engine, a.decode_req, q.rank, time.perf_counter() - t0)
-        return d, ""
+            return f"{type(e).__name__}: {e}"
+
+    def _digest(self, q: _Asked, plan: TransferPlan) -> None:
+        """On the digest thread: this rank's digest of ``plan``'s bytes to ``q.rank``, queued
+        for :meth:`progress` to send (or why there is none)."""
+        a, t0 = q.ask, time.perf_counter()
+        try:
+            d = self.w.digester.digests(plan, "src").get(q.rank, Digest(0, 0, 0))
+            # the bytes digested were held throughout: the hold was live before and after
+            why = "" if self._live(a) else f"prefill req={a.req}'s hold ended while digested"
+        except Exception as e:  # never lost: the decode learns why
+            d, why = None, f"{type(e).__name__}: {e}"
+        if why:
+            d = None
+        else:
+            logger.info("kvplan: pull req=%s digest of %d bytes for %s req=%s rank %d in "
+                        "%.4f s", a.req, d.nbytes, q.engine, a.decode_req, q.rank,
+                        time.perf_counter() - t0)
+        self.done.append((q, d, why))
+
+    def close(self) -> None:
+        """Stop the digest thread (a digest running ends first; queued ones are dropped)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)

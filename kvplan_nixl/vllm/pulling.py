@@ -15,6 +15,7 @@ for a read that does not match (:mod:`kvplan_nixl.vllm.pull_digest`).
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ class Pull:
     asked_until: float = 0.0  # digest: monotonic time the answers are due (0: not asked)
     digests: dict[int, tuple[Digest | None, str]] = field(default_factory=dict)  # answers
     verified: bool = False  # digest: every answer matched (checked once)
-    received: Any = None  # digest: this rank's digests of what it read (or why none)
+    received: Any = None  # digest: a Future of this rank's digests of what it read
 
 
 class Pulls:
@@ -61,6 +62,7 @@ class Pulls:
     def __init__(self, rank: Rank) -> None:
         self.w = rank
         self.inflight: dict[str, Pull] = {}
+        self.pool: ThreadPoolExecutor | None = None  # the digests of reads (made when needed)
 
     def post(self, load: Load, tmap: Any, counts: list[int]) -> None:
         """Plan ``load`` with the pull map ``tmap`` of its connected prefill and post it."""
@@ -129,9 +131,12 @@ class Pulls:
                 pull_digest.ask(w, p)
             except Exception as e:  # cannot ask: never used unchecked
                 p.digests = {r: (None, f"not asked: {type(e).__name__}: {e}") for r in p.peers}
-            # while the prefill ranks digest their side: the two sides run in parallel
-            p.received = pull_digest.received(w, p)
-        if len(p.digests) < len(p.peers) and now < p.asked_until:
+            # while the prefill ranks digest their side (the two sides in parallel), on a
+            # thread of its own: the engine step never waits for it
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvplan-digest")
+            p.received = self.pool.submit(pull_digest.received, w, p)
+        if (len(p.digests) < len(p.peers) and now < p.asked_until) or not p.received.done():
             return False
         why = pull_digest.check(w, p, p.digests)
         if why is None:
@@ -162,6 +167,11 @@ class Pulls:
             return True
         p.digests.setdefault(n.rank, (digest, why))
         return True
+
+    def close(self) -> None:
+        """Stop the digest thread (a digest running ends first)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
     # -- control messages, on the rank's Control pool ----------------------------------------
 

@@ -316,6 +316,9 @@ class Worker:
             self.hs.close()
         if self.writes is not None:
             self.writes.close()
+        if self.answers is not None:
+            self.answers.close()
+        self.pulls.close()
         self.ctl.close()
         if self.sends is not None:
             self.sends.close()
