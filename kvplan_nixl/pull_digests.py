@@ -88,7 +88,8 @@ def digest_answer(decode_req: str, digest: Digest | None, why: str = "") -> byte
 
 def parse_answer(message: bytes) -> tuple[str, Digest | None, str] | None:
     """``(decode_req, digest or None, why)`` of a ``DIGEST`` answer, None for any other
-    message; ValueError naming what is wrong for a malformed one."""
+    message; ValueError naming what is wrong for one whose request cannot be read. A malformed
+    digest of a readable request is its refusal (``why`` names it): the request fails now."""
     if not message.startswith(DIGEST):
         return None
     d = _body(message, DIGEST, "pull digest answer")
@@ -97,4 +98,7 @@ def parse_answer(message: bytes) -> tuple[str, Digest | None, str] | None:
         raise ValueError(f"pull digest answer: bad decode_req {req!r:.80} or why")
     if digest is None:
         return req, None, why[:500] or "no reason given"
-    return req, Digest.from_hex(digest), ""
+    try:
+        return req, Digest.from_hex(digest), ""
+    except ValueError as e:
+        return req, None, f"a malformed digest: {e}"
