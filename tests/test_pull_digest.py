@@ -126,7 +126,7 @@ class Decode:  # what Pulls reads of a decode worker rank; fail() records the ve
         self.failed.append(why)
         self.ctl.release(load, peers)
 
-def pull(pr, P, D, pbase, req, flip=False):
+def pull(pr, P, D, pbase, req, flip=False, silent=False):
     gen = new_generation()
     for pf in P:  # each prefill rank holds it and keeps the lists it handed
         pf.sends.hold([(req, gen)])
@@ -159,7 +159,7 @@ def pull(pr, P, D, pbase, req, flip=False):
             restore = None
         for pf in P:
             with pf.lock:
-                if not asked:  # a target is progressed so that the read completes
+                if not asked or silent:  # a target is progressed: the read completes
                     pf.ep.progress()
                     continue
                 for n in pf.ep.notifications():
@@ -198,6 +198,14 @@ with pair(src, dst) as pr:
     req, _ = pull(pr, P, D, pbase, "unsigned")
     assert req not in D.recv_done and len(D.failed) == 2, D.failed
     assert "the transfer digest is off at this prefill" in D.failed[1], D.failed
+    assert [pf.sends.holds.counts["confirmed"] for pf in P] == [1, 1]
+    # prefill ranks that never answer: failed once the answers are due (transfer_timeout_s)
+    D.timeout = 1.0
+    t0 = time.monotonic()
+    req, _ = pull(pr, P, D, pbase, "silent", silent=True)
+    assert req not in D.recv_done and len(D.failed) == 3, D.failed
+    assert D.failed[2].count("no digest within transfer_timeout_s") == 2 and "{0: " in \
+        D.failed[2] and ", 1: " in D.failed[2] and time.monotonic() - t0 < 10, D.failed
     assert [pf.sends.holds.counts["confirmed"] for pf in P] == [1, 1]
     D.ctl.close(); D.server.close(); D.pulls.close()
     for pf in P:
