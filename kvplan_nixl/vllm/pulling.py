@@ -148,8 +148,9 @@ class Pulls:
         return False
 
     def notice(self, n: Notification, now: float) -> bool:
-        """Take a prefill rank's ``DIGEST`` answer (a malformed one counts as its refusal);
-        False for any other message. Only a rank the pull read answers for it."""
+        """Take a prefill rank's ``DIGEST`` answer (a malformed digest counts as its refusal;
+        an answer whose request cannot be read is dropped, and the pull fails when its answers
+        are due); False for any other message. Only a rank the pull read answers for it."""
         try:
             parsed = parse_answer(n.message)
         except ValueError as e:
