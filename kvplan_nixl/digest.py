@@ -178,11 +178,13 @@ class Digester:
             out[p] = checksum(_host_bytes(lo, hi), addr - lo, runs["length"])
         return out
 
-    def verify(self, plan: TransferPlan, expected: Mapping[int, Digest | str]) -> None:
+    def verify(self, plan: TransferPlan, expected: Mapping[int, Digest | str],
+               got: Mapping[int, Digest] | None = None) -> None:
         """Check the bytes this rank received by ``plan`` (its destination side) against each
         source rank's digest in ``expected`` (a :class:`Digest` or its hex); raise
-        :class:`DigestMismatch` naming every rank that differs or sent none."""
-        got = self.digests(plan, "dst")
+        :class:`DigestMismatch` naming every rank that differs or sent none. ``got``: this
+        rank's ``digests(plan, "dst")`` if already computed (None: computed now)."""
+        got = self.digests(plan, "dst") if got is None else got
         reasons = {}
         for p, mine in got.items():
             theirs = expected.get(p)

@@ -256,7 +256,7 @@ with pair(src, dst) as pr:
     assert "DigestMismatch" in w.failed[0] and "digest mismatch: source" in w.failed[0], w.failed
     w = push(pr, "unsigned", digest=False)  # a prefill with the digest off: refused too
     assert "sent no source lists" in w.failed[0], w.failed
-ok = digests.NO_PULLS
+
 try:
     Settings("e", "h", 1, 1, extra={"digest": "yes"}).digest()
     raise SystemExit("a non-bool digest was taken")

@@ -64,8 +64,8 @@ start: :mod:`kvplan_nixl.addresses`),
 (default 5), ``lease_s`` (default 120), ``heartbeat_s`` (default ``lease_s / 3``),
 ``nixl_backends`` (default ``["UCX"]``), ``mode`` (``"pull"``, ``"push"`` or ``"layerwise"``;
 default ``"pull"``), ``push_timeout_s`` (default 60), ``digest`` (default false: a transfer
-digest checks every push, :mod:`.digests`), ``layerwise_wait_s`` (default 1; 0: never). See
-docs/vllm.md.
+digest checks every push and pull, :mod:`.digests`, :mod:`.pull_digest`),
+``layerwise_wait_s`` (default 1; 0: never). See docs/vllm.md.
 """
 
 from __future__ import annotations

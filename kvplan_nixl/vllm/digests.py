@@ -1,6 +1,6 @@
 """The transfer digest in ``KvplanConnector`` (``kv_connector_extra_config["digest"]``;
 docs/vllm.md, "Transfer digest"): both halves of a push, checked before the decode's first
-token.
+token (a pull's: :mod:`kvplan_nixl.vllm.pull_digest`).
 
 It rides on the push protocol because that is where both sides already know the runs: the
 prefill rank plans the write (its push map) and adds to its ``PUSHED`` message, which NIXL
@@ -8,11 +8,10 @@ delivers once the write completed, the digest of the bytes it wrote to each deco
 (:class:`kvplan_nixl.digest.Digester`, over its own buffers) and the block lists it planned
 from; each decode rank plans the same request with its pull map from those lists and its own
 blocks, digests what it received from each writer, and fails the request into
-``kv_load_failure_policy`` on any difference. A pull cannot be checked so: the prefill never
-sees a pull's plan (the decode reads one-sided, and the prefill knows neither the decode's
-blocks nor its spec), so a decode with the digest on refuses pulls (they recompute) rather than
-pass them unchecked. A layer-wise push is written whole after the forward instead, since the
-digest is of the finished KV.
+``kv_load_failure_policy`` on any difference. A pull is checked the other way round (the
+decode reads one-sided, so the prefill learns the decode's blocks only when asked:
+:mod:`kvplan_nixl.vllm.pull_digest`). A layer-wise push is written whole after the forward
+instead, since the digest is of the finished KV.
 """
 
 from __future__ import annotations
@@ -37,12 +36,6 @@ if TYPE_CHECKING:
     from kvplan_nixl.vllm.settings import Settings
 
 logger = init_logger("vllm.kvplan_nixl")
-
-#: Why a decode with the digest on refuses a pull (see the module docstring).
-NO_PULLS = ("the transfer digest is on (kv_connector_extra_config['digest']) and a pull "
-            "cannot be checked (the prefill never sees its runs): send this request in push "
-            "mode (transfer_mode 'push') or turn the digest off")
-
 
 def digester(settings: Settings, spec: EngineSpec, rank: int, buffers: Mapping[str, Any],
              cuda: bool) -> Digester | None:

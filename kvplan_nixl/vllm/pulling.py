@@ -7,21 +7,28 @@ decode's own blocks become kvplan lists (:class:`kvplan.adapters.vllm.TransferGr
 blocks absent, a state group's running slot), ``tokens=(held, end)`` bounds the token
 groups, and state slots move whole. A read that completed is reported only once every
 prefill rank it read answered its CONFIRM yes; RENEW and CONFIRM run on the rank's
-:class:`kvplan_nixl.vllm.control.Control` pool, never on the engine step.
+:class:`kvplan_nixl.vllm.control.Control` pool, never on the engine step. With the transfer
+digest on, the CONFIRM waits for each prefill rank's digest of what it read, and is never sent
+for a read that does not match (:mod:`kvplan_nixl.vllm.pull_digest`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
 from kvplan_nixl.holds import Verdict
+from kvplan_nixl.pull_digests import parse_answer
+from kvplan_nixl.vllm import pull_digest
 from kvplan_nixl.vllm.spans import lacking, span
 
 if TYPE_CHECKING:
+    from kvplan_nixl.digest import Digest
+    from kvplan_nixl.notifications import Notification
     from kvplan_nixl.vllm.rank import Rank
     from kvplan_nixl.vllm.scheduler import Load
 
@@ -43,6 +50,10 @@ class Pull:
     confirming: bool = False
     seen_done: float = 0.0  # monotonic time the read was seen complete (the CONFIRM's start)
     beating: bool = False  # a heartbeat job is running (never two at once)
+    asked_until: float = 0.0  # digest: monotonic time the answers are due (0: not asked)
+    digests: dict[int, tuple[Digest | None, str]] = field(default_factory=dict)  # answers
+    verified: bool = False  # digest: every answer matched (checked once)
+    received: Any = None  # digest: a Future of this rank's digests of what it read
 
 
 class Pulls:
@@ -51,6 +62,7 @@ class Pulls:
     def __init__(self, rank: Rank) -> None:
         self.w = rank
         self.inflight: dict[str, Pull] = {}
+        self.pool: ThreadPoolExecutor | None = None  # the digests of reads (made when needed)
 
     def post(self, load: Load, tmap: Any, counts: list[int]) -> None:
         """Plan ``load`` with the pull map ``tmap`` of its connected prefill and post it."""
@@ -89,6 +101,8 @@ class Pulls:
                     if not w.ctl.submit(p.load, self._renew, p):  # the pool is full
                         p.beating = False  # the next beat tries again
                 continue
+            if p.t.ok and w.digester is not None and not self._digested(p, now):
+                continue  # asked, or waiting for the prefill ranks' digests
             if p.t.ok:  # the read completed: reported only once every rank read confirms
                 p.confirming, p.seen_done = True, p.seen_done or now
                 if not w.ctl.submit(p.load, self._confirm, p):  # the pool is full
@@ -101,6 +115,64 @@ class Pulls:
                 w.hs.forget(p.load.engine)
                 w.engines.pop(p.load.engine, None)
                 w.fail(p.load, str(p.t.error()), p.peers)
+
+    # -- the transfer digest ----------------------------------------------------------------
+
+    def _digested(self, p: Pull, now: float) -> bool:
+        """Whether ``p`` (its read complete) may be CONFIRMed: its digests came and match. Asks
+        them first; a failed check fails the request (never CONFIRMed: the holds are
+        released)."""
+        w = self.w
+        if p.verified:
+            return True
+        if not p.asked_until:
+            p.asked_until, p.seen_done = now + w.timeout, now
+            try:
+                pull_digest.ask(w, p)
+            except Exception as e:  # cannot ask: never used unchecked
+                p.digests = {r: (None, f"not asked: {type(e).__name__}: {e}") for r in p.peers}
+            # while the prefill ranks digest their side (the two sides in parallel), on a
+            # thread of its own: the engine step never waits for it
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvplan-digest")
+            p.received = self.pool.submit(pull_digest.received, w, p)
+        if (len(p.digests) < len(p.peers) and now < p.asked_until) or not p.received.done():
+            return False
+        why = pull_digest.check(w, p, p.digests)
+        if why is None:
+            p.verified = True
+            return True
+        del self.inflight[p.load.req_id]
+        w.stats.record("num_failed_transfers")
+        w.fail(p.load, why, p.peers)
+        return False
+
+    def notice(self, n: Notification, now: float) -> bool:
+        """Take a prefill rank's ``DIGEST`` answer (a malformed digest counts as its refusal;
+        an answer whose request cannot be read is dropped, and the pull fails when its answers
+        are due); False for any other message. Only a rank the pull read answers for it."""
+        try:
+            parsed = parse_answer(n.message)
+        except ValueError as e:
+            logger.warning("kvplan: malformed pull digest answer from %s rank %d: %s",
+                           n.engine, n.rank, e)
+            return True
+        if parsed is None:
+            return False
+        req, digest, why = parsed
+        p = self.inflight.get(req)
+        if p is None or p.load.engine != n.engine or n.rank not in p.peers \
+                or not p.asked_until:
+            logger.warning("kvplan: dropped a pull digest answer for req=%s from %s rank %d: "
+                           "no such pull asked it", req, n.engine, n.rank)
+            return True
+        p.digests.setdefault(n.rank, (digest, why))
+        return True
+
+    def close(self) -> None:
+        """Stop the digest thread (a digest running ends first)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
     # -- control messages, on the rank's Control pool ----------------------------------------
 

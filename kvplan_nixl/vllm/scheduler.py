@@ -77,12 +77,14 @@ class KvplanMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step: loads to start (pulls, and pushes to wait for),
     prefill sends to hold as ``(request, generation)``, those of them to push, and the
     requests whose prompt this step computes that push layer-wise (their ``generation`` is 0:
-    the hold's comes with their finished send)."""
+    the hold's comes with their finished send); with the transfer digest on, the pull sends'
+    lists as handed (``pulled``: the prefill digests its own blocks, never the decode's copy)."""
 
     loads: list[Load] = field(default_factory=list)
     sends: list[tuple[str, int]] = field(default_factory=list)
     pushes: list[PushSend] = field(default_factory=list)
     layered: list[PushSend] = field(default_factory=list)
+    pulled: list[PushSend] = field(default_factory=list)
 
 
 class Scheduler:
@@ -100,6 +102,9 @@ class Scheduler:
         self.loads: dict[str, Load] = {}
         self.sends: list[tuple[str, int]] = []
         self.pushes: list[PushSend] = []
+        # pull sends' handed lists, with the transfer digest on (the prefill digests its own)
+        self.pulled: list[PushSend] = []
+        self.digest = settings.digest()
         self.mode = settings.mode()
         # what admission found in each request's params (kvplan_nixl.transfer_params), until
         # the request is allocated (a decode's source) or finished (a prefill's handover)
@@ -200,8 +205,8 @@ class Scheduler:
             self.layered.add(nr.req_id)
         self.prefilling.clear()  # allocated this step, so scheduled this step (or never)
         m = KvplanMetadata(loads=list(self.loads.values()), sends=self.sends,
-                           pushes=self.pushes, layered=layered)
-        self.loads, self.sends, self.pushes = {}, [], []
+                           pushes=self.pushes, layered=layered, pulled=self.pulled)
+        self.loads, self.sends, self.pushes, self.pulled = {}, [], [], []
         return m
 
     def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
@@ -244,6 +249,8 @@ class Scheduler:
                            "remote_engine_id": self.c.engine_id,
                            "remote_request_id": rid,
                            "remote_num_tokens": request.num_computed_tokens}
+        if delay and self.digest:  # a pull: the digest is of the lists handed here
+            self.pulled.append(PushSend(rid, gen, "", tuple(map(tuple, handed)), tuple(first)))
         return delay, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": handed, "remote_block_offsets": first,

@@ -30,6 +30,7 @@ from kvplan_nixl.addresses import is_loopback
 from kvplan_nixl.handshakes import Handshakes, identity
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
+from kvplan_nixl.vllm.pull_digest import Answers
 from kvplan_nixl.vllm.pulling import Pulls
 from kvplan_nixl.vllm.pushing import Receives, Writes
 from kvplan_nixl.vllm.spans import lacking
@@ -71,6 +72,7 @@ class Worker:
         self.hs: Handshakes | None = None
         self.receives: Receives | None = None  # decode: pushes to wait for
         self.writes: Writes | None = None  # prefill: pushes to write
+        self.answers: Answers | None = None  # prefill: pull digest questions
         self.cuda = False  # the KV caches are CUDA tensors (register)
         # RENEW / CONFIRM / RELEASE: each bounded by handshake_timeout_s, never on the step
         self.ctl = Control(self.secret, self.hs_timeout)
@@ -132,6 +134,7 @@ class Worker:
                              identify=identity(self.secret),
                              retry_after_s=min(5.0, self.lease))
         self.receives, self.writes = Receives(self), Writes(self)
+        self.answers = Answers(self, self.writes.hs)  # decodes connected as a push does
         threading.Thread(target=self._progress_loop, daemon=True,
                          name="kvplan-progress").start()
 
@@ -153,7 +156,8 @@ class Worker:
         # other is drained so that a stray one cannot pile up
         for n in self.ep.notifications():
             try:  # one message that raises never takes the rest of its batch with it
-                taken = self.writes.notice(n, now) or self.receives.notice(n, now)
+                taken = self.writes.notice(n, now) or self.receives.notice(n, now) \
+                    or self.answers.notice(n, now) or self.pulls.notice(n, now)
             except Exception:
                 logger.exception("kvplan: dropped a notification from %s rank %d", n.engine,
                                  n.rank)
@@ -163,6 +167,7 @@ class Worker:
                              n.rank)
         self.writes.progress(now)
         self.receives.progress(now)
+        self.answers.progress(now)
         if self.waiting:
             self._poll_waiting(now)
         self.pulls.progress(now)
@@ -172,6 +177,9 @@ class Worker:
     def start(self, meta: KvplanMetadata) -> None:
         if meta.sends and self.sends is not None:
             self.sends.hold(meta.sends)
+        if meta.pulled and self.answers is not None:
+            with self.lock:
+                self.answers.add(meta.pulled)
         if meta.pushes and self.writes is not None:
             with self.lock:
                 self.writes.add(meta.pushes, time.monotonic())
@@ -235,9 +243,6 @@ class Worker:
         if load.push:  # the prefill writes: register and wait
             self.receives.register(load, tmap, time.monotonic(), connect_by)
             return
-        if self.digester is not None:  # a pull cannot be checked: never passed unchecked
-            self.fail(load, digests.NO_PULLS)
-            return
         self.pulls.post(load, tmap, counts)
 
     def _engine(self, engine: str) -> tuple[Any, list[int]]:
@@ -278,6 +283,7 @@ class Worker:
             sending: set[str] = set()
             if self.sends is not None:  # only ended holds come out: vLLM frees their blocks
                 sending, counts = self.sends.finished()
+                self.answers.forget(sending)
                 self._count("num_kv_expired_reqs", "expired", counts["expired"])
                 self._count("num_confirmations_refused", "refused", counts["refused"])
                 self._count("num_side_channel_dropped", "dropped",
@@ -310,6 +316,9 @@ class Worker:
             self.hs.close()
         if self.writes is not None:
             self.writes.close()
+        if self.answers is not None:
+            self.answers.close()
+        self.pulls.close()
         self.ctl.close()
         if self.sends is not None:
             self.sends.close()
