@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from kvplan import TransferPlan
     from kvplan_nixl.handshakes import Handshakes
     from kvplan_nixl.pushes import PushSend
-    from kvplan_nixl.vllm.pulling import Pull
+    from kvplan_nixl.vllm.pull import Pull
     from kvplan_nixl.vllm.rank import Rank
 
 logger = init_logger("vllm.kvplan_nixl")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -24,36 +23,15 @@ from vllm.logger import init_logger
 from kvplan_nixl.holds import Verdict
 from kvplan_nixl.pull_digests import parse_answer
 from kvplan_nixl.vllm import pull_digest
+from kvplan_nixl.vllm.pull import Pull
 from kvplan_nixl.vllm.spans import lacking, span
 
 if TYPE_CHECKING:
-    from kvplan_nixl.digest import Digest
     from kvplan_nixl.notifications import Notification
     from kvplan_nixl.vllm.rank import Rank
     from kvplan_nixl.vllm.scheduler import Load
 
 logger = init_logger("vllm.kvplan_nixl")
-
-
-@dataclass
-class Pull:
-    """One request's pull on this decode rank, from posting until it is reported."""
-
-    load: Load
-    t: Any  # kvplan_nixl.Transfer
-    counts: list[int]  # decode ranks reading each prefill rank (CONFIRM's readers)
-    peers: tuple[int, ...]  # the prefill ranks this rank reads
-    post_s: float
-    runs: int
-    descriptors: int
-    next_beat: float
-    confirming: bool = False
-    seen_done: float = 0.0  # monotonic time the read was seen complete (the CONFIRM's start)
-    beating: bool = False  # a heartbeat job is running (never two at once)
-    asked_until: float = 0.0  # digest: monotonic time the answers are due (0: not asked)
-    digests: dict[int, tuple[Digest | None, str]] = field(default_factory=dict)  # answers
-    verified: bool = False  # digest: every answer matched (checked once)
-    received: Any = None  # digest: a Future of this rank's digests of what it read
 
 
 class Pulls:
