@@ -415,14 +415,15 @@ def test_dense_proxy_answers_a_dead_decode_502_and_releases_the_prefills_hold_at
         assert time.monotonic() < answered + RELEASED_WITHIN, (
             f"prefill req={rid} not released {RELEASED_WITHIN} s after the 502{s.tails()}")
         time.sleep(0.05)
-    took = time.monotonic() - answered
+    seen = time.monotonic()  # polled: the line was logged by then
     assert got == ["released"], f"prefill req={rid}: {got}{s.tails()}"
     while (usage := s.kv_usage()) > idle:  # the freeing step's stats may trail its log line
         assert time.monotonic() < answered + RELEASED_WITHIN, (
             f"prefill KV usage {usage} > idle {idle} after req={rid} was released")
         time.sleep(0.2)
-    print(f"dead decode: 502 in {answered - t0:.2f} s, prefill req={rid} released "
-          f"{took:.2f} s after it (lease_s {LEASE_S:g}), KV usage back to {usage}")
+    print(f"dead decode: 502 in {answered - t0:.2f} s; prefill req={rid} released, seen "
+          f"{seen - answered:.2f} s after the 502, {seen - t0:.2f} s after the request "
+          f"(lease_s {LEASE_S:g}); KV usage back to {usage} (idle {idle})")
     s.kill("prefill")
     r = s.http("a", s.url(MODES["pull"]), pd_serve.request_body(s.s, prompt(9001, N), TOKENS))
     prefill = f"http://{s.s.prefill.ip}:{s.s.http_ports[0]}"
