@@ -80,8 +80,10 @@ class Serving:
             str(model), pd_serve.Host(a, netns.IFACE, "0"),
             pd_serve.Host(b, netns.IFACE, "1" if decode_tp == 1 else "nobind"),
             decode_tp=decode_tp, kv_gib=1, pythonpath=str(REPO), python=str(py))
-        self.procs: list[subprocess.Popen] = []
+        self.procs: dict[str, subprocess.Popen] = {}  # by role, as the logs
         self.logs: dict[str, Path] = {}
+        #: set by a test that killed one of the set's processes: the fixture starts it anew
+        self.dead = False
         for role, host in (("prefill", "a"), ("decode", "b")):
             env, argv = pd_serve.engine_command(self.s, role)
             self._spawn(role, host, argv, {
@@ -105,9 +107,9 @@ class Serving:
             f.write(f"$ {' '.join(argv)}\n")
             f.flush()
             # its own session: the engine's processes (engine core, workers) die with it
-            self.procs.append(self.hosts.spawn(host, argv, env={**os.environ, **env},
-                                               stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                               start_new_session=True))
+            self.procs[role] = self.hosts.spawn(host, argv, env={**os.environ, **env},
+                                                stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                                start_new_session=True)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -117,7 +119,7 @@ class Serving:
                 r = self.http(host, f"http://127.0.0.1:{port}/health", None, timeout=5)
                 if r["status"] == 200:
                     break
-                dead = [p.args[-1] for p in self.procs if p.poll() is not None]
+                dead = [r for r, p in self.procs.items() if p.poll() is not None]
                 assert not dead and time.monotonic() < deadline, (
                     f"{self.name} {role} not ready ({r['body'][:200]}; exited: {dead})"
                     f"{self.tails()}")
@@ -198,28 +200,59 @@ class Serving:
         assert crossed >= n, f"{what}: {crossed} bytes crossed the veth < {n} moved"
         return {"moved": n, "crossed": crossed}
 
+    def kv_usage(self, role: str = "prefill") -> float:
+        """``vllm:kv_cache_usage_perc`` of ``role``'s engine (its ``/metrics``, from its host):
+        the fraction of its KV blocks in use (held ones included; prefix-cached free ones
+        not)."""
+        host, port = ("a", self.s.http_ports[0]) if role == "prefill" else \
+            ("b", self.s.http_ports[1])
+        r = self.http(host, f"http://127.0.0.1:{port}/metrics", None, timeout=10)
+        assert r["status"] == 200, f"{role} /metrics: HTTP {r['status']}: {r['body'][:200]}"
+        m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", r["body"], re.M)
+        assert m, f"{role} /metrics has no vllm:kv_cache_usage_perc"
+        return float(m.group(1))
+
+    def kill(self, role: str) -> None:
+        """SIGKILL ``role``'s session (an engine's API server, engine core and workers) and
+        wait until none of it runs; the set is marked dead (the fixture starts it anew)."""
+        self.dead = True
+        p = self.procs[role]
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)  # our child: reaped here, or a zombie until the fixture ends
+        end = time.monotonic() + 30
+        while _group_alive(p.pid):
+            assert time.monotonic() < end, f"{self.name} {role}: alive 30 s after SIGKILL"
+            time.sleep(0.1)
+
     def stop(self) -> None:
         """SIGTERM every process's session (vLLM shuts its workers down), SIGKILL what is
         left after 10 s."""
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
-            for p in self.procs:
+            for p in self.procs.values():
                 try:
                     os.killpg(p.pid, sig)
                 except ProcessLookupError:
                     pass
             end = time.monotonic() + wait
-            while time.monotonic() < end and any(_group_alive(p.pid) for p in self.procs):
+            while time.monotonic() < end and any(_group_alive(p.pid)
+                                                 for p in self.procs.values()):
                 time.sleep(0.2)
-        for p in self.procs:
+        for p in self.procs.values():
             p.wait(timeout=30)
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """Whether a process of group ``pgid`` still runs. Zombies do not count: ``killpg(pgid,
+    0)`` succeeds while a killed engine's orphaned workers wait, dead, for a reaper (this
+    machine's PID 1 may never reap them), so it would report a killed group alive."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +275,7 @@ def sets(hosts, pool):
     live: dict[str, Serving] = {}
 
     def get(name: str) -> Serving:
-        if name not in live:
+        if name not in live or live[name].dead:  # a set a test killed is started anew
             for old in list(live):
                 live.pop(old).stop()
             model, tp = {"llama": ("llama", 1), "nemo1-tp2": ("nemo1", 2)}[name]
@@ -332,6 +365,71 @@ def test_layerwise_requests_are_written_from_the_layer_hooks(sets):
     whole = [x for x in s.lines("prefill")[since:] if WHOLE.search(x)]
     print(f"layer-wise: {sum(h > 0 for h in hooked)} of {n} written from layer hooks")
     assert not whole and len(hooked) == n and min(hooked) >= 1, (hooked, whole)
+
+
+#: the engines' lease_s: pd_serve sets none, so the connector's default (kvplan_nixl.vllm)
+LEASE_S = float(pd_serve.kv_config(pd_serve.DOCS_ONE_HOST, "prefill")
+                ["kv_connector_extra_config"].get("lease_s", 120.0))
+#: seconds from the proxy's 502 within which the prefill must log its hold released
+RELEASED_WITHIN = 10.0
+
+
+def test_dense_proxy_answers_a_dead_decode_502_and_releases_the_prefills_hold_at_once(sets):
+    """The decode SIGKILLed (API server, engine core, worker): a request through the pull
+    proxy is answered 502 naming the decode, after the prefill ran it (its hold made: the
+    proxy's RELEASE is answered YES, "a live hold ended"), and the prefill logs the hold
+    released within ``RELEASED_WITHIN`` s of the answer, its KV blocks back to idle usage.
+
+    Why this proves the RELEASE (the negative control): with the decode dead nothing else
+    ends the hold, no CONFIRM and no heartbeat come, so without the proxy's RELEASE the
+    prefill keeps the blocks until its lease runs out, ``LEASE_S`` (120 s) after the prefill,
+    and logs ``lease of 120 s ran out`` rather than ``released``: a proxy that sent no RELEASE
+    fails the time bound by over 100 s and the log check outright. Then the prefill killed
+    too (kill order: a dead prefill is answered before the decode leg is tried): 502 naming
+    the prefill. Kills the set: the fixture starts it anew if asked again."""
+    assert LEASE_S >= 10 * RELEASED_WITHIN, (LEASE_S, RELEASED_WITHIN)
+    s = sets("llama")
+    deadline = time.monotonic() + 30  # the earlier tests' holds end with their CONFIRMs
+    while (idle := s.kv_usage()) > 0:
+        assert time.monotonic() < deadline, f"prefill KV usage {idle} with nothing held"
+        time.sleep(0.5)
+    s.kill("decode")
+    since = {r: len(s.lines(r)) for r in ("prefill", "proxy-pull")}
+    t0 = time.monotonic()
+    r = s.http("a", s.url(MODES["pull"]), pd_serve.request_body(s.s, prompt(9000, N), TOKENS))
+    answered = time.monotonic()
+    decode = f"http://{s.s.decode.ip}:{s.s.http_ports[1]}"
+    assert r["status"] == 502, f"dead decode: HTTP {r['status']}: {r['body'][:300]}{s.tails()}"
+    error = json.loads(r["body"])["error"]
+    assert error.startswith(f"decode {decode} failed: "), error
+    # the proxy released before it answered: its line is logged by now (flushed)
+    said = [m for x in s.lines("proxy-pull")[since["proxy-pull"]:]
+            if (m := re.search(r"pd_proxy: decode unreachable: .*; RELEASE of prefill "
+                               r"req=(\S+): (.*)$", x))]
+    assert len(said) == 1, f"the proxy logged {len(said)} RELEASEs{s.tails()}"
+    rid, ranks = said[0].groups()
+    assert ranks == f"rank 0 at {s.s.prefill.ip}:{s.s.side_ports[0]}: YES", ranks
+    released = re.compile(rf"kvplan: prefill req={re.escape(rid)} (released|lease of)")
+    while not (got := [m.group(1) for x in s.lines("prefill")[since["prefill"]:]
+                       if (m := released.search(x))]):
+        assert time.monotonic() < answered + RELEASED_WITHIN, (
+            f"prefill req={rid} not released {RELEASED_WITHIN} s after the 502{s.tails()}")
+        time.sleep(0.05)
+    seen = time.monotonic()  # polled: the line was logged by then
+    assert got == ["released"], f"prefill req={rid}: {got}{s.tails()}"
+    while (usage := s.kv_usage()) > idle:  # the freeing step's stats may trail its log line
+        assert time.monotonic() < answered + RELEASED_WITHIN, (
+            f"prefill KV usage {usage} > idle {idle} after req={rid} was released")
+        time.sleep(0.2)
+    print(f"dead decode: 502 in {answered - t0:.2f} s; prefill req={rid} released, seen "
+          f"{seen - answered:.2f} s after the 502, {seen - t0:.2f} s after the request "
+          f"(lease_s {LEASE_S:g}); KV usage back to {usage} (idle {idle})")
+    s.kill("prefill")
+    r = s.http("a", s.url(MODES["pull"]), pd_serve.request_body(s.s, prompt(9001, N), TOKENS))
+    prefill = f"http://{s.s.prefill.ip}:{s.s.http_ports[0]}"
+    assert r["status"] == 502, f"dead prefill: HTTP {r['status']}: {r['body'][:300]}"
+    error = json.loads(r["body"])["error"]
+    assert error.startswith(f"prefill {prefill} failed: "), error
 
 
 def test_hybrid_n_groups_1_tp1_to_tp2_in_every_mode_equals_the_plain_run(sets):

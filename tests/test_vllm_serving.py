@@ -33,6 +33,8 @@ from tests.vllm_pool import (
     free_base_port,
     pd_equals_plain,
     prompt,
+    remove_orphan_shm,
+    shm_files,
     tails,
 )
 
@@ -779,6 +781,20 @@ def test_a_wildcard_side_channel_address_stops_the_engine_at_start(pool):
                            r"is '0.0.0.0', a wildcard: .*side_channel_advertise_host"), e.tail()
     finally:
         e.stop()
+
+
+def test_orphan_shm_cleanup_keeps_a_semaphore_only_its_creator_holds():
+    """A test run's clean-up beside an engine starting: the engine's fresh semaphore, mapped
+    by its creator only (under glibc's temporary name), is held and stays; judged by name it
+    was unlinked before the engine's workers opened it, and the engine died at start."""
+    import multiprocessing
+
+    before = shm_files()
+    lock = multiprocessing.get_context("spawn").Lock()  # as vLLM's engine makes one
+    name = "sem." + lock._semlock.name.lstrip("/")
+    assert name in shm_files(), (name, shm_files())
+    remove_orphan_shm(before)
+    assert name in shm_files(), f"{name}, held by this process, was removed"
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))

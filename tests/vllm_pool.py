@@ -396,24 +396,28 @@ def remove_orphan_shm(before: set[str]) -> None:
     """Remove the shared-memory files that appeared since ``before`` and no process holds.
 
     A SIGKILLed engine (the prefill the tests kill) cannot unlink the segments its
-    multiprocessing resource tracker owned."""
+    multiprocessing resource tracker owned. Held is judged by inode, not name: glibc's
+    ``sem_open`` maps a semaphore under a temporary name before linking it to ``sem.mp-...``,
+    so its creator's maps show ``/dev/shm/sem.XXXXXX (deleted)``; judged by name, an engine
+    starting beside (another test run) lost its semaphore before its workers opened it
+    (``FileNotFoundError`` in ``SemLock._rebuild``, the engine dead at start)."""
     if not os.path.isdir(SHM):
         return
     new = {n for n in set(os.listdir(SHM)) - before if n.startswith(("psm_", "sem.mp-"))}
-    held: set[str] = set()
+    held: set[int] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/maps") as f:
-                held.update(os.path.basename(x.split()[-1]) for x in f if SHM in x)
+            with open(f"/proc/{pid}/maps") as f:  # "addr perms offset dev inode path"
+                held.update(int(x.split()[4]) for x in f if SHM in x)
             for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(SHM):
-                    held.add(os.path.basename(target))
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SHM):
+                    held.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
         except OSError:
             continue
-    for n in new - held:
+    for n in new:
         try:
-            os.unlink(os.path.join(SHM, n))
+            if os.stat(os.path.join(SHM, n)).st_ino not in held:
+                os.unlink(os.path.join(SHM, n))
         except OSError:
             pass
 
