@@ -67,6 +67,7 @@ LAYERS = {
     "kvplan.strategies_requests": 5,
     "kvplan.adapters": 5,
     "kvplan.adapters.vllm": 5,
+    "kvplan.adapters.vllm_nixl": 5,
     "kvplan.cli": 7,
     "kvplan.cli.__main__": 7,
     "kvplan.cli.command": 7,

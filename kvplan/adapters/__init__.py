@@ -6,6 +6,8 @@ objects through their attributes, so it never imports the engine (or torch).
 
 - :mod:`kvplan.adapters.vllm`: vLLM's V1 KV cache (``register_kv_caches`` tensors and the
   ``KVCacheConfig``), ``spec_from_vllm`` / ``EngineSpec.from_vllm``.
+- :mod:`kvplan.adapters.vllm_nixl`: a stock vLLM NixlConnector prefill's spec and buffer
+  addresses from the ``NixlAgentMetadata`` it publishes, ``prefill_from_nixl``.
 
 Layer 4 (adapters, beside hf): imports the values below (spec, regions, layout, errors).
 """

@@ -40,7 +40,7 @@ Not described yet (refused by name): several ranks' metadata that disagree, ``pc
 (``BLNHC``, ``LHBNC``, ``BHLNC``: vLLM registers storage rows or head segments), packed PP push
 layouts, PLE state, a backend other than the decode's.
 
-Layer 4 (adapters, beside :mod:`kvplan.adapters.vllm`): imports spec, layout and errors.
+Layer 5 (adapters, beside :mod:`kvplan.adapters.vllm`): imports spec, layout and errors.
 """
 
 from __future__ import annotations
