@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 
 from kvplan_nixl.digest import Digest
-from kvplan_nixl.pushes import MAX_BLOCK_ID, MAX_KEY, _body, block_ids
+from kvplan_nixl.pushes import MAX_BLOCK_ID, MAX_KEY, group_lists, message_body
 
 __all__ = ["DIGASK", "DIGEST", "DigestAsk", "digest_answer", "parse_answer"]
 
@@ -58,7 +58,7 @@ class DigestAsk:
         registration's: :data:`kvplan_nixl.pushes.MAX_MESSAGE`, block ids, 64 lists)."""
         if not message.startswith(DIGASK):
             raise ValueError("not a pull digest question")
-        d = _body(message, DIGASK, "pull digest question")
+        d = message_body(message, DIGASK, "pull digest question")
         strs = {k: d.get(k) for k in ("req", "decode_req", "host")}
         ints = {k: d.get(k) for k in ("port", "start", "end")}
         gen, lists = d.get("generation"), d.get("lists")
@@ -70,12 +70,8 @@ class DigestAsk:
             raise ValueError(f"pull digest question: bad numbers {ints}")
         if not isinstance(gen, int) or isinstance(gen, bool) or not 0 < gen < 1 << 63:
             raise ValueError(f"pull digest question: bad generation {gen!r}")
-        checked = [block_ids(g) if isinstance(g, list) else None
-                   for g in (lists if isinstance(lists, list) and len(lists) <= 64 else [0])]
-        if any(g is None for g in checked):
-            raise ValueError("pull digest question: lists must be lists of block ids (ints 0 "
-                             f"to {MAX_BLOCK_ID}), one per KV-cache group")
-        return cls(lists=tuple(tuple(g) for g in checked), generation=gen, **strs, **ints)
+        return cls(lists=group_lists(lists, "pull digest question"), generation=gen, **strs,
+                   **ints)
 
 
 def digest_answer(decode_req: str, digest: Digest | None, why: str = "") -> bytes:
@@ -92,7 +88,7 @@ def parse_answer(message: bytes) -> tuple[str, Digest | None, str] | None:
     digest of a readable request is its refusal (``why`` names it): the request fails now."""
     if not message.startswith(DIGEST):
         return None
-    d = _body(message, DIGEST, "pull digest answer")
+    d = message_body(message, DIGEST, "pull digest answer")
     req, digest, why = d.get("decode_req"), d.get("digest"), d.get("why", "")
     if not isinstance(req, str) or not 0 < len(req) <= 4 * MAX_KEY or not isinstance(why, str):
         raise ValueError(f"pull digest answer: bad decode_req {req!r:.80} or why")

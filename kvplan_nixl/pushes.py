@@ -76,7 +76,18 @@ def block_ids(g: Any) -> list[int] | None:
     return a.tolist()
 
 
-def _body(message: bytes, prefix: bytes, what: str) -> dict[str, Any]:
+def group_lists(lists: Any, what: str) -> tuple[tuple[int, ...], ...]:
+    """``lists`` of a message (one list of block ids per KV-cache group, at most 64 groups)
+    checked with :func:`block_ids`; a ValueError naming ``what`` otherwise."""
+    checked = [block_ids(g) if isinstance(g, list) else None
+               for g in (lists if isinstance(lists, list) and len(lists) <= 64 else [0])]
+    if any(g is None for g in checked):
+        raise ValueError(f"{what}: lists must be lists of block ids (ints 0 to "
+                         f"{MAX_BLOCK_ID}), one per KV-cache group")
+    return tuple(tuple(g) for g in checked)
+
+
+def message_body(message: bytes, prefix: bytes, what: str) -> dict[str, Any]:
     """The JSON object after ``prefix``; ValueError naming what is wrong. Bounded: a message
     over :data:`MAX_MESSAGE` bytes is not parsed, and nesting too deep for the parser (a
     ``RecursionError``) is a ValueError like any other malformed body."""
@@ -139,7 +150,7 @@ class Registration:
         """The registration in ``message``; ValueError naming what is wrong."""
         if not message.startswith(REGISTER):
             raise ValueError("not a push registration")
-        d = _body(message, REGISTER, "push registration")
+        d = message_body(message, REGISTER, "push registration")
         strs = {k: d.get(k) for k in ("key", "decode_req", "engine", "host")}
         ints = {k: d.get(k) for k in ("port", "tp", "start", "end")}
         lists, ttl, sent = d.get("lists"), d.get("ttl"), d.get("sent")
@@ -154,14 +165,8 @@ class Registration:
             raise ValueError(f"push registration: bad ttl {ttl!r}")
         if not isinstance(sent, (int, float)) or isinstance(sent, bool) or not 0 < sent < 1e11:
             raise ValueError(f"push registration: bad sent time {sent!r}")
-        checked = [block_ids(g) if isinstance(g, list) else None
-                   for g in (lists if isinstance(lists, list) and len(lists) <= 64 else [0])]
-        if any(g is None for g in checked):
-            raise ValueError("push registration: lists must be lists of block ids (ints 0 to "
-                             f"{MAX_BLOCK_ID}), one per KV-cache group")
-        lists = checked
-        return cls(lists=tuple(tuple(g) for g in lists), ttl=float(ttl), sent=float(sent),
-                   **strs, **ints)
+        return cls(lists=group_lists(lists, "push registration"), ttl=float(ttl),
+                   sent=float(sent), **strs, **ints)
 
 
 def push_done(prefix: bytes, decode_req: str, nbytes: Mapping[int, int] | None = None,
@@ -180,7 +185,7 @@ def parse_done(message: bytes) -> tuple[bool, dict[str, Any]] | None:
     and ``runs`` maps of decode rank to counts, ``why`` a string)."""
     for prefix, ok in ((PUSHED, True), (PUSHFAIL, False)):
         if message.startswith(prefix):
-            d = _body(message, prefix, "push answer")
+            d = message_body(message, prefix, "push answer")
             req, why = d.get("decode_req"), d.get("why", "")
             if not isinstance(req, str) or not 0 < len(req) <= 4 * MAX_KEY \
                     or not isinstance(why, str):
