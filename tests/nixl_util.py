@@ -28,6 +28,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZERO = {"xfer": 0, "dlist": 0, "remote_agents": 0, "registrations": 0, "transfers": 0}
 
 
+#: The setting the transfer digest's connector scripts share (tests/test_digest.py: push,
+#: tests/test_pull_digest.py: pull), run in the vLLM venv: one KV-cache group of blocks of 16,
+#: prefill TP 2 -> decode TP 1 of two attention layers, a request's block lists, and a
+#: ``digester(spec, rank, buffers)`` over a pair's buffers.
+DIGEST_SCRIPT_SETUP = r"""
+from kvplan.adapters.vllm import TransferGroups
+from kvplan_nixl import Digester
+from tests.nixl_util import attn, pair, spec
+
+groups = TransferGroups(index=(0,), kinds=("full",), block_sizes=(16,), windows=(None,),
+                        scratch=(0,))
+src = spec(2, attn("layers.0.attn", nb=24), attn("layers.1.attn", nb=24))
+dst = spec(1, attn("layers.0.attn", nb=40), attn("layers.1.attn", nb=40))
+ids, mine, end = [3, 17, 5, 9, 1, 11], [31, 2, 8, 20, 14, 39], 96  # whole blocks
+
+def digester(sp, r, bufs):
+    return Digester(sp, r, {sp.regions[i].name: bufs[(r, i)] for i in sp.regions_on(r)})
+"""
+
 def spec(tp: int, *regions: dict) -> EngineSpec:
     return EngineSpec.from_dict({"tp_size": tp, "regions": list(regions)})
 

@@ -18,7 +18,7 @@ from kvplan_nixl import (
     PlanMismatchError,
 )
 from kvplan_nixl import digest as dg
-from tests.nixl_util import attn, blocks, mla, pair, spec
+from tests.nixl_util import DIGEST_SCRIPT_SETUP, attn, blocks, mla, pair, spec
 
 P = (1 << 31) - 1
 
@@ -190,26 +190,14 @@ def test_verify_names_a_rank_that_sent_no_digest_and_refuses_vram():
 
 # -- the connector's push path, without engines (in the vLLM venv: it imports vLLM) -----------
 
-CONNECTOR_CHECK = r"""
+CONNECTOR_CHECK = DIGEST_SCRIPT_SETUP + r"""
 import json, time
 from types import SimpleNamespace
 import numpy as np
-from kvplan.adapters.vllm import TransferGroups
-from kvplan_nixl import Digester
 from kvplan_nixl.pushes import PUSHED, PushSend, parse_done, push_done
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.pushing import Receive, Receives
 from kvplan_nixl.vllm.settings import Settings
-from tests.nixl_util import attn, pair, spec
-
-groups = TransferGroups(index=(0,), kinds=("full",), block_sizes=(16,), windows=(None,),
-                        scratch=(0,))
-src = spec(2, attn("layers.0.attn", nb=24), attn("layers.1.attn", nb=24))
-dst = spec(1, attn("layers.0.attn", nb=40), attn("layers.1.attn", nb=40))
-ids, mine, end = [3, 17, 5, 9, 1, 11], [31, 2, 8, 20, 14, 39], 96  # whole blocks
-
-def digester(sp, r, bufs):
-    return Digester(sp, r, {sp.regions[i].name: bufs[(r, i)] for i in sp.regions_on(r)})
 
 class Decode:  # the worker attributes Receives and digests read; fail() records the verdict
     def __init__(self, ep, d):

@@ -10,6 +10,7 @@ import pytest
 from kvplan_nixl.digest import Digest
 from kvplan_nixl.pull_digests import DIGASK, DIGEST, DigestAsk, digest_answer, parse_answer
 from kvplan_nixl.pushes import MAX_MESSAGE
+from tests.nixl_util import DIGEST_SCRIPT_SETUP
 
 
 def _ask(**kw) -> DigestAsk:
@@ -50,13 +51,11 @@ def test_an_answer_carries_a_digest_or_why_not():
 
 # -- the connector's pull path, without engines -------------------------------------------------
 
-CONNECTOR_PULL = r"""
+CONNECTOR_PULL = DIGEST_SCRIPT_SETUP + r"""
 import socket, threading, time
 from types import SimpleNamespace
 import numpy as np
-from kvplan.adapters.vllm import TransferGroups
 from kvplan.pairs import pair_runs
-from kvplan_nixl import Digester
 from kvplan_nixl.handshakes import Handshakes, identity
 from kvplan_nixl.holds import new_generation
 from kvplan_nixl.pushes import PushSend
@@ -65,16 +64,6 @@ from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.pull_digest import Answers
 from kvplan_nixl.vllm.pulling import Pulls
 from kvplan_nixl.vllm.settings import Settings
-from tests.nixl_util import attn, pair, spec
-
-groups = TransferGroups(index=(0,), kinds=("full",), block_sizes=(16,), windows=(None,),
-                        scratch=(0,))
-src = spec(2, attn("layers.0.attn", nb=24), attn("layers.1.attn", nb=24))
-dst = spec(1, attn("layers.0.attn", nb=40), attn("layers.1.attn", nb=40))
-ids, mine, end = [3, 17, 5, 9, 1, 11], [31, 2, 8, 20, 14, 39], 96  # whole blocks
-
-def digester(sp, r, bufs):
-    return Digester(sp, r, {sp.regions[i].name: bufs[(r, i)] for i in sp.regions_on(r)})
 
 def free_ports(n):  # n consecutive free ports on the loopback
     for _ in range(100):
