@@ -1,0 +1,141 @@
+"""One stock NixlConnector prefill rank's ``NixlAgentMetadata``, fetched the way vLLM 0.32's
+own decode fetches it (issue 38, second brick; runs in vLLM's environment: imports vllm, zmq,
+msgspec).
+
+vLLM 0.32's NixlConnector serves every prefill rank's handshake from one ZMQ ``ROUTER`` in its
+scheduler process (``_nixl_handshake_listener`` in ``nixl/base_scheduler.py``), on **one port
+per engine** (``VLLM_NIXL_SIDE_CHANNEL_PORT`` plus the data parallel index), not one per TP
+rank: the request names the rank. The exchange (``_nixl_handshake`` in ``base_worker.py``)::
+
+    REQ -> msgpack((b"get_meta_msg", pp_rank, tp_rank))
+    REQ <- [msgpack(NixlHandshakePayload(compatibility_hash, agent_metadata_bytes)),
+            msgpack(the prefill's time.perf_counter())]
+
+and the decode checks ``compatibility_hash`` against its own before it decodes
+``agent_metadata_bytes`` as ``NixlAgentMetadata``. :func:`fetch_nixl_metadata` does the same
+and returns the metadata's fields as the mapping
+:func:`kvplan.adapters.vllm_nixl.prefill_from_nixl` takes.
+
+The expected hash is an argument, not computed here: vLLM's hash
+(``compute_nixl_compatibility_hash``) is a function of the *decode's* ``VllmConfig`` (model
+path, dtype, KV heads, head size, layers, cache dtype, hybrid manager, speculative config, vLLM
+and connector versions, transfer mode) and its attention backend, which only the decode engine
+holds; :func:`compat_hash` computes it from them with vLLM's own function, as NixlConnector's
+pull decode does (``transfer_mode="pull"``).
+
+Only ranks the prefill has may be asked for (``tp_size``, ``pp_size``: the prefill's, from its
+``kv_transfer_params``): vLLM 0.32's listener looks the rank up unguarded, and a rank it does
+not have raises ``KeyError`` in its thread, which ends it: the prefill answers no handshake
+after that. So a rank out of range is refused here, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+import zmq
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    GET_META_MSG,
+    NixlAgentMetadata,
+    NixlHandshakePayload,
+    compute_nixl_compatibility_hash,
+)
+from vllm.utils.network_utils import make_zmq_path
+
+from kvplan_nixl.errors import ArgumentError
+from kvplan_nixl.sidechannel import (
+    SideChannelError,
+    SideChannelProtocolError,
+    SideChannelTimeout,
+)
+
+__all__ = ["NixlHashMismatch", "compat_hash", "fetch_nixl_metadata"]
+
+
+class NixlHashMismatch(SideChannelError):
+    """The prefill at ``host:port`` publishes another compatibility hash than the decode's
+    (``remote`` and ``local``): another model, dtype, backend, vLLM version or transfer mode,
+    as vLLM's decode refuses it. Its metadata was not decoded."""
+
+    def __init__(self, host: str, port: int, local: str, remote: str) -> None:
+        self.local, self.remote = local, remote
+        super().__init__(f"NixlConnector prefill at {host}:{port}: compatibility hash "
+                         f"{remote}, this decode's {local}: the engines are not configured "
+                         "alike (model, dtype, KV heads, head size, layers, attention backend, "
+                         "cache dtype, vLLM version or transfer mode)", host, port)
+
+
+def compat_hash(vllm_config: Any, backend_name: str) -> str:
+    """The compatibility hash a NixlConnector pull decode with ``vllm_config`` and attention
+    backend ``backend_name`` expects, by vLLM's own ``compute_nixl_compatibility_hash``."""
+    return compute_nixl_compatibility_hash(vllm_config, backend_name, transfer_mode="pull")
+
+
+def fetch_nixl_metadata(host: str, port: int, tp_rank: int, *, tp_size: int,
+                        expected_hash: str, pp_rank: int = 0, pp_size: int = 1,
+                        engine_id: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Prefill TP rank ``tp_rank``'s ``NixlAgentMetadata`` fields (a plain dict, keys its
+    field names), asked of the stock NixlConnector side channel at ``host:port``.
+
+    ``tp_size`` and ``pp_size`` are the prefill's (see the module docstring: a rank beyond
+    them is refused unsent, :class:`~kvplan_nixl.errors.ArgumentError`). ``expected_hash`` is
+    the decode's compatibility hash (:func:`compat_hash`); ``engine_id``, when given, must be
+    the one the metadata names. The whole exchange runs under ``timeout_s``.
+
+    Raises :class:`~kvplan_nixl.sidechannel.SideChannelTimeout` (no answer in time),
+    :class:`NixlHashMismatch`, :class:`~kvplan_nixl.sidechannel.SideChannelProtocolError`
+    (an answer that is not a NixlConnector handshake of this version, or another engine's),
+    each naming ``host:port``.
+    """
+    for name, rank, size in (("tp_rank", tp_rank, tp_size), ("pp_rank", pp_rank, pp_size)):
+        if not 0 <= rank < size:
+            raise ArgumentError(f"{name} {rank}: the prefill at {host}:{port} has ranks 0 to "
+                                f"{size - 1}; vLLM's listener thread dies on a rank it lacks")
+    if not timeout_s > 0:
+        raise ArgumentError(f"timeout_s {timeout_s}: must be positive")
+    reply = _ask(host, port, msgspec.msgpack.encode((GET_META_MSG, pp_rank, tp_rank)),
+                 timeout_s)
+    where = f"NixlConnector prefill at {host}:{port} (pp rank {pp_rank}, tp rank {tp_rank})"
+    if len(reply) != 2:
+        raise SideChannelProtocolError(f"{where}: answered {len(reply)} frames, a handshake "
+                                       "is 2 (payload, clock)", host, port)
+    payload = _decode(NixlHandshakePayload, reply[0], where, "NixlHandshakePayload", host,
+                      port)
+    if payload.compatibility_hash != expected_hash:
+        raise NixlHashMismatch(host, port, expected_hash, payload.compatibility_hash)
+    meta = _decode(NixlAgentMetadata, payload.agent_metadata_bytes, where, "NixlAgentMetadata",
+                   host, port)
+    if engine_id is not None and meta.engine_id != engine_id:
+        raise SideChannelProtocolError(f"{where}: serves engine {meta.engine_id!r}, not "
+                                       f"{engine_id!r}", host, port)
+    return dataclasses.asdict(meta)
+
+
+def _ask(host: str, port: int, msg: bytes, timeout_s: float) -> list[bytes]:
+    """One REQ/REP exchange under ``timeout_s``; the socket never lingers after."""
+    ms = max(1, int(timeout_s * 1000))
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.REQ)
+        # LINGER 0: an unanswered request must not keep the process alive at exit
+        for opt, val in ((zmq.LINGER, 0), (zmq.SNDTIMEO, ms), (zmq.RCVTIMEO, ms)):
+            sock.setsockopt(opt, val)
+        sock.connect(make_zmq_path("tcp", host, port))
+        try:
+            sock.send(msg)
+            return sock.recv_multipart()
+        except zmq.Again:
+            raise SideChannelTimeout(f"NixlConnector prefill at {host}:{port}: no handshake "
+                                     f"answer in {timeout_s:g} s", host, port) from None
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _decode(kind: type, data: bytes, where: str, what: str, host: str, port: int) -> Any:
+    try:
+        return msgspec.msgpack.Decoder(kind).decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise SideChannelProtocolError(f"{where}: not a {what} of vLLM's NIXL connector "
+                                       f"version this decode runs: {e}", host, port) from e
