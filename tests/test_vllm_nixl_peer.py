@@ -21,10 +21,12 @@ from kvplan.adapters.vllm_nixl import NixlMetadataError, prefill_from_nixl
 from tests.test_vllm_adapter import fake_engine
 from tests.vllm_pool import REPO, engine_pool, free_base_port
 
-#: In vLLM's venv: argv model path, host, port. The decode's hash from a VllmConfig built as
-#: tests/vllm_engine.py builds the engine's (vLLM's own function), rank 0's metadata fetched
-#: with it; then each refusal: a wrong hash, a rank the prefill lacks (refused unsent), a
-#: port nobody serves (the timeout). Rank 0 is fetched again last: the prefill still answers.
+#: In vLLM's venv: argv model path, host, port, a port nobody serves. The decode's hash from
+#: a VllmConfig built as tests/vllm_engine.py builds the engine's (vLLM's own function), rank
+#: 0's metadata fetched with it; then each refusal: a wrong hash, a rank the prefill lacks
+#: (refused unsent), a port nobody serves (the timeout). Rank 0 is fetched again: the prefill
+#: still answers. Last, rank 1 asked raw (what the unsent refusal prevents): vLLM's listener
+#: thread dies of a KeyError, and rank 0 is not answered after.
 FETCH = r"""
 import json, sys
 from vllm.config import KVTransferConfig
@@ -56,6 +58,22 @@ try:
 except SideChannelTimeout as e:
     refusals["timeout"] = str(e)
 again = fetch_nixl_metadata(host, port, 0, tp_size=1, expected_hash=h)
+# why a rank beyond tp_size is refused unsent: asked raw, vLLM's listener thread dies
+import msgspec, zmq
+ctx = zmq.Context()
+raw = ctx.socket(zmq.REQ)
+raw.setsockopt(zmq.RCVTIMEO, 2000)
+raw.connect(f"tcp://{host}:{port}")
+raw.send(msgspec.msgpack.encode((b"get_meta_msg", 0, 1)))
+try:
+    raw.recv_multipart()
+except zmq.Again:
+    refusals["raw rank 1"] = "no answer"
+ctx.destroy(linger=0)
+try:
+    fetch_nixl_metadata(host, port, 0, tp_size=1, expected_hash=h, timeout_s=2)
+except SideChannelTimeout as e:
+    refusals["after"] = str(e)
 meta["agent_metadata"] = len(meta["agent_metadata"])
 again["agent_metadata"] = len(again["agent_metadata"])
 print(json.dumps({"meta": meta, "again": again, "refusals": refusals}))
@@ -88,6 +106,10 @@ def test_stock_prefill_metadata_is_accepted_exactly(pool):
     assert "no handshake answer in 0.5 s" in ref["timeout"], ref
     assert out["again"] == meta  # the refusals left the prefill's listener serving
     assert meta["engine_id"] == p.engine_id and meta["agent_metadata"] > 0
+    # asked raw for a rank it lacks, the stock prefill stops answering handshakes at all
+    assert ref["raw rank 1"] == "no answer", ref
+    assert "no handshake answer in 2 s" in ref["after"] and port in ref["after"], ref
+    assert p.log_lines(r"KeyError: \(0, 1\)"), "the listener died otherwise" + p.tail()
 
     # the decode: the same model allocated as vLLM 0.32 allocates it, its own block count
     kw = {"layers": 2, "heads": 2, "head": 64, "block": 32, "layout": "LBHNC"}
