@@ -129,3 +129,63 @@ def test_stock_prefill_metadata_is_accepted_exactly(pool):
                                                 rf"{meta['block_lens'][1] + 1}, this model at "
                                                 rf"TP 1 has {meta['block_lens'][1]}"):
         prefill_from_nixl(dspec, [bad], backend="CPU_ATTN")
+
+
+#: In vLLM's venv, no engine: vLLM's own listener (``_nixl_handshake_listener``) serving
+#: crafted answers per rank; each is refused by name. Rank 0: bytes that are no payload; rank
+#: 1: a payload whose metadata is no ``NixlAgentMetadata``; rank 2: a good one, of another
+#: engine than the one asked for; rank 3: the same, engine as asked: returned.
+CRAFTED = r"""
+import dataclasses, socket, threading
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
+    NixlBaseConnectorScheduler)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata, NixlHandshakePayload)
+from kvplan_nixl.sidechannel import SideChannelProtocolError
+from kvplan_nixl.vllm.nixl_peer import fetch_nixl_metadata
+
+enc = msgspec.msgpack.Encoder()
+meta = NixlAgentMetadata(engine_id="p-7", agent_metadata=b"a", kv_caches_base_addr=[4096],
+                         device_id=0, num_blocks=3, block_lens=[64], block_strides=[64],
+                         kv_cache_layout="LBHNC", block_size=4, ssm_sizes=(0, 0),
+                         attn_backend_name="CPU_ATTN", physical_blocks_per_logical_kv_block=1)
+good = enc.encode(NixlHandshakePayload("h", enc.encode(meta)))
+data = {(0, 0): b"\xc1", (0, 1): enc.encode(NixlHandshakePayload("h", b"\x93\x01")),
+        (0, 2): good, (0, 3): good}
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+ready, stop = threading.Event(), threading.Event()
+t = threading.Thread(target=NixlBaseConnectorScheduler._nixl_handshake_listener,
+                     args=(data, ready, stop, "127.0.0.1", port), daemon=True)
+t.start()
+ready.wait()
+for rank, want in ((0, "not a NixlHandshakePayload"), (1, "not a NixlAgentMetadata"),
+                   (2, "serves engine 'p-7', not 'p-8'")):
+    try:
+        fetch_nixl_metadata("127.0.0.1", port, rank, tp_size=4, expected_hash="h",
+                            engine_id="p-8")
+        raise SystemExit(f"rank {rank} accepted")
+    except SideChannelProtocolError as e:
+        assert want in str(e) and f"127.0.0.1:{port}" in str(e), (rank, str(e))
+got = fetch_nixl_metadata("127.0.0.1", port, 3, tp_size=4, expected_hash="h", engine_id="p-7")
+assert got == dataclasses.asdict(meta), got
+stop.set()
+t.join()
+print("ok")
+"""
+
+
+def test_answers_that_are_no_handshake_are_refused_by_name():
+    """vLLM's own listener, serving crafted answers: not a payload, a payload whose metadata
+    does not decode, another engine's; each a ``SideChannelProtocolError`` naming the peer."""
+    from tests import vllm_env
+
+    try:
+        py = vllm_env.ensure()
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+    r = subprocess.run([str(py), "-c", CRAFTED], capture_output=True, text=True, timeout=300,
+                       cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
