@@ -63,7 +63,7 @@ def ask(w: Rank, p: Pull) -> None:
                          "(remote_generation)")
     msg = DigestAsk(req=load.remote_req, generation=load.generation, decode_req=load.req_id,
                     host=w.c.host, port=w.c.rank_port(0),
-                    lists=tuple(tuple(int(b) for b in g) for g in load.local_ids),
+                    lists=tuple(tuple(map(int, g)) for g in load.local_ids),  # no loop in Python
                     start=load.start, end=load.end).encode()
     w.ep.notify(load.engine, p.peers, msg)
 
