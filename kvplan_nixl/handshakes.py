@@ -20,10 +20,10 @@ rank, and nothing of a wrong claim reaches ``connect``.
 a quarter of them per host and one per address, hosts served in turn, a bounded number
 waiting, a quarter of them per host (beyond, the handshake fails at once, unrecorded, so the
 next request tries again). Requests naming silent side channels on one host cost that host's
-slots for one timeout each and delay no handshake with another host; a handshake waits only
-while requests name that many silent addresses at once, each for at most one timeout. The
-table holds at most :data:`MAX_STATES` addresses (failed ones past their retry time are
-dropped first).
+slots for ``attempts`` timeouts each and delay no handshake with another host; a handshake
+waits only while requests name that many silent addresses at once, each for at most
+``attempts`` timeouts. The table holds at most :data:`MAX_STATES` addresses (failed ones
+past their retry time are dropped first).
 
 The fetches and the identity checks run without any lock; the caller's ``connect`` runs under
 the lock passed in (the one every use of the Endpoint takes), one rank at a time, and says
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from kvplan_nixl import metadata as md
 from kvplan_nixl.errors import ArgumentError, ClosedError, MetadataError
 from kvplan_nixl.host_pools import HostPool
-from kvplan_nixl.sidechannel import fetch_metadata, server_identity
+from kvplan_nixl.sidechannel import SideChannelTimeout, fetch_metadata, server_identity
 
 __all__ = ["FAILED", "MAX_STATES", "PENDING", "READY", "HandshakeState", "Handshakes",
            "identity"]
@@ -109,16 +109,23 @@ class Handshakes:
     ``queued`` handshakes waiting at most (a quarter of them for one host).
     ``retry_after_s``: a failed handshake is tried again by a :meth:`start` this long after
     it failed (a restarted prefill comes back); before that, :meth:`start` returns the failure.
+    ``attempts``: fetches of one rank's metadata that time out before the handshake fails. A
+    side channel that answers nothing within ``timeout`` is most often a prefill process
+    starved for a moment (a loaded host), not a dead one; each retry is reported to ``warn``
+    (loud, never silent), and a silent address costs ``attempts`` timeouts of one thread.
     """
 
     def __init__(self, connect: Connect, *, lock: threading.Lock, identify: Identify,
                  timeout: float = 5.0, workers: int = 32, per_host: int = 8,
-                 queued: int = 64, retry_after_s: float = 5.0,
+                 queued: int = 64, retry_after_s: float = 5.0, attempts: int = 2,
+                 warn: Callable[[str], None] | None = None,
                  fetch: Callable[..., bytes] = fetch_metadata,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not timeout > 0 or not retry_after_s >= 0:
-            raise ArgumentError(f"timeout must be > 0 and retry_after_s >= 0, got {timeout!r}, "
-                                f"{retry_after_s!r}")
+        if not timeout > 0 or not retry_after_s >= 0 or isinstance(attempts, bool) \
+                or not isinstance(attempts, int) or attempts < 1:
+            raise ArgumentError("timeout must be > 0, retry_after_s >= 0 and attempts an int "
+                                f">= 1, got {timeout!r}, {retry_after_s!r}, {attempts!r}")
+        self.attempts, self._warn = attempts, warn
         self._connect, self._lock, self._fetch = connect, lock, fetch
         self._identify = identify
         self.timeout, self.retry_after_s, self._clock = timeout, retry_after_s, clock
@@ -215,7 +222,7 @@ class Handshakes:
                 if rank in done:
                     continue
                 host, port, ident = address(rank)
-                blob = self._fetch(host, port, timeout=self.timeout, identity=ident)
+                blob = self._fetch_rank(engine, rank, host, port, ident)
                 got = self._identify(blob)
                 if got != (engine, rank):  # checked before anything of it is connected
                     raise MetadataError(
@@ -233,6 +240,22 @@ class Handshakes:
                 FAILED, f"rank {rank}: {type(e).__name__}: {e}", self._clock(), tuple(done)))
             return
         self._set(key, epoch, HandshakeState(READY, None, self._clock(), tuple(done)))
+
+    def _fetch_rank(self, engine: str, rank: int, host: str, port: int,
+                    ident: str | None) -> bytes:
+        """One rank's metadata, fetched again after a timeout, ``attempts`` tries in all."""
+        attempt = 1
+        while True:
+            try:
+                return self._fetch(host, port, timeout=self.timeout, identity=ident)
+            except SideChannelTimeout as e:
+                if attempt >= self.attempts or self._stop.is_set():
+                    raise SideChannelTimeout(f"{e} (try {attempt} of {self.attempts})",
+                                             host, port) from e
+                attempt += 1
+                if self._warn is not None:
+                    self._warn(f"handshake with engine {engine!r} rank {rank}: {e}; trying "
+                               f"again (try {attempt} of {self.attempts})")
 
     def _current(self, key: Key, epoch: int) -> bool:
         with self._mu:

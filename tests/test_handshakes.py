@@ -15,7 +15,7 @@ import pytest
 
 from kvplan_nixl import handshakes
 from kvplan_nixl import sidechannel as sc
-from kvplan_nixl.errors import ClosedError, MetadataError
+from kvplan_nixl.errors import ArgumentError, ClosedError, MetadataError
 from kvplan_nixl.handshakes import FAILED, PENDING, READY, Handshakes
 
 HOST = "127.0.0.1"
@@ -95,6 +95,39 @@ def test_a_silent_prefill_never_blocks_the_caller_and_fails_alone(engine):
         assert wait_for(hs, at(srvs), READY).ranks == (0,)
         s = wait_for(hs, ("dead", HOST, port), FAILED)
         assert "SideChannelTimeout" in s.reason and f"127.0.0.1:{port}" in s.reason
+        assert "(try 2 of 2)" in s.reason  # a timed-out fetch is tried once more by default
+
+
+def test_a_fetch_that_times_out_once_is_tried_again_and_said_aloud(engine):
+    """A prefill starved for one timeout (a loaded host) still connects, with a warning; the
+    same stall with attempts=1 fails the handshake, naming the try."""
+    srvs, address = engine
+    stalls = []
+
+    def fetch(host, port, **kw):
+        if not stalls:  # the first fetch: a real side channel that never answers
+            with closing(socket.create_server((HOST, 0))) as mute:
+                stalls.append(port)
+                return sc.fetch_metadata(HOST, mute.getsockname()[1], **kw)
+        return sc.fetch_metadata(host, port, **kw)
+
+    warned = []
+    with hshakes(timeout=0.3, fetch=fetch, warn=warned.append) as hs:
+        hs.start(*at(srvs), address=address)
+        assert wait_for(hs, at(srvs), READY).ranks == (0,)
+    assert len(warned) == 1 and "rank 0" in warned[0] and "try 2 of 2" in warned[0]
+    assert "SideChannelTimeout" not in warned[0] and "no answer within 0.3 s" in warned[0]
+    stalls.clear()
+    with hshakes(timeout=0.3, fetch=fetch, attempts=1, warn=warned.append) as hs:
+        hs.start(*at(srvs), address=address)
+        s = wait_for(hs, at(srvs), FAILED)
+    assert "(try 1 of 1)" in s.reason and len(warned) == 1
+
+
+@pytest.mark.parametrize("attempts", [0, -1, 1.5, True])
+def test_attempts_must_be_a_positive_int(attempts):
+    with pytest.raises(ArgumentError, match="attempts"):
+        hshakes(attempts=attempts)
 
 
 def test_a_hostile_length_prefix_or_refused_metadata_fails_the_engine():

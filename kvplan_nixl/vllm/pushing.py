@@ -209,7 +209,8 @@ class Writes:
         self.open = False  # a layer-wise push of this step's forward is open (forward thread)
         self.hs = Handshakes(self._connect, lock=worker.lock, timeout=worker.hs_timeout,
                              identify=identity(worker.secret),
-                             retry_after_s=min(5.0, worker.lease))
+                             retry_after_s=min(5.0, worker.lease),
+                             warn=lambda m: logger.warning("kvplan: push %s", m))
         self.owed = Owed(worker, self.hs)  # PUSHFAILs for refused registrations
 
     def _connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:

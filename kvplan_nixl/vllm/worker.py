@@ -132,7 +132,8 @@ class Worker:
                     self.c.dp_rank)
         self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
                              identify=identity(self.secret),
-                             retry_after_s=min(5.0, self.lease))
+                             retry_after_s=min(5.0, self.lease),
+                             warn=lambda m: logger.warning("kvplan: pull %s", m))
         self.receives, self.writes = Receives(self), Writes(self)
         self.answers = Answers(self, self.writes.hs)  # decodes connected as a push does
         threading.Thread(target=self._progress_loop, daemon=True,
