@@ -42,6 +42,7 @@ from kvplan_nixl.envelope import Envelope
 from kvplan_nixl.errors import (
     ArgumentError,
     ClosedError,
+    MetadataError,
     NixlError,
     NotConnectedError,
     nixl_call,
@@ -64,32 +65,24 @@ class Endpoint:
 
     ``rank`` is a flat rank in ``[0, spec.num_ranks)``, ``pp_rank * tp_size + tp_rank``; the
     rank holds only the regions of its pipeline stage (``spec.regions_on(rank)``).
-    ``buffers`` holds one buffer per *buffer of the spec* the rank holds (``spec.buffers``):
-    each region with its own buffer, each pool, each allocation (its regions are layer slots)
-    and each K and V buffer of regions keeping them apart. Either a mapping keyed by region
-    name, pool name, allocation name or buffer name (a region's name reaches the buffer it
-    lives in; K and V buffers are given by their names), or a sequence in ``spec.buffers``
-    order with one per buffer held (or, when no region keeps K and V apart, one per region
-    held, the regions of a pool or allocation repeating its buffer). A buffer is a
-    contiguous torch tensor (CPU -> DRAM, CUDA -> VRAM), a C-contiguous numpy array, or an
-    ``(address, nbytes)`` pair (DRAM unless ``memory`` says VRAM: CUDA device 0), of
-    ``spec.rank_buffer_nbytes(b)`` bytes. Buffers for regions of another stage, a missing one,
-    two different buffers for one pool or allocation, a wrong size or overlapping buffers raise
-    :class:`BufferSizeError` before NIXL is touched. Each buffer is registered once, in its own
-    NIXL memory type (``mem_types`` per buffer; ``mem_type``, the one type or None for two).
-    ``memory`` declares which buffer is where, ``{buffer or region name: "DRAM" | "VRAM"}``:
-    a buffer elsewhere raises :class:`BufferSizeError` naming it. The buffers must outlive the
-    endpoint. ``telemetry=True`` records NIXL's descriptor counts. ``spread_pcp=False``: pull
-    maps read PCP replica 0 only (by default they spread over the replicas).
+    ``buffers`` holds one buffer per *buffer of the spec* the rank holds (``spec.buffers``:
+    regions, pools, allocations, K and V buffers), by name or in spec order: a contiguous torch
+    tensor (CPU -> DRAM, CUDA -> VRAM), a C-contiguous numpy array, or an ``(address,
+    nbytes)`` pair, of ``spec.rank_buffer_nbytes(b)`` bytes, each checked before NIXL is
+    touched (:mod:`kvplan_nixl.buffers` says how; a refusal is a :class:`BufferSizeError`).
+    ``memory`` declares which buffer is where, ``{buffer or region name: "DRAM" | "VRAM"}``
+    (``mem_types`` per buffer; ``mem_type``, the one type or None for two). The buffers must
+    outlive the endpoint. ``telemetry=True`` records NIXL's descriptor counts.
+    ``spread_pcp=False``: pull maps read PCP replica 0 only (by default they spread over the
+    replicas).
 
     ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`,
     makes :meth:`connect` refuse metadata not signed with it before NIXL sees a byte, and seals
     every notification (docs/executor.md, "Trust boundary"). ``progress_thread=True`` lets
-    NIXL progress transfers and notifications on its own thread, which spins one CPU core at
-    100% while the endpoint lives; by default (False) the endpoint is progressed by its own
-    calls (``Transfer.wait``/``poll``, :meth:`progress`, :meth:`notifications`).
-
-    ``num_threads`` (int >= 0; 0 keeps NIXL's default): UCX threads sharing a transfer's posting.
+    NIXL progress transfers and notifications on its own thread (it spins one core at 100%);
+    by default the endpoint is progressed by its own calls (``Transfer.wait``/``poll``,
+    :meth:`progress`, :meth:`notifications`). ``num_threads`` (int >= 0; 0 keeps NIXL's
+    default): UCX threads sharing a transfer's posting.
     """
 
     def __init__(
@@ -171,6 +164,18 @@ class Endpoint:
         descriptor list, since no plan of the map names them.
         """
         return self._handshake.connect(self._require(), metadata, check_mode(mode))
+
+    def connect_foreign(self, engine: str, rank: int, spec: EngineSpec | Mapping[str, Any],
+                        buffers: Sequence[Any] | Mapping[str, Any], agent_metadata: bytes, *,
+                        mode: str | Mode = "pull", memory: Mapping[str, str] | None = None,
+                        device: int = 0) -> Peer:
+        """Add rank ``rank`` of ``engine``, run by another connector (vLLM's NixlConnector):
+        its ``spec``, its ``buffers`` as ``(address, nbytes)`` by buffer name (in ``memory``'s
+        types, on NIXL device ``device``) and its agent's NIXL metadata, as the caller read
+        them from that connector (no signature is checked). Unlike :meth:`connect`'s peers it
+        is sent no hello or close notice, and messages reach it as given, never sealed."""
+        info = _foreign_info(engine, rank, spec, buffers, agent_metadata, memory, device)
+        return self._handshake.attach(self._require(), info, check_mode(mode), foreign=True)
 
     def map(self, remote: str, mode: str | Mode = "pull") -> TransferMap:
         """The TransferMap connect built for ``remote`` (make plans with its ``plan``)."""
@@ -301,13 +306,9 @@ class Endpoint:
 
     def close(self) -> None:
         """Tell peers, fail pending transfers, release every handle and list, forget peers,
-        deregister and destroy the NIXL agent.
-
-        Every agent this endpoint loaded (its peers, and the initiators that connected to it)
-        gets a close notice: at its next ``progress`` (every ``read``/``write``/``wait`` does
-        one) it fails its transfers with this endpoint, naming their blocks, and drops the peer
-        and, when it was the engine's last, the route. See docs/executor.md, "Close".
-        """
+        deregister and destroy the NIXL agent. Every agent loaded here but a foreign one gets
+        a close notice: at its next ``progress`` it fails its transfers with this endpoint,
+        naming their blocks, and drops the peer (docs/executor.md, "Close")."""
         agent = self._agent
         if agent is None:
             return
@@ -394,7 +395,8 @@ def _wire(ep: Endpoint, label: str, spread_pcp: bool) -> None:
         devices=ep._devices, v_bases=ep._v_bases, memory=ep.mem_types,
         spread_pcp=spread_pcp)
     ep._routes = routes.routes
-    ep._envelope = env = Envelope(ep.agent_name, ep._secret, peers.loaded.__contains__, HELLO)
+    ep._envelope = env = Envelope(ep.agent_name, ep._secret, peers.loaded.__contains__, HELLO,
+                                  peers.foreign.__contains__)
     peers.on_unload(env.retire)
     ep._handshake = Handshake(ep.agent_name, ep._secret, peers, routes, ep.metadata,
                               ep.progress, env.seal)
@@ -421,6 +423,31 @@ def _unserved(ep: Endpoint, agent_name: str, message: bytes) -> None:
             agent.send_notif(agent_name, ep._envelope.seal(agent_name, answer))
     except NixlError:
         pass
+
+
+
+def _foreign_info(engine: Any, rank: Any, spec: Any, buffers: Any, agent_metadata: Any,
+                  memory: Any, device: Any) -> md.PeerInfo:
+    """:meth:`Endpoint.connect_foreign`'s arguments checked, as the peer's metadata would say
+    them (buffers resolved as the Endpoint's own are)."""
+    sp = _check_args(engine, spec, rank, 0, ("UCX",), memory, True)
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise ArgumentError(f"device must be an int >= 0, got {device!r}")
+    if not isinstance(agent_metadata, (bytes, bytearray)):
+        raise ArgumentError(f"agent_metadata must be bytes, got "
+                            f"{type(agent_metadata).__name__}")
+    name = md.nixl_agent_name(bytes(agent_metadata))
+    if name is None:
+        raise MetadataError(f"engine {engine!r} rank {rank}: agent_metadata is not NIXL "
+                            "agent metadata")
+    allocs = resolve_buffers(sp, rank, buffers, declared_memory(sp, memory, md.MEM_TYPES))
+    kinds, one = _memory_types(sp, allocs)
+    bases, nbytes, _, v_bases = _layout(sp, rank, allocs)
+    return md.PeerInfo(
+        engine=engine, rank=rank, agent=name, spec=sp,
+        mem_type=one or next(m for m in kinds if m), memory=kinds if one is None else (),
+        bases=bases, nbytes=nbytes, devices=tuple(device if n else 0 for n in nbytes),
+        agent_metadata=bytes(agent_metadata), v_bases=v_bases if any(v_bases) else ())
 
 
 def _layout(spec: EngineSpec, rank: int, allocs: Mapping[int, Any]) -> tuple[tuple[int, ...], ...]:

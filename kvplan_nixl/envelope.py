@@ -79,13 +79,15 @@ class Envelope:
     """Seals what agent ``agent_name`` sends and opens what it receives (see the module doc).
 
     ``known(name)``: whether agent ``name`` is a connected peer or a verified initiator;
-    ``hello``: the prefix of the one message an unknown agent may send.
+    ``hello``: the prefix of the one message an unknown agent may send; ``foreign(name)``:
+    whether agent ``name`` belongs to another connector, which reads messages as sent (they
+    leave it unsealed: the protocol it speaks has no seal).
     """
 
     def __init__(self, agent_name: str, secret: bytes | None, known: Callable[[str], bool],
-                 hello: bytes) -> None:
+                 hello: bytes, foreign: Callable[[str], bool] = lambda name: False) -> None:
         self.agent_name, self.secret = agent_name, secret
-        self._known, self._hello = known, hello
+        self._known, self._hello, self._foreign = known, hello, foreign
         self._last = 0
         self._keys: dict[tuple[str, str], bytes] = {}
         self._windows: collections.OrderedDict[str, _Window] = collections.OrderedDict()
@@ -94,9 +96,9 @@ class Envelope:
         self.dropped = {"unknown": 0, "unsigned": 0, "forged": 0, "replayed": 0}
 
     def seal(self, receiver: str, msg: bytes) -> bytes:
-        """``msg`` as it goes to agent ``receiver`` (unchanged without a secret; an empty
-        message stays empty: NIXL sends no notification then)."""
-        if self.secret is None or not msg:
+        """``msg`` as it goes to agent ``receiver`` (unchanged without a secret or to a foreign
+        agent; an empty message stays empty: NIXL sends no notification then)."""
+        if self.secret is None or not msg or self._foreign(receiver):
             return msg
         c = self._last = max(self._last + 1, time.time_ns())
         return _HEAD.pack(MAGIC, c, self._tag(self.agent_name, receiver, c, msg)) + msg

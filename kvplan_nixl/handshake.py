@@ -53,7 +53,12 @@ class Handshake:
 
     def connect(self, agent: Any, metadata: bytes, mode: str | Mode) -> Peer:
         """See :meth:`kvplan_nixl.Endpoint.connect`."""
-        info = md.decode(metadata, self.secret)
+        return self.attach(agent, md.decode(metadata, self.secret), mode, foreign=False)
+
+    def attach(self, agent: Any, info: md.PeerInfo, mode: str | Mode, *,
+               foreign: bool) -> Peer:
+        """Connect the peer ``info`` describes (decoded and trusted by the caller);
+        ``foreign``: see :meth:`kvplan_nixl.Endpoint.connect_foreign`."""
         mode = Mode(mode)
         if info.agent == self.agent_name:
             raise MetadataError("this is the endpoint's own metadata; connect to a peer's")
@@ -118,7 +123,10 @@ class Handshake:
         peers.peers[(info.engine, info.rank)] = peer
         route.peer_ladders[info.rank] = ladder
         route.peer_dlists[info.rank] = dlist
-        self._send_hello(agent, info.agent)
+        if foreign:  # another connector's agent: it would not understand a hello
+            peers.foreign.add(info.agent)
+        else:
+            self._send_hello(agent, info.agent)
         return peer
 
     def _send_hello(self, agent: Any, peer_agent: str) -> None:
@@ -166,13 +174,13 @@ class Handshake:
         """Tell every loaded agent (peers and initiators that said hello) that we close;
         ``flush``: progress a few times so that the notices leave (no progress thread)."""
         loaded = self.peers.loaded
-        for name in list(loaded):
+        for name in [n for n in loaded if n not in self.peers.foreign]:
             try:
                 agent.send_notif(name, self._seal(name, CLOSE))
             except Exception as exc:  # a peer already gone: nothing to tell
                 if not is_nixl_error(exc):
                     raise
-        if loaded and flush:
+        if len(loaded) > len(self.peers.foreign) and flush:
             # the notices leave on worker progress: progress a few times before the agent is
             # destroyed, or UCX cancels them (what arrives meanwhile is of no use any more)
             for _ in range(_CLOSE_FLUSH_ROUNDS):

@@ -60,6 +60,9 @@ class PeerTable:
         #: loaded agents whose hello verified: they hold a route to this endpoint, so they stay
         #: loaded (and known to the envelope) when our own route to them is disconnected
         self.hellos: set[str] = set()
+        #: loaded agents of another connector (:meth:`Endpoint.connect_foreign`): they speak
+        #: NIXL only, so they get no hello or close notice and messages to them go unsealed
+        self.foreign: set[str] = set()
         self._listeners: list[DropListener] = []
         self._unload_listeners: list[UnloadListener] = []
         #: agents disconnected but still loaded in NIXL: name -> their NIXL metadata
@@ -122,6 +125,7 @@ class PeerTable:
         it loaded in NIXL for a reconnect instead (see the module doc)."""
         self.loaded.pop(name, None)
         self.hellos.discard(name)
+        self.foreign.discard(name)
         nixl_md = self._nixl_md.pop(name, None)
         for listener in list(self._unload_listeners):
             listener(name)
