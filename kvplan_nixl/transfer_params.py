@@ -14,6 +14,12 @@ a prefill engine (:func:`check_decode`, :class:`Source`), and a prefill request
 (``do_remote_decode``) whose KV goes to a decode (:func:`check_prefill`, :class:`Handover`).
 Keys the connector does not read are left alone (a proxy may add its own).
 
+Which connector the prefill runs is read here too (:data:`PEERS`): vLLM 0.32's own
+NixlConnector hands ``"transfer_mode": "pull"`` (``request_finished`` in
+``kv_connector/v1/nixl/pull_scheduler.py``), ``KvplanConnector`` ``"kvplan"``; a NixlConnector
+prefill must name its blocks and run one pipeline stage without decode context parallelism
+(``pp_size``, ``dcp_size`` 1), the pairs this connector reads exactly.
+
 Nothing here imports vLLM or NIXL, so every rule is tested on its own
 (tests/test_transfer_params.py).
 """
@@ -28,12 +34,16 @@ from typing import Any
 from kvplan_nixl.errors import ParamsError
 from kvplan_nixl.pushes import MAX_BLOCK_ID, MAX_KEY, block_ids, transfer_key
 
-__all__ = ["MAX_BLOCK_IDS", "MAX_TP", "MODES", "Handover", "Source", "check_decode",
+__all__ = ["MAX_BLOCK_IDS", "MAX_TP", "MODES", "PEERS", "Handover", "Source", "check_decode",
            "check_prefill"]
 
 #: How a prefill hands its KV to a decode (``mode``, and a prefill request's
 #: ``transfer_mode``).
 MODES = ("pull", "push", "layerwise")
+
+#: The connector a decode request's prefill runs (:attr:`Source.peer`): ours, or vLLM's own
+#: NixlConnector (its params say ``"transfer_mode": "pull"``).
+PEERS = ("kvplan", "nixl")
 
 #: Largest prefill ``tp_size`` a request may name. Every rank costs a side channel connection
 #: (handshake, RELEASE, CONFIRM) and a port (``remote_port + rank``): the bound caps what one
@@ -58,7 +68,9 @@ class Source:
 
     ``ids`` are the prefill's block lists per KV-cache group (None: push mode, the prefill
     writes), ``first`` the position of each list's first block, ``generation`` the prefill's
-    hold (0: none), ``key`` the transfer key a push is matched by ("" for a pull)."""
+    hold (0: none), ``key`` the transfer key a push is matched by ("" for a pull), ``peer``
+    the prefill's connector (one of :data:`PEERS`), ``tokens`` the tokens it computed
+    (``remote_num_tokens``; 0 when not said)."""
 
     engine: str
     host: str
@@ -69,6 +81,8 @@ class Source:
     first: tuple[int, ...]
     generation: int
     key: str
+    peer: str = "kvplan"
+    tokens: int = 0
 
     @property
     def push(self) -> bool:
@@ -102,8 +116,11 @@ def check_decode(request_id: str, params: Any, groups: int | None) -> Source:
     if port + tp - 1 > 65535:
         raise ParamsError("remote_port", port, f"rank {tp - 1}'s port (remote_port + "
                           f"tp_size - 1 = {port + tp - 1}) is above 65535")
+    tokens = 0
     if "remote_num_tokens" in p and p["remote_num_tokens"] is not None:
-        _int(p, "remote_num_tokens", 0, MAX_BLOCK_ID, "must be an int >= 0")
+        tokens = _int(p, "remote_num_tokens", 0, MAX_BLOCK_ID, "must be an int >= 0")
+    if p.get("transfer_mode") == "pull":  # vLLM's NixlConnector prefill
+        return _nixl_source(p, engine, host, port, tp, tokens, groups)
     key = _key(request_id, p)
     raw = p.get("remote_block_ids")
     if raw is None:  # push: the prefill writes; it is matched by the transfer key
@@ -114,7 +131,23 @@ def check_decode(request_id: str, params: Any, groups: int | None) -> Source:
     ids = _lists(raw, groups)
     first = _offsets(p.get("remote_block_offsets"), len(ids))
     return Source(engine, host, port, tp, _name(p, "remote_request_id", MAX_REQUEST_ID),
-                  ids, first, _generation(p), "")
+                  ids, first, _generation(p), "", "kvplan", tokens)
+
+
+def _nixl_source(p: Mapping[str, Any], engine: str, host: str, port: int, tp: int,
+                 tokens: int, groups: int | None) -> Source:
+    """A NixlConnector prefill's params (pull only): its blocks, one stage, no DCP; its
+    lists' offsets are not handed (the scheduler derives them from ``remote_num_tokens``)."""
+    for k in ("pp_size", "dcp_size"):
+        if p.get(k) not in (None, 1):
+            raise ParamsError(k, p[k], "a NixlConnector prefill is read from only at 1 (one "
+                              "pipeline stage, no decode context parallelism)")
+    if p.get("remote_block_ids") is None:
+        raise ParamsError("remote_block_ids", None, "a NixlConnector prefill "
+                          "(transfer_mode 'pull') must name its blocks")
+    ids = _lists(p["remote_block_ids"], groups)
+    return Source(engine, host, port, tp, _name(p, "remote_request_id", MAX_REQUEST_ID), ids,
+                  (0,) * len(ids), 0, "", "nixl", tokens)
 
 
 def check_prefill(request_id: str, params: Any, default_mode: str) -> Handover:

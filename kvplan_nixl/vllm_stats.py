@@ -39,8 +39,11 @@ SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_runs",
 #: Event counts (one entry per event, or a count per report).
 #: ``num_failed_loads`` is counted by the decode's scheduler, once per request whatever the TP
 #: (kvplan_nixl.vllm.outcomes); the other failures by each worker rank that saw them.
+#: ``num_unconfirmed_pulls``: pulls from a prefill running vLLM's own NixlConnector, used
+#: without a CONFIRM (such a prefill holds no lease of ours: docs/vllm.md, "Migrating a fleet").
 COUNTS = ("num_failed_transfers", "num_failed_handshakes", "num_kv_expired_reqs",
-          "num_confirmations_refused", "num_side_channel_dropped", "num_failed_loads")
+          "num_confirmations_refused", "num_side_channel_dropped", "num_failed_loads",
+          "num_unconfirmed_pulls")
 
 
 @dataclass
@@ -108,6 +111,7 @@ class KvplanStats(KVConnectorStats):
             "Num confirmations refused": sum(self.data["num_confirmations_refused"]),
             "Num side channel dropped": sum(self.data["num_side_channel_dropped"]),
             "Num failed loads": sum(self.data["num_failed_loads"]),
+            "Num unconfirmed pulls": sum(self.data["num_unconfirmed_pulls"]),
         }
         n = self.num_successful_transfers
         if n == 0:

@@ -34,7 +34,7 @@ PUSH = {"do_remote_prefill": True, "transfer_id": "t-9", "remote_engine_id": "pr
 def test_genuine_pull_and_push_params_are_taken_as_given():
     s = check_decode("d-1", PULL, groups=1)
     assert s == Source("pre", "10.0.0.7", 5700, 2, "cmpl-1-0-abcdef12", ((3, 4, 5),), (0,),
-                       1733300000000000001, "")
+                       1733300000000000001, "", "kvplan", 40)
     assert not s.push
     # the generation as a decimal string (a proxy without 63-bit JSON ints), a flat list
     flat = dict(PULL, remote_block_ids=[7, 8], remote_generation="12",
@@ -53,6 +53,31 @@ def test_genuine_pull_and_push_params_are_taken_as_given():
     assert check_prefill("p-1-abcdef12", {"do_remote_decode": True, "transfer_mode": "push"},
                          "pull") == Handover("push", "p-1")
     assert check_prefill("p", {"do_remote_decode": True}, "layerwise").mode == "layerwise"
+
+
+#: What vLLM 0.32's NixlConnector prefill hands (``request_finished`` in ``pull_scheduler.py``)
+NIXL = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4, 5]],
+        "remote_engine_id": "stock-p", "remote_request_id": "cmpl-2-0-abcdef12",
+        "remote_host": "10.0.0.8", "remote_port": 5600, "tp_size": 2, "dcp_size": 1,
+        "pp_size": 1, "remote_num_tokens": 70, "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull"}
+
+
+def test_a_nixlconnector_prefill_is_told_by_its_transfer_mode():
+    s = check_decode("d-2", NIXL, groups=1)
+    assert s == Source("stock-p", "10.0.0.8", 5600, 2, "cmpl-2-0-abcdef12", ((3, 4, 5),), (0,),
+                       0, "", "nixl", 70)
+    assert not s.push
+    # offsets are derived by the decode, never taken from a stock prefill's params
+    assert check_decode("d", dict(NIXL, remote_block_offsets=[9]), groups=1).first == (0,)
+    assert check_decode("d", PULL, groups=1).peer == "kvplan"
+    for field, value, words in (("pp_size", 2, "one pipeline stage"),
+                                ("dcp_size", 4, "no decode context parallelism"),
+                                ("remote_block_ids", None, "must name its blocks"),
+                                ("remote_request_id", 5, "printable string")):
+        with pytest.raises(ParamsError, match=words) as e:
+            check_decode("d", dict(NIXL, **{field: value}), groups=1)
+        assert e.value.field == field
 
 
 # what issue 36 found, and the rest of each field's range: (field, value, words of the rule)

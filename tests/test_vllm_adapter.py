@@ -469,6 +469,14 @@ def test_transfer_groups_clip_and_absent_blocks():
     assert handed == [[11], [22, 23], [31, 32, 33, 34]] and first == [2, 2, 0]
     src = g.remote(handed, first)
     assert [a.tolist() for a in src] == [[11], [ABSENT, ABSENT, 22, 23], [31, 32, 33, 34]]
+    # a NixlConnector prefill hands no offsets: derived from its 100 computed tokens, the
+    # same kvplan lists (a state slot's offset is not used)
+    assert g.offsets(handed, 100) == [0, 2, 0]
+    assert [a.tolist() for a in g.remote(handed, g.offsets(handed, 100))] == \
+        [a.tolist() for a in src]
+    assert g.offsets(handed, 40)[1] == 0  # a window list longer than the tokens: from 0
+    with pytest.raises(Exception, match="same model"):
+        g.offsets(handed[:2], 100)
     dst = g.local(([0, 41, 42], [0, 51, 52, 53], [61, 62, 63, 64]))
     assert [a.tolist() for a in dst] == [[41], [ABSENT, 51, 52, 53], [61, 62, 63, 64]]
     with pytest.raises(Exception, match="same model"):

@@ -66,6 +66,9 @@ VARIANTS = {
     # the run are evicted from the decode's prefix cache and pulled again; ``nlease``: vLLM's
     # NixlConnector with the lease of ``short`` (its ``kv_lease_duration``, default 30 s)
     "soak": {"num_blocks": 256},
+    # ``ds``: the Mamba conv state in DS order, as a NixlConnector prefill always keeps it (a
+    # KvplanConnector decode reading one must hold it alike: docs/vllm.md, "Migrating a fleet")
+    "ds": {"env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}},
     "nlease": {"extra": {"kv_lease_duration": 3}, "log_stats": True},
 }
 
@@ -104,10 +107,10 @@ class Engine:
                  attention_backend: str | None = None, extra: dict | None = None,
                  num_blocks: int = 0, log_stats: bool = False, port: int | None = None,
                  place: tuple[str, str] | None = None, speculative: int = 0,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", env: dict[str, str] | None = None):
         """``place``: (network namespace, its address) to run in, UCX over TCP on its veth
         (tests/netns.py: two hosts); None: this host, loopback. ``speculative``: draft tokens
-        per step with the model's EAGLE-3 draft (0: none)."""
+        per step with the model's EAGLE-3 draft (0: none). ``env``: more environment."""
         self.name, self.tp = name, tp
         self.port = free_base_port(tp) if port is None else port
         _STARTS[name] = _STARTS.get(name, 0) + 1
@@ -130,6 +133,7 @@ class Engine:
             TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
             VLLM_CACHE_ROOT=str(workdir / f"vllm-cache-{name}"),
             VLLM_LOG_STATS_INTERVAL="1",
+            **(env or {}),
         )
         cmd = [*prefix, str(py), str(SCRIPT), "serve", "--model", str(model), "--tp", str(tp),
                "--side-port", str(self.port), "--policy", policy,

@@ -665,6 +665,19 @@ class TransferGroups:
             first.append(int(start))
         return out, first
 
+    def offsets(self, lists: Sequence[Sequence[int]], tokens: int) -> list[int]:
+        """Decode side, for a prefill that hands no offsets (vLLM's own NixlConnector): the
+        block position of each handed list's first element, as :meth:`handed` would have
+        said it for a request of ``tokens`` computed tokens (``remote_num_tokens``): 0 for
+        full attention and state, and a window's clipped list ends at the last block those
+        tokens fill."""
+        if len(lists) != len(self.index):
+            raise RequestError(f"the prefill handed {len(lists)} block lists for this "
+                               f"engine's {len(self.index)} KV-cache groups: prefill and "
+                               "decode must run the same model")
+        return [max(0, -(-tokens // self.block_sizes[g]) - len(ids))
+                if self.kinds[g] == "window" else 0 for g, ids in enumerate(lists)]
+
     def remote(self, lists: Sequence[Sequence[int]], first: Sequence[int]) -> list[np.ndarray]:
         """Decode side: the prefill's handed lists as kvplan source lists: each list from
         position 0 (positions before ``first`` and null blocks :data:`kvplan.ABSENT`); a

@@ -1,6 +1,7 @@
-"""One stock NixlConnector prefill rank's ``NixlAgentMetadata``, fetched the way vLLM 0.32's
-own decode fetches it (issue 38, second brick; runs in vLLM's environment: imports vllm, zmq,
-msgspec).
+"""A decode rank of ``KvplanConnector`` and the prefills that run vLLM 0.32's own
+NixlConnector: their handshake, fetched the way NixlConnector's decode fetches it
+(:func:`fetch_nixl_metadata`), and their ranks connected as foreign peers from it
+(:class:`NixlPrefills`). Runs in vLLM's environment: imports vllm, zmq, msgspec.
 
 vLLM 0.32's NixlConnector serves every prefill rank's handshake from one ZMQ ``ROUTER`` in its
 scheduler process (``_nixl_handshake_listener`` in ``nixl/base_scheduler.py``), on **one port
@@ -32,7 +33,7 @@ after that. So a rank out of range is refused here, before anything is sent.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -42,16 +43,121 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlHandshakePayload,
     compute_nixl_compatibility_hash,
 )
+from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path
 
+import kvplan
+from kvplan.adapters.vllm_nixl import prefill_from_nixl
 from kvplan_nixl.errors import ArgumentError
+from kvplan_nixl.handshakes import Handshakes, HandshakeState
 from kvplan_nixl.sidechannel import (
     SideChannelError,
     SideChannelProtocolError,
     SideChannelTimeout,
+    server_identity,
 )
 
-__all__ = ["NixlHashMismatch", "compat_hash", "fetch_nixl_metadata"]
+if TYPE_CHECKING:
+    from kvplan_nixl.vllm.rank import Rank
+    from kvplan_nixl.vllm.scheduler import Load
+
+__all__ = ["NixlHashMismatch", "NixlPrefills", "compat_hash", "fetch_nixl_metadata",
+           "stock_backend"]
+
+logger = init_logger("vllm.kvplan_nixl")
+
+
+class NixlPrefills:
+    """One decode rank's handshakes with NixlConnector prefills, on a
+    :class:`~kvplan_nixl.handshakes.Handshakes` of their own (its pool, timeouts, retries and
+    per-address state, keyed by what the request names).
+
+    A handshake asks the prefill's one side channel for rank 0's metadata, then for every
+    other rank's (``tp_size`` of the request that started it): the prefill's spec needs all of
+    them (:func:`kvplan.adapters.vllm_nixl.prefill_from_nixl` checks they agree and match
+    this engine's model exactly, or refuses naming what). Then the ranks this rank reads
+    (every rank, on rank 0: it tells the ranks nobody reads that they may free) are connected
+    as foreign peers (:meth:`kvplan_nixl.Endpoint.connect_foreign`), and the engine's pull
+    map and readers per rank are recorded in ``rank.engines`` as a kvplan prefill's are.
+    """
+
+    def __init__(self, rank: Rank, expected_hash: str, backend: str) -> None:
+        self.w, self.hash, self.backend = rank, expected_hash, backend
+        self.tp: dict[tuple[str, str, int], int] = {}  # the tp_size each handshake asks for
+        self.metas: dict[str, dict[int, dict[str, Any]]] = {}  # fetched so far, per engine
+        self.hs = Handshakes(self._connect, lock=rank.lock, identify=_identify,
+                             timeout=rank.hs_timeout, retry_after_s=min(5.0, rank.lease),
+                             warn=lambda m: logger.warning("kvplan: pull %s", m),
+                             fetch=self._fetch)
+
+    def start(self, load: Load) -> HandshakeState:
+        """Start (or look up) the handshake ``load`` names; never blocks."""
+        key = (load.engine, load.host, load.port)
+        if self.hs.state(*key) is None:  # a new handshake asks for this request's ranks
+            self.tp[key] = load.remote_tp
+        return self.hs.start(load.engine, load.host, load.port,
+                             address=lambda r: (load.host, load.port,
+                                                server_identity(load.engine, r)))
+
+    def state(self, load: Load) -> HandshakeState | None:
+        return self.hs.state(load.engine, load.host, load.port)
+
+    def forget(self, engine: str) -> None:
+        self.hs.forget(engine)
+
+    def close(self) -> None:
+        self.hs.close()
+
+    def _fetch(self, host: str, port: int, *, timeout: float, identity: str) -> bytes:
+        """Handshakes' fetch: the rank ``identity`` names, from the prefill's one port."""
+        engine, _, rank = identity.rpartition("#")
+        tp = self.tp[engine, host, port]
+        meta = fetch_nixl_metadata(host, port, int(rank), tp_size=tp, expected_hash=self.hash,
+                                   engine_id=engine, timeout_s=timeout)
+        return msgspec.msgpack.encode((int(rank), tp, meta))
+
+    def _connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:
+        """Handshakes' connect (under the rank's lock): keep rank ``rank``'s metadata; once
+        every rank's is in, describe the prefill and connect the ranks this rank needs."""
+        w = self.w
+        _, tp, meta = msgspec.msgpack.decode(blob)
+        if rank == 0:  # a handshake starts at rank 0: nothing of an earlier one is kept
+            self.metas[engine] = {}
+        metas = self.metas.setdefault(engine, {})
+        metas[rank] = meta
+        missing = tuple(r for r in range(tp) if r not in metas)
+        if missing:
+            return missing
+        del self.metas[engine]
+        prefill = prefill_from_nixl(w.ep.spec, [metas[r] for r in range(tp)],
+                                    backend=self.backend)
+        tmap = kvplan.pull_map(prefill.spec, w.ep.spec, w.rank)
+        memory = {b: "VRAM" for b in prefill.spec.buffers} if w.cuda else None
+        for r in range(tp) if w.rank == 0 else tmap.peers:
+            w.ep.connect_foreign(engine, r, prefill.spec, prefill.buffers[r],
+                                 bytes(metas[r]["agent_metadata"]), memory=memory,
+                                 device=prefill.device_ids[r])
+        logger.info("kvplan: prefill engine %s runs vLLM's NixlConnector (tp %d, backend %s, "
+                    "layout %s): rank %d reads its rank(s) %s; its reads are not confirmed "
+                    "(it holds no lease of ours: docs/vllm.md, \"Migrating a fleet\")",
+                    engine, tp, prefill.backend, metas[0]["kv_cache_layout"], w.rank,
+                    list(tmap.peers))
+        return ()
+
+
+def _identify(blob: bytes) -> tuple[str, int]:
+    """Handshakes' identify: the engine the fetched metadata names and the rank asked for
+    (NixlConnector's metadata is not signed and does not say its rank)."""
+    rank, _, meta = msgspec.msgpack.decode(blob)
+    return meta["engine_id"], rank
+
+
+def stock_backend(vllm_config: Any) -> str:
+    """The attention backend name NixlConnector publishes and hashes for this engine: its first
+    layer's (``NixlBaseConnectorWorker.backend_name``)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    return get_current_attn_backends(vllm_config)[0].get_name()
 
 
 class NixlHashMismatch(SideChannelError):

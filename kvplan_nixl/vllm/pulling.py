@@ -10,6 +10,15 @@ prefill rank it read answered its CONFIRM yes; RENEW and CONFIRM run on the rank
 :class:`kvplan_nixl.vllm.control.Control` pool, never on the engine step. With the transfer
 digest on, the CONFIRM waits for each prefill rank's digest of what it read, and is never sent
 for a read that does not match (:mod:`kvplan_nixl.vllm.pull_digest`).
+
+A prefill running vLLM's own NixlConnector (``load.peer == "nixl"``) speaks its own protocol
+instead, over NIXL notifications (``pull_worker.py``): no RENEW, CONFIRM or RELEASE; while the
+read is in flight ``HB:<its request id>`` every ``heartbeat_s`` extends its lease, and once
+the read ended (done or failed) each prefill rank read is told ``<its request id>:<n>``, ``n``
+the decode ranks that read it (it frees its blocks after ``n`` of them); decode rank 0 tells
+the ranks nobody reads ``<id>:1`` as soon as it posted. The read is used without a CONFIRM
+(counted ``num_unconfirmed_pulls``): such a prefill keeps its blocks until told, or until its
+own timeout, with nothing that says which came first.
 """
 
 from __future__ import annotations
@@ -59,8 +68,11 @@ class Pulls:
                     "runs=%d peers=%s prompt=%d groups=%s", load.req_id, load.remote_req,
                     w.rank, blocks, start, end, plan.nbytes, len(plan), list(tmap.peers),
                     load.end, "+".join(w.groups.kinds))
-        if w.rank == 0 and 0 in counts:  # prefill ranks nobody reads: release them now
-            w.ctl.release(load, [p for p, n in enumerate(counts) if n == 0])
+        unread = [p for p, n in enumerate(counts) if n == 0]
+        if w.rank == 0 and unread and load.peer == "nixl":  # nobody reads them: free them now
+            _tell(w, load, unread, f"{load.remote_req}:1")
+        elif w.rank == 0 and unread:  # prefill ranks nobody reads: release them now
+            w.ctl.release(load, unread)
         # a pull shorter than heartbeat_s (the usual one) sends no RENEW at all
         self.inflight[load.req_id] = Pull(load, t, counts, tuple(tmap.peers), post_s,
                                           len(plan), sum(t.runs().values()),
@@ -73,6 +85,9 @@ class Pulls:
             if p.confirming:
                 continue
             p.t.poll()
+            if p.load.peer == "nixl":
+                self._nixl(req_id, p, now)
+                continue
             if not p.t.done:
                 if now >= p.next_beat and not p.beating:
                     p.next_beat, p.beating = now + w.heartbeat, True  # before the job ends it
@@ -93,6 +108,32 @@ class Pulls:
                 w.hs.forget(p.load.engine)
                 w.engines.pop(p.load.engine, None)
                 w.fail(p.load, str(p.t.error()), p.peers)
+
+    def _nixl(self, req_id: str, p: Pull, now: float) -> None:
+        """A pull from a NixlConnector prefill (module docstring): heartbeats while in flight;
+        once it ended, each rank read is told, and the pull reported."""
+        w, load = self.w, p.load
+        if not p.t.done:
+            if now >= p.next_beat:
+                p.next_beat = now + w.heartbeat
+                _tell(w, load, p.peers, f"HB:{load.remote_req}")
+            return
+        del self.inflight[req_id]
+        for r in p.peers:  # done or failed: this rank reads them no more
+            _tell(w, load, [r], f"{load.remote_req}:{p.counts[r]}")
+        if not p.t.ok:
+            w.stats.record("num_failed_transfers")
+            w.nixl.forget(load.engine)  # it may have restarted: handshake again next time
+            w.engines.pop(load.engine, None)
+            w.fail(load, str(p.t.error()), p.peers)
+            return
+        w.recv_done.add(req_id)
+        w.stats.record_transfer(p.t.seconds or 0.0, p.post_s, p.t.plan.nbytes, p.runs,
+                                p.descriptors)
+        w.stats.record("num_unconfirmed_pulls")
+        logger.info("kvplan: pull req=%s done in %.4f s from NixlConnector prefill %s rank(s) "
+                    "%s, not confirmed (it holds no lease of ours)", req_id,
+                    p.t.seconds or 0.0, load.engine, list(p.peers))
 
     # -- the transfer digest ----------------------------------------------------------------
 
@@ -188,3 +229,13 @@ class Pulls:
             w.fail(p.load, f"not confirmed by prefill rank(s) {refused}: the prefill "
                            "may no longer hold the blocks read (its lease ran out or the "
                            "request was released), so the KV read is not used", p.peers)
+
+
+def _tell(w: Rank, load: Load, ranks: list[int] | tuple[int, ...], msg: str) -> None:
+    """Send a NixlConnector prefill's ranks ``msg``; a failure is logged, never raised (those
+    ranks free the request's blocks at their own timeout)."""
+    try:
+        w.ep.notify(load.engine, ranks, msg)
+    except Exception as e:
+        logger.warning("kvplan: could not tell NixlConnector prefill %s rank(s) %s %r: %s: %s",
+                       load.engine, list(ranks), msg, type(e).__name__, e)

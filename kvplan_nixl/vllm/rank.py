@@ -40,6 +40,8 @@ class Rank(Protocol):
     sends: Sends | None
     ctl: Control
     hs: Handshakes | None
+    nixl: Any  # NixlPrefills (kvplan_nixl.vllm.nixl_peer): NixlConnector prefills' handshakes
+    cuda: bool  # the KV caches are CUDA tensors
     engines: dict[str, tuple[Any, list[int]]]  # prefill engine -> pull map, readers per rank
     recv_done: set[str]  # decode requests whose KV is loaded (or failed), to report
     waiting: dict[str, tuple[Load, float]]  # decode loads whose handshake is pending

@@ -70,6 +70,7 @@ class Load:
     push: bool = False  # the prefill writes (push mode): wait for it instead of reading
     key: str = ""  # push: the transfer key the prefill matches (kvplan_nixl.pushes)
     refused: str = ""  # its params were refused (why): fails at once, nobody contacted
+    peer: str = "kvplan"  # the prefill's connector: "kvplan", or "nixl" (vLLM's NixlConnector)
 
 
 @dataclass
@@ -183,7 +184,8 @@ class Scheduler:
                                        parked=True, refused=str(src))
                 self.outcomes.started(self.loads[rid])
             return
-        self.loads[rid] = _load(rid, src, local, end - num_external, end, num_external > 0)
+        self.loads[rid] = _load(rid, src, local, end - num_external, end, num_external > 0,
+                                self.groups)
         self.outcomes.started(self.loads[rid])
 
     def meta(self, scheduled: Any = None) -> KvplanMetadata:
@@ -217,7 +219,7 @@ class Scheduler:
         hand = self.handovers.pop(rid, None)
         if src is not None:  # never scheduled (aborted): free the prefill's blocks
             if isinstance(src, Source):
-                self.loads[rid] = _load(rid, src, [], 0, 0, False)
+                self.loads[rid] = _load(rid, src, [], 0, 0, False, self.groups)
             return False, None
         outcome = self.outcomes.finished(rid)
         if outcome is not None:  # a decode whose load failed: its response says so
@@ -263,10 +265,14 @@ class Scheduler:
 
 
 def _load(req_id: str, src: Source, local: list[list[int]], start: int, end: int,
-          parked: bool) -> Load:
-    """The load of a decode request whose params were checked (``src``)."""
+          parked: bool, groups: TransferGroups | None) -> Load:
+    """The load of a decode request whose params were checked (``src``); a NixlConnector
+    prefill's list offsets derived from the tokens it computed (it hands none)."""
     ids = [list(g) for g in src.ids] if src.ids is not None else [[]]
+    first = list(src.first) or [0] * len(ids)
+    if src.peer == "nixl" and groups is not None:
+        first = groups.offsets(ids, src.tokens)
     return Load(req_id=req_id, remote_req=src.remote_req, engine=src.engine, host=src.host,
-                port=src.port, remote_tp=src.tp, remote_ids=ids,
-                remote_first=list(src.first) or [0] * len(ids), local_ids=local, start=start,
-                end=end, parked=parked, generation=src.generation, push=src.push, key=src.key)
+                port=src.port, remote_tp=src.tp, remote_ids=ids, remote_first=first,
+                local_ids=local, start=start, end=end, parked=parked,
+                generation=src.generation, push=src.push, key=src.key, peer=src.peer)

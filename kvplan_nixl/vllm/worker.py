@@ -27,9 +27,10 @@ import kvplan
 from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, whole_pages
 from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.addresses import is_loopback
-from kvplan_nixl.handshakes import Handshakes, identity
+from kvplan_nixl.handshakes import Handshakes, HandshakeState, identity
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
+from kvplan_nixl.vllm.nixl_peer import NixlPrefills, compat_hash, stock_backend
 from kvplan_nixl.vllm.pull_digest import Answers
 from kvplan_nixl.vllm.pulling import Pulls
 from kvplan_nixl.vllm.pushing import Receives, Writes
@@ -70,6 +71,7 @@ class Worker:
         self.sends: Sends | None = None  # prefill: the holds and the side channel
         self.stop = threading.Event()
         self.hs: Handshakes | None = None
+        self.nixl: NixlPrefills | None = None  # decode: NixlConnector prefills' handshakes
         self.receives: Receives | None = None  # decode: pushes to wait for
         self.writes: Writes | None = None  # prefill: pushes to write
         self.answers: Answers | None = None  # prefill: pull digest questions
@@ -134,6 +136,7 @@ class Worker:
                              identify=identity(self.secret),
                              retry_after_s=min(5.0, self.lease),
                              warn=lambda m: logger.warning("kvplan: pull %s", m))
+        self.nixl = NixlPrefills(self, compat_hash(cfg, stock_backend(cfg)), stock_backend(cfg))
         self.receives, self.writes = Receives(self), Writes(self)
         self.answers = Answers(self, self.writes.hs)  # decodes connected as a push does
         threading.Thread(target=self._progress_loop, daemon=True,
@@ -192,12 +195,19 @@ class Worker:
                 if load.refused:  # bad params: nobody named in them is contacted
                     self.fail(load, f"kv_transfer_params refused: {load.refused}")
                     continue
+                if load.peer == "nixl" and self.digester is not None:  # never used unchecked
+                    self.fail(load, "the transfer digest is on, and a NixlConnector prefill "
+                                    "cannot digest what it served")
+                    continue
                 if not load.local_ids:  # nothing to read: just let the prefill free its blocks
-                    if self.rank == 0 and not load.push:  # (a push's: its lease frees them)
-                        self.ctl.release(load, range(load.remote_tp))
+                    if self.rank == 0 and load.peer == "kvplan" and not load.push:
+                        self.ctl.release(load, range(load.remote_tp))  # (a push's: its lease)
+                    elif self.rank == 0 and load.peer == "nixl":  # freed at its own timeout
+                        logger.warning("kvplan: req=%s reads nothing from NixlConnector "
+                                       "prefill %s", load.req_id, load.engine)
                     continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
-                    self.hs.start(load.engine, load.host, load.port)
+                    _hs_start(self, load)
                 except Exception as e:
                     self.stats.record("num_failed_handshakes")
                     self.fail(load, f"{type(e).__name__}: {e}{_dialled(load)}")
@@ -216,9 +226,9 @@ class Worker:
 
     def _poll_waiting(self, now: float) -> None:
         for req_id, (load, deadline) in list(self.waiting.items()):
-            st = self.hs.state(load.engine, load.host, load.port)
+            st = _hs_state(self, load)
             if st is None:  # forgotten meanwhile, or the pool was full: start again
-                st = self.hs.start(load.engine, load.host, load.port)
+                st = _hs_start(self, load)
             if st.pending:
                 if now > deadline:
                     del self.waiting[req_id]
@@ -260,7 +270,9 @@ class Worker:
                      load.engine, why)
         # end the holds: rank 0 for every prefill rank, the others for those they read (a
         # push's holds end when its write ends, or at their lease)
-        if not load.push and not load.refused:
+        # (a NixlConnector prefill has no hold of ours: it frees them at our notification,
+        # or at its own timeout)
+        if not load.push and not load.refused and load.peer == "kvplan":
             self.ctl.release(load, range(load.remote_tp) if self.rank == 0 else peers)
         if not load.parked:
             return
@@ -315,6 +327,8 @@ class Worker:
         # outside self.lock: their jobs take it to report
         if self.hs is not None:
             self.hs.close()
+        if self.nixl is not None:
+            self.nixl.close()
         if self.writes is not None:
             self.writes.close()
         if self.answers is not None:
@@ -327,6 +341,20 @@ class Worker:
             if self.ep is not None:
                 with contextlib.suppress(Exception):
                     self.ep.close()
+
+
+def _hs_start(w: Worker, load: Load) -> HandshakeState:
+    """Start (or look up) the handshake with ``load``'s prefill: a NixlConnector one's on
+    :class:`NixlPrefills`, a kvplan one's on the rank's own :class:`Handshakes`."""
+    if load.peer == "nixl":
+        return w.nixl.start(load)
+    return w.hs.start(load.engine, load.host, load.port)
+
+
+def _hs_state(w: Worker, load: Load) -> HandshakeState | None:
+    if load.peer == "nixl":
+        return w.nixl.state(load)
+    return w.hs.state(load.engine, load.host, load.port)
 
 
 def _readers(tmap: Any, engine: str, whole: bool) -> list[int]:
