@@ -19,6 +19,10 @@ The request flow is NixlConnector's, so a proxy needs no change: a prefill reque
 ``remote_num_tokens``; the decode request carries those and pulls the KV before its first
 step.
 
+- **Mixed fleets**: a decode reads from a prefill that runs vLLM's own NixlConnector too, told
+  by its params (``"transfer_mode": "pull"``): its handshake and notifications are
+  NixlConnector's, its reads planned by kvplan, without the freed-KV guarantee below
+  (:mod:`.nixl_peer`; docs/vllm.md, "Migrating a fleet").
 - **Hybrid models**: the connector supports vLLM's hybrid KV cache manager (``SupportsHMA``):
   block ids per KV-cache group end to end, attention (full and sliding window) and Mamba-family
   state groups (see :mod:`.scheduler`).
