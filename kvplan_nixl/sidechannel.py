@@ -456,13 +456,14 @@ class _Client:
                                   self.host, self.port)
 
     def _recv_into(self, view: memoryview, doing: str) -> int:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise self._timeout(doing)
-        self.sock.settimeout(left)
+        # Past the deadline, what already came is still taken (a non-blocking read): this
+        # thread may have been held up (a busy process: the GIL) while the answer waited in
+        # the socket, and that is no silent peer. Seen in CI: both ranks of a decode, busy
+        # with their first step, timed out on a banner and on a CONFIRM's answer.
+        self.sock.settimeout(max(0.0, self.deadline - time.monotonic()))
         try:
             n = self.sock.recv_into(view)
-        except TimeoutError as e:
+        except (TimeoutError, BlockingIOError) as e:
             raise self._timeout(doing) from e
         except OSError as e:
             raise SideChannelError(f"side channel {self.host}:{self.port} ({self.what}): "

@@ -271,6 +271,25 @@ def test_a_slow_or_silent_metadata_server_meets_the_deadline():
             sc.control(HOST, port, "RENEW", "r", 1, identity=ID, timeout=0.3)
 
 
+def test_an_answer_that_came_while_the_client_was_held_up_is_taken():
+    """A client thread held up past its deadline (a busy process: the GIL) still reads the
+    banner and answer waiting in its socket: the peer answered in time. Only nothing there is
+    a timeout (the client is the module's own, as fetch_metadata and control use it)."""
+    with server() as (srv, _):
+        with sc._Client(HOST, srv.port, 0.3, "metadata") as c:
+            time.sleep(0.6)  # the banner came long ago; the deadline passed meanwhile
+            c.banner(ID)
+            c.send(b"MD\n")
+            time.sleep(0.3)  # the metadata, too
+            n = int.from_bytes(c.exact(4, "reading the metadata length"), "big")
+            assert c.exact(n, "reading the metadata") == b"blob"
+        with sc._Client(HOST, srv.port, 0.3, "metadata") as c:
+            time.sleep(0.5)
+            c.banner(ID)  # nothing asked: nothing more comes, and that is a timeout now
+            with pytest.raises(sc.SideChannelTimeout, match="within 0.3 s.*reading more"):
+                c.line(64, "reading more")
+
+
 def test_nothing_listening_names_host_and_port():
     with closing(socket.create_server((HOST, 0))) as s:
         port = s.getsockname()[1]
