@@ -286,7 +286,7 @@ def test_an_answer_that_came_while_the_client_was_held_up_is_taken():
         with sc._Client(HOST, srv.port, 0.3, "metadata") as c:
             time.sleep(0.5)
             c.banner(ID)  # nothing asked: nothing more comes, and that is a timeout now
-            with pytest.raises(sc.SideChannelTimeout, match="within 0.3 s.*reading more"):
+            with pytest.raises(sc.SideChannelTimeout, match=r"within 0\.3 s.*reading more"):
                 c.line(64, "reading more")
 
 
