@@ -115,7 +115,7 @@ class Engine:
         self.port = free_base_port(tp) if port is None else port
         _STARTS[name] = _STARTS.get(name, 0) + 1
         self.log_path = workdir / f"{name}.{_STARTS[name]}.log"  # one per start, all kept
-        env = dict(os.environ)
+        more_env, env = env or {}, dict(os.environ)
         prefix, ip, dev = [], "127.0.0.1", "lo"
         if place is not None:
             from tests.netns import IFACE
@@ -133,7 +133,7 @@ class Engine:
             TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
             VLLM_CACHE_ROOT=str(workdir / f"vllm-cache-{name}"),
             VLLM_LOG_STATS_INTERVAL="1",
-            **(env or {}),
+            **more_env,
         )
         cmd = [*prefix, str(py), str(SCRIPT), "serve", "--model", str(model), "--tp", str(tp),
                "--side-port", str(self.port), "--policy", policy,
