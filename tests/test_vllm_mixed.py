@@ -47,22 +47,58 @@ def test_a_stock_nixlconnector_prefill_is_read_exactly_by_a_kvplan_decode(pool):
     # to it ("unrecognized request"), no error at all
     assert not p.log_lines(r"Releasing expired KV blocks| ERROR "), p.tail()
     assert took < 30, f"14 requests took {took:.0f} s: the prefill waited for its lease{tails()}"
+    # negative control: the prefill computed another prompt; the decode uses what it read
+    ids = prompt(3830, 70)
+    assert pd(p, d, ids, prefill_ids=prompt(3831, 70), mode="pull")["tokens"] != \
+        p.generate(ids, 16)["tokens"], f"the decode did not use the KV it read{tails()}"
 
 
-def test_nemotron_n_groups_1_from_a_stock_prefill_at_tp1_to_tp2(pool):
+@pytest.mark.parametrize(("prefill", "decode"), [("llama-t2-nixl", "llama-d1"),
+                                                  ("llama-p1-nixl-few", "llama-t2")],
+                         ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_dense_heterogeneous_tp_from_a_stock_prefill(pool, prefill, decode):
+    """Dense Llama (2 KV heads): a stock TP 2 prefill read by a TP 1 decode (two ranks read,
+    one head each) and a stock TP 1 prefill by a TP 2 decode (both ranks read its one rank,
+    a head each): equal to the plain run."""
+    p, d = pool.only(prefill, decode)
+    ids = prompt(3840 + p.tp, 70)
+    plain = p.generate(ids, 16)
+    failed, done = len(d.log_lines(FAILED)), len(d.log_lines(STOCK_DONE))
+    check_equal(pd(p, d, ids, mode="pull"), plain, f"{prefill} -> {decode}")
+    assert len(d.log_lines(FAILED)) == failed, f"a pull failed{tails()}"
+    assert len(d.log_lines(STOCK_DONE)) == done + d.tp, f"not every rank read{tails()}"
+    assert not p.log_lines(r"Releasing expired KV blocks| ERROR "), p.tail()
+
+
+def test_nemotron_n_groups_1_from_a_stock_prefill(pool):
     """Mamba2 with one B/C group, stock prefill TP 1 -> decode TP 2: the B/C group is
     replicated on the decode's ranks, which vLLM's own decode reads as if it were sharded.
-    The kvplan decode (conv state in DS order, as the stock prefill's) equals the plain run;
-    NixlConnector's own decode, reading the same prefill, does not."""
+
+    A kvplan decode with its conv state in SD order (vLLM's default here) is refused at the
+    handshake, naming the parts, and recomputes; one in DS order (as the stock prefill's)
+    equals the plain run; NixlConnector's own decode, reading the same prefill, does not.
+    Then the stock TP 2 prefill -> a kvplan TP 1 decode (DS): equal to the plain run."""
     ids = prompt(3700, 70)
-    p, d = pool.only("nemo1-p1-nixl", "nemo1-t2-ds")
+    p, d = pool.only("nemo1-p1-nixl", "nemo1-t2")
     plain = p.generate(ids, 16)
+    out = pd(p, d, ids, mode="pull")
+    check_equal(out, plain, "NemotronH stock P TP1 -> kvplan D TP2 (SD), recomputed")
+    assert "kvplan_load_failed" in (out["params"] or {}), out
+    assert len(d.log_lines(r"handshake failed: rank 0: IncompatibleLayoutError: region "
+                           r"'model.layers.0.mixer': state parts differs")) == 2, tails()
+    p, d = pool.only("nemo1-p1-nixl", "nemo1-t2-ds")
     failed = len(d.log_lines(FAILED))
     check_equal(pd(p, d, ids, mode="pull"), plain, "NemotronH stock P TP1 -> kvplan D TP2")
     assert len(d.log_lines(FAILED)) == failed, f"a pull failed{tails()}"
     assert len(d.log_lines(STOCK_DONE)) == 2, f"both decode ranks read{tails()}"
     p, d = pool.only("nemo1-p1-nixl", "nemo1-t2-nixl")
     stock = pd(p, d, ids, mode="pull")
+    print(f"NixlConnector's own decode: {stock['tokens']}, the plain run: {plain['tokens']}")
     assert stock["tokens"] != plain["tokens"], (
         "vLLM's own decode read this pair right: the contrast this test shows is gone "
         f"({stock['tokens']}){tails()}")
+    p, d = pool.only("nemo1-t2-nixl", "nemo1-d1-ds")
+    ids = prompt(3701, 70)
+    plain = p.generate(ids, 16)
+    check_equal(pd(p, d, ids, mode="pull"), plain, "NemotronH stock P TP2 -> kvplan D TP1")
+    assert not d.log_lines(FAILED) and len(d.log_lines(STOCK_DONE)) == 1, tails()
