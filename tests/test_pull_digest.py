@@ -124,7 +124,7 @@ def pull(pr, P, D, pbase, req, flip=False, silent=False):
     load = SimpleNamespace(req_id="d-" + req, remote_req=req, engine="prefill",
                            host="127.0.0.1", port=pbase, remote_tp=2, remote_ids=[ids],
                            remote_first=[0], local_ids=[mine], start=0, end=end, parked=True,
-                           generation=gen, push=False, key="", refused="")
+                           generation=gen, push=False, key="", refused="", peer="kvplan")
     restore = None
     if flip:  # in flight: the read carries a byte prefill rank 1 does not hold
         plan = D.ep.map("prefill").plan(groups.remote([ids], [0]), groups.local([mine]),
