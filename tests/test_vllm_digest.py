@@ -18,6 +18,7 @@ from tests.vllm_pool import (
     PULL,
     check_equal,
     engine_pool,
+    failures,
     pd,
     pd_push,
     prompt,
@@ -60,4 +61,4 @@ def test_digest_push_and_pull_equal_plain(pool):
     assert len(d1.log_lines(PULL)) == pulls + 1, f"no pull posted{tails()}"
     assert len(p1.log_lines(PULL_SIGNED)) == signed + 1, f"the prefill digested nothing{tails()}"
     assert len(d1.log_lines(PULL_VERIFIED)) == verified + 1, f"pull not verified{tails()}"
-    assert len(d1.log_lines(FAILED)) == failed, f"the pull failed{tails()}"
+    assert len(d1.log_lines(FAILED)) == failed, f"the pull failed{failures(d1, failed)}"

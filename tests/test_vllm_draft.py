@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.vllm_pool import FAILED, PULL, PUSH_DONE, engine_pool, pd_push, prompt, tails
+from tests.vllm_pool import FAILED, PULL, PUSH_DONE, engine_pool, failures, pd_push, prompt, tails
 
 #: per model: tokens per block, bytes per value, the main layers MLA (one latent of 576 values,
 #: replicated on every rank) or attention (4 KV heads of 64, split); the draft: 2 KV heads of 64
@@ -258,7 +258,7 @@ def test_push_draft_pages_arrive_through_the_placement(pool, model, tmp_path):
     failed, before = len(d.log_lines(FAILED)), len(d.log_lines(PUSH_DONE))
     out = pd_push(p, d, ids, f"{model}-push")
     assert len(out["tokens"]) == 16, f"{out}{tails()}"
-    assert len(d.log_lines(FAILED)) == failed, f"a push failed{tails()}"
+    assert len(d.log_lines(FAILED)) == failed, f"a push failed{failures(d, failed)}"
     done = d.log_lines(PUSH_DONE)[before:]
     assert len(done) == d.tp, f"{len(done)} of {d.tp} decode ranks written{tails()}"
     # the prefill's blocks of the prompt: a push hands out no block ids, so ask for them

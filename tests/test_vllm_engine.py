@@ -159,7 +159,7 @@ def test_tp2_to_tp1_equals_plain_run_then_prefill_killed(pool):
 def _push_cut_off(p1, d1, ids: list[int], key: str, cut) -> None:
     """A push decode of ``ids`` whose prefill ``cut()`` hits right after the registration
     reached it: the decode recomputes at its deadline (push_timeout_s 20 + handshake_timeout_s
-    5), equal to the plain run, never generating from blocks nobody wrote."""
+    8), equal to the plain run, never generating from blocks nobody wrote."""
     plain = p1.generate(ids, 16)
     seen = len(p1.log_lines(rf"push registration of \S+ req=\S+ key={key} at"))
     rid = d1.submit(ids, 16, push_params(p1, key))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.vllm_pool import FAILED, check_equal, engine_pool, pd, prompt, tails
+from tests.vllm_pool import FAILED, check_equal, engine_pool, failures, pd, prompt, tails
 
 #: a decode worker's line per pull it read from a NixlConnector prefill and reported
 STOCK_DONE = r"kvplan: pull req=\S+ done in \S+ s from NixlConnector prefill"
@@ -34,7 +34,7 @@ def test_a_stock_nixlconnector_prefill_is_read_exactly_by_a_kvplan_decode(pool):
         failed, done = len(d.log_lines(FAILED)), len(d.log_lines(STOCK_DONE))
         out = pd(p, d, ids, mode="pull")
         check_equal(out, plain, f"stock prefill -> kvplan decode, request {k}")
-        assert len(d.log_lines(FAILED)) == failed, f"a pull failed{tails()}"
+        assert len(d.log_lines(FAILED)) == failed, f"a pull failed{failures(d, failed)}"
         assert len(d.log_lines(STOCK_DONE)) == done + 1, f"no pull read{tails()}"
     assert d.log_lines(r"prefill engine \S+ runs vLLM's NixlConnector \(tp 1, backend "
                        r"CPU_ATTN, layout \S+\): rank 0 reads its rank\(s\) \[0\]"), tails()
@@ -42,7 +42,7 @@ def test_a_stock_nixlconnector_prefill_is_read_exactly_by_a_kvplan_decode(pool):
     for k in range(14):
         assert pd(p, d, prompt(3810 + k, 70), mode="pull")["error"] is None
     took = time.monotonic() - t0
-    assert len(d.log_lines(STOCK_DONE)) == 16 and not d.log_lines(FAILED), tails()
+    assert len(d.log_lines(STOCK_DONE)) == 16 and not d.log_lines(FAILED), failures(d, 0)
     # it took every notification as its own decode's: nothing expired, no request unknown
     # to it ("unrecognized request"), no error at all
     assert not p.log_lines(r"Releasing expired KV blocks| ERROR "), p.tail()
@@ -65,7 +65,7 @@ def test_dense_heterogeneous_tp_from_a_stock_prefill(pool, prefill, decode):
     plain = p.generate(ids, 16)
     failed, done = len(d.log_lines(FAILED)), len(d.log_lines(STOCK_DONE))
     check_equal(pd(p, d, ids, mode="pull"), plain, f"{prefill} -> {decode}")
-    assert len(d.log_lines(FAILED)) == failed, f"a pull failed{tails()}"
+    assert len(d.log_lines(FAILED)) == failed, f"a pull failed{failures(d, failed)}"
     assert len(d.log_lines(STOCK_DONE)) == done + d.tp, f"not every rank read{tails()}"
     assert not p.log_lines(r"Releasing expired KV blocks| ERROR "), p.tail()
 
@@ -89,7 +89,7 @@ def test_nemotron_n_groups_1_from_a_stock_prefill(pool):
     p, d = pool.only("nemo1-p1-nixl", "nemo1-t2-ds")
     failed = len(d.log_lines(FAILED))
     check_equal(pd(p, d, ids, mode="pull"), plain, "NemotronH stock P TP1 -> kvplan D TP2")
-    assert len(d.log_lines(FAILED)) == failed, f"a pull failed{tails()}"
+    assert len(d.log_lines(FAILED)) == failed, f"a pull failed{failures(d, failed)}"
     assert len(d.log_lines(STOCK_DONE)) == 2, f"both decode ranks read{tails()}"
     p, d = pool.only("nemo1-p1-nixl", "nemo1-t2-nixl")
     stock = pd(p, d, ids, mode="pull")
@@ -101,4 +101,4 @@ def test_nemotron_n_groups_1_from_a_stock_prefill(pool):
     ids = prompt(3701, 70)
     plain = p.generate(ids, 16)
     check_equal(pd(p, d, ids, mode="pull"), plain, "NemotronH stock P TP2 -> kvplan D TP1")
-    assert not d.log_lines(FAILED) and len(d.log_lines(STOCK_DONE)) == 1, tails()
+    assert not d.log_lines(FAILED) and len(d.log_lines(STOCK_DONE)) == 1, failures(d, 0)

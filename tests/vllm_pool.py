@@ -339,6 +339,12 @@ def tails() -> str:
     return "".join(e.tail() for e in _LIVE.values() if not e.log.closed)
 
 
+def failures(e: Engine, before: int) -> str:
+    """An assertion message: ``e``'s failure lines after the first ``before`` of them, in
+    full (a report that keeps only the message's head still says why), then every tail."""
+    return "".join(f"\n  {line}" for line in e.log_lines(FAILED)[before:]) + tails()
+
+
 class Pool:
     """Engines by name (``MODEL-ROLE[-nixl]``), started on first use; ``only(...)`` stops the
     others."""
@@ -505,7 +511,7 @@ def push_equals_plain(p: Engine, d: Engine, ids: list[int], what: str, key: str,
     before = len(d.log_lines(PUSH_DONE))
     layered = len(p.log_lines(LAYERED))
     check_equal(pd_push(p, d, ids, key, mode=mode), plain, what)
-    assert len(d.log_lines(FAILED)) == failed, f"{what}: a push failed{tails()}"
+    assert len(d.log_lines(FAILED)) == failed, f"{what}: a push failed{failures(d, failed)}"
     done = d.log_lines(PUSH_DONE)[before:]
     assert len(done) == d.tp, f"{what}: {len(done)} of {d.tp} decode ranks written{tails()}"
     if mode == "layerwise":  # each prefill rank wrote it, a part from a layer's hook at least
@@ -533,7 +539,7 @@ def pd_equals_plain(p: Engine, d: Engine, ids: list[int], what: str) -> list[str
     failed = len(d.log_lines(FAILED))
     before = len(d.log_lines(PULL))
     check_equal(pd(p, d, ids), plain, what)
-    assert len(d.log_lines(FAILED)) == failed, f"{what}: a pull failed{tails()}"
+    assert len(d.log_lines(FAILED)) == failed, f"{what}: a pull failed{failures(d, failed)}"
     assert len(d.log_lines(PULL)) > before, f"{what}: decode posted no pull{tails()}"
     return d.log_lines(PULL)
 
