@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: vLLM's OpenAI server, as a module (``vllm serve`` dies on the CPU build's distribution name).
 API_SERVER = ["python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -67,6 +67,8 @@ class Setup:
     kv_gib: int = 4
     pythonpath: str = "$PWD"
     python: str = "python"  # the interpreter (the docs' "python": the venv's)
+    #: more ``kv_connector_extra_config`` settings, both engines (the docs show none)
+    extra_config: dict = field(default_factory=dict)
 
 
 #: The values docs/vllm.md shows.
@@ -85,7 +87,7 @@ def kv_config(s: Setup, role: str) -> dict:
         cfg["engine_id"] = PREFILL_ID
     cfg["kv_connector_extra_config"] = {
         "secret": s.secret, "side_channel_host": host.ip,
-        "side_channel_port": s.side_ports[0 if prefill else 1]}
+        "side_channel_port": s.side_ports[0 if prefill else 1], **s.extra_config}
     return cfg
 
 

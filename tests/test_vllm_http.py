@@ -75,11 +75,13 @@ class Serving:
         self.hosts, self.name = hosts, name
         a, b = netns.ADDRS["a"], netns.ADDRS["b"]
         # cores: the prefill pinned to core 0; a TP 2 decode unpinned (pinned beside another
-        # engine its workers starve it: docs/vllm.md), a TP 1 decode on core 1
+        # engine its workers starve it: docs/vllm.md), a TP 1 decode on core 1; handshakes
+        # of 8 s, as tests/vllm_engine.py gives its engines (CI's two cores: docs/vllm.md)
         self.s = pd_serve.Setup(
             str(model), pd_serve.Host(a, netns.IFACE, "0"),
             pd_serve.Host(b, netns.IFACE, "1" if decode_tp == 1 else "nobind"),
-            decode_tp=decode_tp, kv_gib=1, pythonpath=str(REPO), python=str(py))
+            decode_tp=decode_tp, kv_gib=1, pythonpath=str(REPO), python=str(py),
+            extra_config={"handshake_timeout_s": 8.0})
         self.procs: dict[str, subprocess.Popen] = {}  # by role, as the logs
         self.logs: dict[str, Path] = {}
         #: set by a test that killed one of the set's processes: the fixture starts it anew
