@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from examples import pd_serve
-from tests import netns
+from tests import netns, vllm_engine
 from tests.vllm_pool import prompt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,13 +75,13 @@ class Serving:
         self.hosts, self.name = hosts, name
         a, b = netns.ADDRS["a"], netns.ADDRS["b"]
         # cores: the prefill pinned to core 0; a TP 2 decode unpinned (pinned beside another
-        # engine its workers starve it: docs/vllm.md), a TP 1 decode on core 1; handshakes
-        # of 8 s, as tests/vllm_engine.py gives its engines (CI's two cores: docs/vllm.md)
+        # engine its workers starve it: docs/vllm.md), a TP 1 decode on core 1; the engine
+        # tests' handshake timeout (CI's two cores: tests/vllm_engine.py)
         self.s = pd_serve.Setup(
             str(model), pd_serve.Host(a, netns.IFACE, "0"),
             pd_serve.Host(b, netns.IFACE, "1" if decode_tp == 1 else "nobind"),
             decode_tp=decode_tp, kv_gib=1, pythonpath=str(REPO), python=str(py),
-            extra_config={"handshake_timeout_s": 8.0})
+            extra_config={"handshake_timeout_s": vllm_engine.HANDSHAKE_TIMEOUT_S})
         self.procs: dict[str, subprocess.Popen] = {}  # by role, as the logs
         self.logs: dict[str, Path] = {}
         #: set by a test that killed one of the set's processes: the fixture starts it anew

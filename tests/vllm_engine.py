@@ -32,6 +32,12 @@ import sys
 import time
 
 MARK = "@@kvplan "
+#: ``handshake_timeout_s`` of the tests' KvplanConnector engines (here and in
+#: tests/test_vllm_http.py). CI's two cores run three engines, and NIXL progress threads that
+#: spin: a metadata fetch past the default 5 s twice in a row failed a pull there (the test then
+#: saw a recompute); two tries of 8 s still end within the 20 s transfer_timeout_s, which bounds
+#: a handshake.
+HANDSHAKE_TIMEOUT_S = 8.0
 
 
 #: The tiny models the tests write (``model DIR --kind KIND``).
@@ -198,11 +204,7 @@ def serve(args: argparse.Namespace) -> None:
                  **({"side_channel_host": args.side_host} if args.side_host else {}),
                  "transfer_timeout_s": args.transfer_timeout,
                  "push_timeout_s": args.transfer_timeout,
-                 # CI's two cores run three engines, and NIXL progress threads that spin: a
-                 # metadata fetch past the default 5 s twice in a row failed a pull there
-                 # (every such test would then see a recompute); two tries of 8 s still end
-                 # within transfer_timeout_s, which bounds a handshake
-                 "handshake_timeout_s": 8.0, **json.loads(args.extra)}
+                 "handshake_timeout_s": HANDSHAKE_TIMEOUT_S, **json.loads(args.extra)}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvplanConnector", kv_connector_module_path="kvplan_nixl.vllm",
             kv_role="kv_both", kv_buffer_device="cpu",
