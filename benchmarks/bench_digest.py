@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_executor import Engines
 from kvplan.examples import llama3_70b
 from kvplan_nixl import Digester
-from kvplan_nixl.pull_digests import DigestAsk, digest_answer, parse_answer
+from kvplan_nixl.serving.pull_digests import DigestAsk, digest_answer, parse_answer
 
 
 def _median_ms(xs: list[float]) -> float:

@@ -86,7 +86,7 @@ def release(params: dict | None, secret: str | None, timeout: float = 5.0) -> st
             params.get(k) is None for k in RELEASE_KEYS):
         return None
     try:
-        from kvplan_nixl import sidechannel as sc
+        from kvplan_nixl.serving import sidechannel as sc
     except ImportError as e:
         return f"not sent: kvplan_nixl does not import here ({e})"
     engine, host = str(params["remote_engine_id"]), str(params["remote_host"])

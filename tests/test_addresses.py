@@ -1,12 +1,12 @@
-"""Side channel addresses checked at start (kvplan_nixl.addresses): what peers are told to
+"""Side channel addresses checked at start (kvplan_nixl.serving.addresses): what peers are told to
 dial must be dialable from where they run; what cannot work is refused naming its key."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvplan_nixl.addresses import is_loopback, is_wildcard, side_channel_addresses
 from kvplan_nixl.errors import ArgumentError
+from kvplan_nixl.serving.addresses import is_loopback, is_wildcard, side_channel_addresses
 
 BIND, ADV = "side_channel_host", "side_channel_advertise_host"
 

@@ -194,7 +194,7 @@ CONNECTOR_CHECK = DIGEST_SCRIPT_SETUP + r"""
 import json, time
 from types import SimpleNamespace
 import numpy as np
-from kvplan_nixl.pushes import PUSHED, PushSend, parse_done, push_done
+from kvplan_nixl.serving.pushes import PUSHED, PushSend, parse_done, push_done
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.pushing import Receive, Receives
 from kvplan_nixl.vllm.settings import Settings

@@ -1,4 +1,4 @@
-"""Background handshakes (kvplan_nixl/handshakes.py) against real side channel servers on
+"""Background handshakes (kvplan_nixl/serving/handshakes.py) against real side channel servers on
 127.0.0.1: the caller never blocks, connect runs under the caller's lock with the fetches
 outside it, a dead or hostile prefill fails its own handshake only, and close joins the threads.
 The blobs here are stand-ins ``b"ENGINE#RANK"`` (``ident`` reads them); the attacks with real
@@ -13,10 +13,10 @@ from contextlib import ExitStack, closing
 
 import pytest
 
-from kvplan_nixl import handshakes
-from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.errors import ArgumentError, ClosedError, MetadataError
-from kvplan_nixl.handshakes import FAILED, PENDING, READY, Handshakes
+from kvplan_nixl.serving import handshakes
+from kvplan_nixl.serving import sidechannel as sc
+from kvplan_nixl.serving.handshakes import FAILED, PENDING, READY, Handshakes
 
 HOST = "127.0.0.1"
 

@@ -1,4 +1,4 @@
-"""The prefill's hold table (kvplan_nixl/holds.py): a CONFIRM is yes only while the hold is
+"""The prefill's hold table (kvplan_nixl/serving/holds.py): a CONFIRM is yes only while the hold is
 live, a hold is reported finished (its blocks freed by vLLM) only after it ended, and an ended
 generation never comes back. Examples, then a state machine checked against a reference model
 and against the safety property itself."""
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvplan_nixl.errors import ArgumentError
-from kvplan_nixl.holds import Holds, Verdict, new_generation
+from kvplan_nixl.serving.holds import Holds, Verdict, new_generation
 
 
 def test_confirm_only_while_held_and_never_again_after_expiry():

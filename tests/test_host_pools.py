@@ -1,5 +1,5 @@
-"""The bounded pool of kvplan_nixl/host_pools.py: jobs of one host never hold up another host's,
-per-host and per-address limits hold, waiting jobs are bounded and deduplicated, and close
+"""The bounded pool of kvplan_nixl/serving/host_pools.py: jobs of one host never hold up another
+host's, per-host and per-address limits hold, waiting jobs are bounded and deduplicated, and close
 drops what waits and joins what runs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvplan_nixl.errors import ArgumentError
-from kvplan_nixl.host_pools import HostPool
+from kvplan_nixl.serving.host_pools import HostPool
 
 
 def test_a_busy_host_does_not_hold_up_another():

@@ -19,8 +19,8 @@ from contextlib import ExitStack, closing
 
 import pytest
 
-from kvplan_nixl import sidechannel as sc
-from kvplan_nixl.handshakes import FAILED, READY, Handshakes, identity
+from kvplan_nixl.serving import sidechannel as sc
+from kvplan_nixl.serving.handshakes import FAILED, READY, Handshakes, identity
 from tests.nixl_util import attn, pair, spec
 from tests.test_handshakes import wait_for
 from tests.test_vllm_serving import _in_vllm_venv
@@ -135,7 +135,7 @@ CONTROL_ATTACK = r"""
 import random, socket, time
 from contextlib import ExitStack, closing
 from types import SimpleNamespace
-from kvplan_nixl.holds import Verdict, new_generation
+from kvplan_nixl.serving.holds import Verdict, new_generation
 from kvplan_nixl.vllm.control import RELEASE_QUEUE, Control, Sends
 
 TP = 64

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kvplan_nixl.digest import Digest
-from kvplan_nixl.pull_digests import DIGASK, DIGEST, DigestAsk, digest_answer, parse_answer
-from kvplan_nixl.pushes import MAX_MESSAGE
+from kvplan_nixl.serving.pull_digests import DIGASK, DIGEST, DigestAsk, digest_answer, parse_answer
+from kvplan_nixl.serving.pushes import MAX_MESSAGE
 from tests.nixl_util import DIGEST_SCRIPT_SETUP
 
 
@@ -56,10 +56,10 @@ import socket, threading, time
 from types import SimpleNamespace
 import numpy as np
 from kvplan.pairs import pair_runs
-from kvplan_nixl.handshakes import Handshakes, identity
-from kvplan_nixl.holds import new_generation
-from kvplan_nixl.pushes import PushSend
-from kvplan_nixl.sidechannel import SideChannelServer, server_identity
+from kvplan_nixl.serving.handshakes import Handshakes, identity
+from kvplan_nixl.serving.holds import new_generation
+from kvplan_nixl.serving.pushes import PushSend
+from kvplan_nixl.serving.sidechannel import SideChannelServer, server_identity
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.pull_digest import Answers
 from kvplan_nixl.vllm.pulling import Pulls

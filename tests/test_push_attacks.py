@@ -18,11 +18,11 @@ PUSH_CHECK = r"""
 import threading, time
 import numpy as np
 from kvplan_nixl import Endpoint
-from kvplan_nixl.pushes import MAX_UNSEEN, PUSHED, PUSHFAIL, push_done
+from kvplan_nixl.serving.pushes import MAX_UNSEEN, PUSHED, PUSHFAIL, push_done
 from kvplan_nixl.vllm.pushing import Receives
 from kvplan_nixl.vllm.scheduler import Load
 from kvplan_nixl.vllm.settings import Settings
-from kvplan_nixl.vllm_stats import KvplanStats
+from kvplan_nixl.vllm.stats import KvplanStats
 from tests.nixl_util import attn, pair, spec
 
 KEY = b"kvplan-test-deployment-secret-18"
@@ -127,13 +127,13 @@ class Rank:  # the worker attributes Writes reads; endpoint, holds, side channel
 COLLISION_CHECK = r"""
 import threading, time
 from kvplan.adapters.vllm import TransferGroups
-from kvplan_nixl import sidechannel as sc
-from kvplan_nixl.holds import new_generation
-from kvplan_nixl.pushes import PushSend, Registration, parse_done
+from kvplan_nixl.serving import sidechannel as sc
+from kvplan_nixl.serving.holds import new_generation
+from kvplan_nixl.serving.pushes import PushSend, Registration, parse_done
 from kvplan_nixl.vllm.control import Sends
 from kvplan_nixl.vllm.pushing import Writes
 from kvplan_nixl.vllm.settings import Settings
-from kvplan_nixl.vllm_stats import KvplanStats
+from kvplan_nixl.vllm.stats import KvplanStats
 from tests.nixl_util import attn, pair, spec
 
 KEY = "kvplan-test-deployment-secret-18"
@@ -191,12 +191,12 @@ LATE_CHECK = r"""
 import threading, time
 import numpy as np
 from kvplan.adapters.vllm import TransferGroups
-from kvplan_nixl import sidechannel as sc
-from kvplan_nixl.pushes import PushSend, Registration, parse_done
+from kvplan_nixl.serving import sidechannel as sc
+from kvplan_nixl.serving.pushes import PushSend, Registration, parse_done
 from kvplan_nixl.vllm.control import Sends
 from kvplan_nixl.vllm.pushing import Writes
 from kvplan_nixl.vllm.settings import Settings
-from kvplan_nixl.vllm_stats import KvplanStats
+from kvplan_nixl.vllm.stats import KvplanStats
 from tests.nixl_util import attn, pair, spec
 
 KEY = "kvplan-test-deployment-secret-18"

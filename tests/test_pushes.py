@@ -1,4 +1,4 @@
-"""Push mode's protocol without engines (:mod:`kvplan_nixl.pushes`): the transfer key, the
+"""Push mode's protocol without engines (:mod:`kvplan_nixl.serving.pushes`): the transfer key, the
 messages' encoding and their validation, and the prefill's table matching sends with
 registrations in either order, once, within their windows."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplan_nixl.pushes import (
+from kvplan_nixl.serving.pushes import (
     MAX_KEY,
     PUSHED,
     PUSHFAIL,

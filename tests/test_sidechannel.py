@@ -1,5 +1,5 @@
-"""The side channel (kvplan_nixl/sidechannel.py) over real sockets on 127.0.0.1, real threads:
-the protocol, then attacks (forged, replayed, unsigned, malformed, oversized, a hostile
+"""The side channel (kvplan_nixl/serving/sidechannel.py) over real sockets on 127.0.0.1, real
+threads: the protocol, then attacks (forged, replayed, unsigned, malformed, oversized, a hostile
 metadata server, slow clients, a taken port), each asserting what the protection prevents."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.errors import ArgumentError, ExecutorError
-from kvplan_nixl.holds import Holds, Verdict
+from kvplan_nixl.serving import sidechannel as sc
+from kvplan_nixl.serving.holds import Holds, Verdict
 
 SECRET = b"deployment-secret-0123456789"
 ID = sc.server_identity("prefill", 0)

@@ -53,3 +53,39 @@ def test_lower_rooms_do_not_reach_up_to_the_facades():
             assert "kvplan_nixl.staged.stager" not in deps, name
     assert not any(d.startswith("kvplan_nixl.staged") for low in below_endpoint
                    for d in GRAPH[f"kvplan_nixl.{low}"])
+
+
+SERVING, VLLM = "kvplan_nixl.serving", "kvplan_nixl.vllm"
+#: the top-level modules nothing in the executor imports: its entry points
+EXECUTOR_ROOTS = {"kvplan_nixl", "kvplan_nixl.cli"}
+
+
+def _room(module: str) -> str:
+    return ("vllm" if module == VLLM or module.startswith(VLLM + ".") else
+            "serving" if module == SERVING or module.startswith(SERVING + ".") else "executor")
+
+
+def test_the_three_rooms_import_one_way():
+    """executor <- serving <- vllm (docs/design.md): the executor names neither room above it,
+    and the serving protocol never names the vLLM connector."""
+    rank = {"executor": 0, "serving": 1, "vllm": 2}
+    up = [f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
+          if rank[_room(d)] > rank[_room(m)]]
+    assert not up, up
+
+
+def test_the_serving_protocol_imports_no_engine():
+    """A connector for another engine builds on kvplan_nixl.serving: nothing there may import
+    vLLM or torch (or the vLLM connector's own messaging stack)."""
+    engines = {"vllm", "torch", "zmq", "msgspec"}
+    found = [f"{m} imports {i.target}" for m, imps in ig.graph("kvplan_nixl", typing=True).items()
+             if _room(m) == "serving" for i in imps if i.target.split(".")[0] in engines]
+    assert not found, found
+
+
+def test_the_executor_holds_only_what_the_executor_uses():
+    """A top-level module that only the rooms above import belongs in one of them (the flat
+    folder where the vLLM connector's parts sat beside the executor's is gone)."""
+    used = {d for m, deps in GRAPH.items() if _room(m) == "executor" for d in deps}
+    stray = [m for m in GRAPH if _room(m) == "executor" and m not in used | EXECUTOR_ROOTS]
+    assert not stray, stray

@@ -1,7 +1,7 @@
-"""kvplan_nixl/transfer_params.py: what an HTTP client puts in ``kv_transfer_params`` is checked
-field by field at admission; a bad value is a ParamsError naming the field and the value, and
-nothing is built from an unchecked one (issue 36, item 1). The connector's use of it, in
-vLLM's scheduler, is tests/test_vllm_serving.py's."""
+"""kvplan_nixl/serving/transfer_params.py: what an HTTP client puts in ``kv_transfer_params`` is
+checked field by field at admission; a bad value is a ParamsError naming the field and the value,
+and nothing is built from an unchecked one (issue 36, item 1). The connector's use of it, in vLLM's
+scheduler, is tests/test_vllm_serving.py's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplan_nixl import ParamsError
-from kvplan_nixl.transfer_params import (
+from kvplan_nixl.serving.transfer_params import (
     MAX_BLOCK_IDS,
     MAX_TP,
     Handover,

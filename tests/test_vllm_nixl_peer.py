@@ -32,7 +32,7 @@ import json, sys
 from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
 from kvplan_nixl.errors import ArgumentError
-from kvplan_nixl.sidechannel import SideChannelTimeout
+from kvplan_nixl.serving.sidechannel import SideChannelTimeout
 from kvplan_nixl.vllm.nixl_peer import NixlHashMismatch, compat_hash, fetch_nixl_metadata
 
 model, host, port, idle = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -142,7 +142,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
     NixlBaseConnectorScheduler)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata, NixlHandshakePayload)
-from kvplan_nixl.sidechannel import SideChannelProtocolError
+from kvplan_nixl.serving.sidechannel import SideChannelProtocolError
 from kvplan_nixl.vllm.nixl_peer import fetch_nixl_metadata
 
 enc = msgspec.msgpack.Encoder()

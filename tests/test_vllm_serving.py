@@ -142,7 +142,7 @@ print("ok")
 HOLDS_CHECK = r"""
 import time
 from types import SimpleNamespace
-from kvplan_nixl.holds import Verdict, new_generation
+from kvplan_nixl.serving.holds import Verdict, new_generation
 from kvplan_nixl.vllm.control import Control, Sends
 
 sends = Sends("127.0.0.1", 0, "pre#0", b"md", secret="s", lease=0.5)
@@ -240,9 +240,9 @@ def test_ports_by_data_parallel_rank_and_config_keys_checked_by_name():
 
 
 def test_addresses_that_cannot_work_are_refused_when_the_connector_is_made():
-    """The facade reads the bind and advertised addresses (kvplan_nixl.addresses): a wildcard
-    or a loopback advertised beside a bind that serves other hosts stops the engine at start,
-    naming the key or variable; a wildcard bind with an advertised address is taken."""
+    """The facade reads the bind and advertised addresses (kvplan_nixl.serving.addresses): a
+    wildcard or a loopback advertised beside a bind that serves other hosts stops the engine at
+    start, naming the key or variable; a wildcard bind with an advertised address is taken."""
     _in_vllm_venv(ADDRESS_CHECK)
 
 
@@ -355,8 +355,8 @@ class _Prefill:
     answers one kvplan pull's params for request ``req`` held under a fresh generation."""
 
     def __init__(self, seen: dict, tp: int = 2, secret: str = "s") -> None:
-        from kvplan_nixl import sidechannel as sc
-        from kvplan_nixl.holds import Holds, new_generation
+        from kvplan_nixl.serving import sidechannel as sc
+        from kvplan_nixl.serving.holds import Holds, new_generation
 
         self.req, self.gen = "pre-req-1", new_generation()
         base = free_base_port(tp)  # rank r listens on base + r, as an engine's ranks do

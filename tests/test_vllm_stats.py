@@ -1,4 +1,4 @@
-"""kvplan_nixl/vllm_stats.py through vLLM 0.32's own stats code (tests/vllm_stats_check.py,
+"""kvplan_nixl/vllm/stats.py through vLLM 0.32's own stats code (tests/vllm_stats_check.py,
 run by the vLLM venv's python): the log line and the Prometheus series appear and add up."""
 
 from __future__ import annotations

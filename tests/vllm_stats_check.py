@@ -9,7 +9,7 @@ import json
 import prometheus_client
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
-from kvplan_nixl.vllm_stats import KvplanStats, KvplanStatsMixin
+from kvplan_nixl.vllm.stats import KvplanStats, KvplanStatsMixin
 
 
 class Conn(KvplanStatsMixin):

@@ -29,15 +29,16 @@ step.
 - **Spec**: each worker derives its rank's :class:`kvplan.EngineSpec` from the tensors vLLM
   registers (:func:`kvplan.adapters.vllm.spec_from_vllm`), so nothing is described by hand.
 - **Handshake**: each prefill worker rank serves its signed ``Endpoint.metadata()`` on a
-  small TCP side channel (:mod:`kvplan_nixl.sidechannel`), ``remote_port + tp_rank``; a decode
-  rank connects the prefill ranks its pull map names (``Endpoint.connect``: kvplan refuses an
-  incompatible pair there) on background threads (:mod:`kvplan_nixl.handshakes`): a request's
-  load starts once its prefill is connected.
+  small TCP side channel (:mod:`kvplan_nixl.serving.sidechannel`), ``remote_port + tp_rank``;
+  a decode rank connects the prefill ranks its pull map names (``Endpoint.connect``: kvplan
+  refuses an incompatible pair there) on background threads
+  (:mod:`kvplan_nixl.serving.handshakes`): a request's load starts once its prefill is
+  connected.
 - **Per request**: ``map.plan(remote lists, local lists, tokens=(held, end))`` over every
   group moves exactly the positions decode lacks (and a state group's running slot);
   ``Endpoint.read`` posts it with a deadline (``transfer_timeout_s``).
 - **Never serving freed KV**: the prefill holds each request under a generation
-  (``remote_generation``, :mod:`kvplan_nixl.holds`) and frees its blocks only once the hold
+  (``remote_generation``, :mod:`kvplan_nixl.serving.holds`) and frees its blocks only once the hold
   ended; the decode renews the hold while its pull is in flight (RENEW every
   ``heartbeat_s``) and reports the pull finished only once every prefill rank it read
   answered its CONFIRM yes (the hold was live throughout). Ranks nobody reads get a
@@ -48,21 +49,21 @@ step.
   ``failed_recving``); vLLM's ``kv_load_failure_policy`` then recomputes them or fails the
   request.
 - **Push mode** (``mode``: ``"push"`` or ``"layerwise"``, or a prefill request's
-  ``transfer_mode``; :mod:`kvplan_nixl.pushes`, :mod:`.pushing`): the decode request comes
+  ``transfer_mode``; :mod:`kvplan_nixl.serving.pushes`, :mod:`.pushing`): the decode request comes
   first, naming its prefill engine; the decode registers its blocks with every prefill rank,
   and the prefill writes the KV into them with its push map (after the request finished, or
   layer-wise from ``save_kv_layer`` during the forward, state regions from
   ``wait_for_save``). A decode rank proceeds once every prefill rank that writes it said the
   write completed; a failed write, a dead prefill or ``push_timeout_s`` plus a grace goes to
   ``kv_load_failure_policy``.
-- **Stats**: ``get_kv_connector_stats`` (:mod:`kvplan_nixl.vllm_stats`): vLLM's periodic
+- **Stats**: ``get_kv_connector_stats`` (:mod:`kvplan_nixl.vllm.stats`): vLLM's periodic
   "KV Transfer metrics" log line and ``vllm:kvplan_*`` Prometheus metrics.
 
 Extra config keys: ``secret`` (str, signs the metadata and every side channel message; the
 same on every engine), ``side_channel_host`` (where the side channel listens; default
 ``$VLLM_HOST_IP`` or 127.0.0.1), ``side_channel_advertise_host`` (what peers dial; default
 ``side_channel_host``; a wildcard, or loopback beside a non-loopback bind, is refused at
-start: :mod:`kvplan_nixl.addresses`),
+start: :mod:`kvplan_nixl.serving.addresses`),
 ``side_channel_port`` (base port, default 5700: rank ``r`` of DP rank ``dp`` listens on
 ``base + dp * tp_size + r``), ``transfer_timeout_s`` (default 30), ``handshake_timeout_s``
 (default 5), ``lease_s`` (default 120), ``heartbeat_s`` (default ``lease_s / 3``),
@@ -86,12 +87,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvplan_nixl.addresses import side_channel_addresses
+from kvplan_nixl.serving.addresses import side_channel_addresses
 from kvplan_nixl.vllm import layer_hooks
 from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load, Scheduler
 from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.vllm.stats import KvplanStats, KvplanStatsMixin
 from kvplan_nixl.vllm.worker import Worker
-from kvplan_nixl.vllm_stats import KvplanStats, KvplanStatsMixin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,7 +107,7 @@ __all__ = ["KvplanConnector", "KvplanMetadata", "Load", "Settings"]
 
 class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
     """vLLM V1 KV connector on kvplan + kvplan_nixl (the module docstring says how); its
-    stats (:class:`kvplan_nixl.vllm_stats.KvplanStats`) go to vLLM's log line and
+    stats (:class:`kvplan_nixl.vllm.stats.KvplanStats`) go to vLLM's log line and
     Prometheus."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from kvplan_nixl import sidechannel as sc
 from kvplan_nixl.errors import ArgumentError, ExecutorError
-from kvplan_nixl.holds import Holds, Verdict
-from kvplan_nixl.host_pools import HostPool
+from kvplan_nixl.serving import sidechannel as sc
+from kvplan_nixl.serving.holds import Holds, Verdict
+from kvplan_nixl.serving.host_pools import HostPool
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.scheduler import Load
@@ -88,8 +88,8 @@ class Sends:
 
 class Control:
     """A decode rank's control messages to prefill ranks, each bounded by ``timeout``, on two
-    pools of their own (:class:`~kvplan_nixl.host_pools.HostPool`; a slow or dead prefill costs a
-    pool thread, never the step).
+    pools of their own (:class:`~kvplan_nixl.serving.host_pools.HostPool`; a slow or dead
+    prefill costs a pool thread, never the step).
 
     The address of each message is the request's ``remote_host`` / ``remote_port``, which
     its HTTP client chose, so the pools are split by what waits on them: CONFIRM and RENEW

@@ -25,12 +25,12 @@ from vllm.logger import init_logger
 
 from kvplan import KVPlanError
 from kvplan_nixl.digest import Digester
-from kvplan_nixl.pushes import PUSHED
+from kvplan_nixl.serving.pushes import PUSHED
 from kvplan_nixl.vllm.spans import span
 
 if TYPE_CHECKING:
     from kvplan import EngineSpec, TransferPlan
-    from kvplan_nixl.pushes import PushSend
+    from kvplan_nixl.serving.pushes import PushSend
     from kvplan_nixl.vllm.rank import Rank
     from kvplan_nixl.vllm.scheduler import Load
     from kvplan_nixl.vllm.settings import Settings

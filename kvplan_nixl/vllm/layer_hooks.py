@@ -16,7 +16,7 @@ import torch
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
-    from kvplan_nixl.pushes import PushSend
+    from kvplan_nixl.serving.pushes import PushSend
     from kvplan_nixl.vllm.worker import Worker
 
 logger = init_logger("vllm.kvplan_nixl")

@@ -49,8 +49,8 @@ from vllm.utils.network_utils import make_zmq_path
 import kvplan
 from kvplan.adapters.vllm_nixl import prefill_from_nixl
 from kvplan_nixl.errors import ArgumentError
-from kvplan_nixl.handshakes import Handshakes, HandshakeState
-from kvplan_nixl.sidechannel import (
+from kvplan_nixl.serving.handshakes import Handshakes, HandshakeState
+from kvplan_nixl.serving.sidechannel import (
     SideChannelError,
     SideChannelProtocolError,
     SideChannelTimeout,
@@ -69,8 +69,8 @@ logger = init_logger("vllm.kvplan_nixl")
 
 class NixlPrefills:
     """One decode rank's handshakes with NixlConnector prefills, on a
-    :class:`~kvplan_nixl.handshakes.Handshakes` of their own (its pool, timeouts, retries and
-    per-address state, keyed by what the request names).
+    :class:`~kvplan_nixl.serving.handshakes.Handshakes` of their own (its pool, timeouts,
+    retries and per-address state, keyed by what the request names).
 
     A handshake asks the prefill's one side channel for rank 0's metadata, then for every
     other rank's (``tp_size`` of the request that started it): the prefill's spec needs all of
@@ -190,8 +190,8 @@ def fetch_nixl_metadata(host: str, port: int, tp_rank: int, *, tp_size: int,
     the decode's compatibility hash (:func:`compat_hash`); ``engine_id``, when given, must be
     the one the metadata names. The whole exchange runs under ``timeout_s``.
 
-    Raises :class:`~kvplan_nixl.sidechannel.SideChannelTimeout` (no answer in time),
-    :class:`NixlHashMismatch`, :class:`~kvplan_nixl.sidechannel.SideChannelProtocolError`
+    Raises :class:`~kvplan_nixl.serving.sidechannel.SideChannelTimeout` (no answer in time),
+    :class:`NixlHashMismatch`, :class:`~kvplan_nixl.serving.sidechannel.SideChannelProtocolError`
     (an answer that is not a NixlConnector handshake of this version, or another engine's),
     each naming ``host:port``.
     """

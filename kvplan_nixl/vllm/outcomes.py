@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from kvplan_nixl.vllm_stats import KvplanStats
+from kvplan_nixl.vllm.stats import KvplanStats
 
 logger = init_logger("vllm.kvplan_nixl")
 

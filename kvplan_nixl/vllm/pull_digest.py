@@ -1,5 +1,5 @@
 """The transfer digest of a pull in ``KvplanConnector`` (``kv_connector_extra_config["digest"]``;
-docs/vllm.md, "Transfer digest"): both sides, the words in :mod:`kvplan_nixl.pull_digests`.
+docs/vllm.md, "Transfer digest"): both sides, the words in :mod:`kvplan_nixl.serving.pull_digests`.
 
 - Decode (:func:`ask`, :func:`check`, called by :class:`kvplan_nixl.vllm.pulling.Pulls`): once
   a read completed, each prefill rank it read is asked (``DIGASK``) for the digest of what this
@@ -32,15 +32,15 @@ from vllm.logger import init_logger
 
 from kvplan import KVPlanError
 from kvplan_nixl.digest import Digest
-from kvplan_nixl.holds import Verdict
 from kvplan_nixl.notifications import Notification
-from kvplan_nixl.pull_digests import DIGASK, DigestAsk, digest_answer
+from kvplan_nixl.serving.holds import Verdict
+from kvplan_nixl.serving.pull_digests import DIGASK, DigestAsk, digest_answer
 from kvplan_nixl.vllm.spans import span
 
 if TYPE_CHECKING:
     from kvplan import TransferPlan
-    from kvplan_nixl.handshakes import Handshakes
-    from kvplan_nixl.pushes import PushSend
+    from kvplan_nixl.serving.handshakes import Handshakes
+    from kvplan_nixl.serving.pushes import PushSend
     from kvplan_nixl.vllm.pull import Pull
     from kvplan_nixl.vllm.rank import Rank
 

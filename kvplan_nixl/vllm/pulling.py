@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from kvplan_nixl.holds import Verdict
-from kvplan_nixl.pull_digests import parse_answer
+from kvplan_nixl.serving.holds import Verdict
+from kvplan_nixl.serving.pull_digests import parse_answer
 from kvplan_nixl.vllm import pull_digest
 from kvplan_nixl.vllm.pull import Pull
 from kvplan_nixl.vllm.spans import lacking, span

@@ -1,5 +1,5 @@
 """Push mode of ``KvplanConnector``, both sides of one worker rank (the protocol and its tables:
-:mod:`kvplan_nixl.pushes`; docs/vllm.md, "Push mode").
+:mod:`kvplan_nixl.serving.pushes`; docs/vllm.md, "Push mode").
 
 - :class:`Receives`, a decode rank: once its prefill engine is connected, rank 0 sends the
   ``REGISTER`` to every prefill rank; each rank waits for ``PUSHED`` from every prefill rank
@@ -7,7 +7,7 @@
   request's KV loaded. A ``PUSHFAIL`` or no answer within ``push_timeout_s`` plus
   ``handshake_timeout_s`` of grace fails the load (vLLM's ``kv_load_failure_policy``).
 - :class:`Writes`, a prefill rank: matches its finished requests with registrations, connects
-  the decode engine (push mode, on a :class:`kvplan_nixl.handshakes.Handshakes` of its own),
+  the decode engine (push mode, on a :class:`kvplan_nixl.serving.handshakes.Handshakes` of its own),
   plans with the push map and posts one ``Endpoint.write`` whose notification is the
   ``PUSHED``; once the write ends (or no registration came within the lease) the request's
   hold ends, so vLLM frees its blocks. Layer-wise (:class:`Layered`), the request is opened
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from kvplan_nixl.errors import DeadlinePassed
-from kvplan_nixl.handshakes import Handshakes, identity
 from kvplan_nixl.notifications import Notification
-from kvplan_nixl.pushes import (
+from kvplan_nixl.serving.handshakes import Handshakes, identity
+from kvplan_nixl.serving.pushes import (
     PUSHED,
     PUSHFAIL,
     REGISTER,

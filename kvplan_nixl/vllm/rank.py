@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from kvplan.adapters.vllm import TransferGroups
     from kvplan_nixl.digest import Digester
-    from kvplan_nixl.handshakes import Handshakes
+    from kvplan_nixl.serving.handshakes import Handshakes
     from kvplan_nixl.vllm.control import Control, Sends
     from kvplan_nixl.vllm.scheduler import Load
     from kvplan_nixl.vllm.settings import Settings
-    from kvplan_nixl.vllm_stats import KvplanStats
+    from kvplan_nixl.vllm.stats import KvplanStats
 
 
 class Rank(Protocol):

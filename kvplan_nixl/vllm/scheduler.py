@@ -11,20 +11,20 @@ state it continues from is the state after ``n - 1`` tokens (as NixlConnector do
 ``_prefill_backoff`` in ``kv_connector/v1/nixl/base_scheduler.py``).
 
 Admission (:meth:`Scheduler.new_request`, vLLM's ``on_new_request``) checks every field of a
-request's ``kv_transfer_params`` once (:mod:`kvplan_nixl.transfer_params`: an HTTP client
+request's ``kv_transfer_params`` once (:mod:`kvplan_nixl.serving.transfer_params`: an HTTP client
 chooses them); the rest of this module reads only what passed. A decode request whose params
 were refused still waits for a load, which its workers fail at once without contacting
 anyone, so that vLLM's ``kv_load_failure_policy`` decides (recompute it or fail it) and no
 exception leaves the scheduler's step; a prefill request whose params were refused is served
 as a plain request.
 
-Push mode (:mod:`kvplan_nixl.pushes`): a decode request whose params name a prefill engine but
-carry no ``remote_block_ids`` waits for that prefill to write its blocks (a :class:`Load` with
+Push mode (:mod:`kvplan_nixl.serving.pushes`): a decode request whose params name a prefill engine
+but carry no ``remote_block_ids`` waits for that prefill to write its blocks (a :class:`Load` with
 ``push``); a prefill request pushes when its params say ``"transfer_mode": "push"`` (or
 ``"layerwise"``), or the engine's ``mode`` does: its finished blocks go to the workers as a
-:class:`kvplan_nixl.pushes.PushSend`, held as a pull's are. Layer-wise, the step that computes
-a request's whole prompt (its first step: a chunked prompt is pushed whole after it finished)
-also sends the workers its blocks before the forward (``KvplanMetadata.layered``), so that
+:class:`kvplan_nixl.serving.pushes.PushSend`, held as a pull's are. Layer-wise, the step that
+computes a request's whole prompt (its first step: a chunked prompt is pushed whole after it
+finished) also sends the workers its blocks before the forward (``KvplanMetadata.layered``), so that
 each layer can be written as soon as the forward has computed it.
 """
 
@@ -39,9 +39,9 @@ from vllm.logger import init_logger
 
 from kvplan.adapters.vllm import TransferGroups
 from kvplan_nixl.errors import ParamsError
-from kvplan_nixl.holds import new_generation
-from kvplan_nixl.pushes import PushSend
-from kvplan_nixl.transfer_params import Handover, Source, check_decode, check_prefill
+from kvplan_nixl.serving.holds import new_generation
+from kvplan_nixl.serving.pushes import PushSend
+from kvplan_nixl.serving.transfer_params import Handover, Source, check_decode, check_prefill
 from kvplan_nixl.vllm.outcomes import LoadOutcomes
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class Load:
     parked: bool  # the request waits for this load (False: only release the prefill's blocks)
     generation: int = 0  # the prefill's hold generation (``remote_generation``; 0: none)
     push: bool = False  # the prefill writes (push mode): wait for it instead of reading
-    key: str = ""  # push: the transfer key the prefill matches (kvplan_nixl.pushes)
+    key: str = ""  # push: the transfer key the prefill matches (kvplan_nixl.serving.pushes)
     refused: str = ""  # its params were refused (why): fails at once, nobody contacted
     peer: str = "kvplan"  # the prefill's connector: "kvplan", or "nixl" (vLLM's NixlConnector)
 
@@ -107,7 +107,7 @@ class Scheduler:
         self.pulled: list[PushSend] = []
         self.digest = settings.digest()
         self.mode = settings.mode()
-        # what admission found in each request's params (kvplan_nixl.transfer_params), until
+        # what admission found in each request's params (kvplan_nixl.serving.transfer_params), until
         # the request is allocated (a decode's source) or finished (a prefill's handover)
         self.sources: dict[str, Source | ParamsError] = {}
         self.handovers: dict[str, Handover] = {}
@@ -236,7 +236,7 @@ class Scheduler:
             return False, None
         delay = layered or any(len(g) > 0 for g in block_ids)
         # the hold's generation: a decode's CONFIRM names it, so a hold that ended (and its
-        # blocks, freed and maybe reused) is never mistaken for this one (kvplan_nixl.holds)
+        # blocks, freed and maybe reused) is never mistaken for this one (kvplan_nixl.serving.holds)
         gen = new_generation()
         if delay:
             self.sends.append((rid, gen))

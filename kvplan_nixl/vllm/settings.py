@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvplan_nixl.sidechannel import side_channel_port
-from kvplan_nixl.transfer_params import MODES
+from kvplan_nixl.serving.sidechannel import side_channel_port
+from kvplan_nixl.serving.transfer_params import MODES
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Settings:
     """One engine's connector settings (see the package docstring for the extra keys)."""
 
     engine_id: str
-    host: str  # the side channel's advertised host: what peers dial (kvplan_nixl.addresses)
+    host: str  # the side channel's advertised host: what peers dial (kvplan_nixl.serving.addresses)
     port: int  # the side channel's base port (``side_channel_port``)
     tp_size: int
     extra: dict[str, Any] = field(default_factory=dict)

@@ -3,11 +3,11 @@
 pulls (:mod:`.pulling`), pushes to wait for and to write (:mod:`.pushing`).
 
 Never serving freed KV (docs/vllm.md, "Holds, CONFIRM and heartbeats"): a prefill rank holds
-each request under the generation its scheduler chose (:class:`kvplan_nixl.holds.Holds`) and
+each request under the generation its scheduler chose (:class:`kvplan_nixl.serving.holds.Holds`) and
 reports the send finished only once the hold ended; a decode rank renews the holds it reads
 while its pull is in flight, and reports the pull finished only after every prefill rank it
 read confirmed the hold was live throughout. Nothing that talks to another engine runs on the
-engine step: handshakes on :class:`kvplan_nixl.handshakes.Handshakes`' threads, RENEW,
+engine step: handshakes on :class:`kvplan_nixl.serving.handshakes.Handshakes`' threads, RENEW,
 CONFIRM and RELEASE on a small pool of their own.
 """
 
@@ -25,9 +25,9 @@ from vllm.logger import init_logger
 
 import kvplan
 from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, whole_pages
-from kvplan_nixl import sidechannel as sc
-from kvplan_nixl.addresses import is_loopback
-from kvplan_nixl.handshakes import Handshakes, HandshakeState, identity
+from kvplan_nixl.serving import sidechannel as sc
+from kvplan_nixl.serving.addresses import is_loopback
+from kvplan_nixl.serving.handshakes import Handshakes, HandshakeState, identity
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.nixl_peer import NixlPrefills, compat_hash, stock_backend
@@ -35,7 +35,7 @@ from kvplan_nixl.vllm.pull_digest import Answers
 from kvplan_nixl.vllm.pulling import Pulls
 from kvplan_nixl.vllm.pushing import Receives, Writes
 from kvplan_nixl.vllm.spans import lacking
-from kvplan_nixl.vllm_stats import KvplanStats
+from kvplan_nixl.vllm.stats import KvplanStats
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load
@@ -375,7 +375,7 @@ def _readers(tmap: Any, engine: str, whole: bool) -> list[int]:
 
 def _dialled(load: Load, address: bool = True) -> str:
     """What a failed handshake's message adds: the address dialled (the prefill advertised
-    it), and what a loopback one means (kvplan_nixl.addresses)."""
+    it), and what a loopback one means (kvplan_nixl.serving.addresses)."""
     out = f"; dialled {load.host}:{load.port}, as the prefill advertised" if address else ""
     if is_loopback(load.host):
         out += ("; a loopback address: a prefill on another host must advertise one this "

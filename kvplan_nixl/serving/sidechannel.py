@@ -13,8 +13,8 @@ One request per connection, so that no connection outlives one exchange::
 heartbeat: extend the lease) or ``CONFIRM`` (the read completed: was the request held the whole
 time? yes counts as the reader's release; ``readers``, 0 for the other verbs, is how many decode
 ranks read this prefill rank, so the last one's CONFIRM ends the hold); ``req`` is %-quoted;
-the answers are :class:`~kvplan_nixl.holds.Verdict`
-values (see :mod:`kvplan_nixl.holds`).
+the answers are :class:`~kvplan_nixl.serving.holds.Verdict`
+values (see :mod:`kvplan_nixl.serving.holds`).
 
 **Under a deployment secret** every control message carries ``mac`` = HMAC-SHA256, under a key
 derived from the secret, over the receiver's identity (engine and rank), the verb, request,
@@ -52,8 +52,8 @@ from collections.abc import Callable
 from urllib.parse import quote, unquote
 
 from kvplan_nixl.errors import ArgumentError, ExecutorError
-from kvplan_nixl.holds import Holds, Verdict
 from kvplan_nixl.metadata import MAX_BLOB_BYTES, check_secret
+from kvplan_nixl.serving.holds import Holds, Verdict
 
 __all__ = [
     "MAX_METADATA", "VERBS", "PortInUseError", "SideChannelError", "SideChannelProtocolError",

@@ -16,20 +16,19 @@ verified (``identify``: signed under the deployment secret) to be that engine's 
 an address serving another rank's metadata fails, so READY means every rank verified its own
 rank, and nothing of a wrong claim reaches ``connect``.
 
-**Bounded.** The jobs run on :class:`~kvplan_nixl.host_pools.HostPool`: a fixed number of threads,
-a quarter of them per host and one per address, hosts served in turn, a bounded number
-waiting, a quarter of them per host (beyond, the handshake fails at once, unrecorded, so the
-next request tries again). Requests naming silent side channels on one host cost that host's
-slots for ``attempts`` timeouts each and delay no handshake with another host; a handshake
-waits only while requests name that many silent addresses at once, each for at most
-``attempts`` timeouts. The table holds at most :data:`MAX_STATES` addresses (failed ones
-past their retry time are dropped first).
+**Bounded.** The jobs run on :class:`~kvplan_nixl.serving.host_pools.HostPool`: a fixed number of
+threads, a quarter of them per host and one per address, hosts served in turn, a bounded number
+waiting, a quarter of them per host (beyond, the handshake fails at once, unrecorded, so the next
+request tries again). Requests naming silent side channels on one host cost that host's slots for
+``attempts`` timeouts each and delay no handshake with another host; a handshake waits only while
+requests name that many silent addresses at once, each for at most ``attempts`` timeouts. The table
+holds at most :data:`MAX_STATES` addresses (failed ones past their retry time are dropped first).
 
 The fetches and the identity checks run without any lock; the caller's ``connect`` runs under
 the lock passed in (the one every use of the Endpoint takes), one rank at a time, and says
 which ranks to connect next (those ``TransferMap.peers`` names, known only once the first
-rank's spec is in). Metadata reads are bounded (:data:`~kvplan_nixl.sidechannel.MAX_METADATA`,
-one deadline per fetch).
+rank's spec is in). Metadata reads are bounded
+(:data:`~kvplan_nixl.serving.sidechannel.MAX_METADATA`, one deadline per fetch).
 
 No NIXL, no vLLM: the standard library, the side channel client and the metadata format.
 """
@@ -43,8 +42,8 @@ from dataclasses import dataclass
 
 from kvplan_nixl import metadata as md
 from kvplan_nixl.errors import ArgumentError, ClosedError, MetadataError
-from kvplan_nixl.host_pools import HostPool
-from kvplan_nixl.sidechannel import SideChannelTimeout, fetch_metadata, server_identity
+from kvplan_nixl.serving.host_pools import HostPool
+from kvplan_nixl.serving.sidechannel import SideChannelTimeout, fetch_metadata, server_identity
 
 __all__ = ["FAILED", "MAX_STATES", "PENDING", "READY", "HandshakeState", "Handshakes",
            "identity"]

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 
 from kvplan_nixl.digest import Digest
-from kvplan_nixl.pushes import MAX_BLOCK_ID, MAX_KEY, group_lists, message_body
+from kvplan_nixl.serving.pushes import MAX_BLOCK_ID, MAX_KEY, group_lists, message_body
 
 __all__ = ["DIGASK", "DIGEST", "DigestAsk", "digest_answer", "parse_answer"]
 
@@ -55,7 +55,7 @@ class DigestAsk:
     @classmethod
     def decode(cls, message: bytes) -> DigestAsk:
         """The question in ``message``; ValueError naming what is wrong (the bounds are a push
-        registration's: :data:`kvplan_nixl.pushes.MAX_MESSAGE`, block ids, 64 lists)."""
+        registration's: :data:`kvplan_nixl.serving.pushes.MAX_MESSAGE`, block ids, 64 lists)."""
         if not message.startswith(DIGASK):
             raise ValueError("not a pull digest question")
         d = message_body(message, DIGASK, "pull digest question")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplan_nixl.errors import ParamsError
-from kvplan_nixl.pushes import MAX_BLOCK_ID, MAX_KEY, block_ids, transfer_key
+from kvplan_nixl.serving.pushes import MAX_BLOCK_ID, MAX_KEY, block_ids, transfer_key
 
 __all__ = ["MAX_BLOCK_IDS", "MAX_TP", "MODES", "PEERS", "Handover", "Source", "check_decode",
            "check_prefill"]
