@@ -225,6 +225,49 @@ print("ok")
 """
 
 
+BEATS_CHECK = r"""
+import time
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+from kvplan_nixl.vllm.scheduler import Scheduler
+from kvplan_nixl.vllm.settings import Settings
+
+assert Settings("dec", "127.0.0.1", 5700, 1).nixl_heartbeat() == 5.0  # vLLM's 30 s / 6
+spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                    kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)])
+s = Scheduler(Settings("dec", "127.0.0.1", 5700, 1, extra={"kv_lease_duration": 1.2}), cfg)
+blocks = KVCacheBlocks(([KVCacheBlock(block_id=i) for i in (5, 6, 7)],))
+STOCK = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "p",
+         "remote_host": "127.0.0.1", "remote_port": 5999, "tp_size": 1,
+         "transfer_mode": "pull", "remote_num_tokens": 40}
+
+def req(i, **params):
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": dict(STOCK, **params)})
+    return Request(f"r{i}", list(range(2, 42)), sp, None)
+
+a, b = req(1, remote_request_id="p-a"), req(2, remote_request_id="q-b", remote_engine_id="q")
+k = req(3, remote_request_id="k", transfer_mode="kvplan")  # a kvplan prefill: its own leases
+for r in (a, b, k):
+    s.new_request(r)
+assert s.meta().beats == {"p": ["p-a"], "q": ["q-b"]}  # queued: beaten at once
+assert s.meta().beats == {}  # and not again within kv_lease_duration / 6
+time.sleep(0.25)
+s.matched(a, 0)
+s.allocated(a, blocks, 40)  # scheduled: its read beats from now on, not the scheduler
+m = s.meta()
+assert m.beats == {"q": ["q-b"]} and [x.req_id for x in m.loads] == ["r1"], m
+time.sleep(0.25)
+s.finished(b, ([],))  # aborted while queued: no more beats for it
+assert s.meta().beats == {}
+print("ok")
+"""
+
+
 def _in_vllm_venv(script: str) -> None:
     try:
         py = vllm_env.ensure()
@@ -257,6 +300,14 @@ def test_bad_params_fail_their_request_at_the_connectors_scheduler_entry_points(
     objects: a bad field never raises, the request's load is refused (it fails into the
     policy), nothing is built from its tp_size, host or port."""
     _in_vllm_venv(SCHEDULER_CHECK)
+
+
+def test_requests_queued_for_a_nixlconnector_prefill_are_heartbeaten():
+    """A decode request whose KV a NixlConnector prefill holds is heartbeaten from admission,
+    as NixlConnector's own decode does (its lease would otherwise run out while the request
+    waits in the queue), every ``kv_lease_duration / 6``, until it is scheduled (its read
+    beats then) or aborted; a kvplan prefill's request is not (its lease is kvplan's)."""
+    _in_vllm_venv(BEATS_CHECK)
 
 
 def test_prefill_holds_and_decode_control_messages_over_the_side_channel():

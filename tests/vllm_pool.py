@@ -55,7 +55,7 @@ ROLES = {"p1": (1, "0"), "d1": (1, "1"), "t2": (2, "nobind")}
 #: ``short``: leases of 3 s (heartbeats every second), handshakes and control messages of 1 s,
 #: vLLM's stats log and metrics; ``few``: 40 KV blocks, so that freed blocks are soon reused;
 #: ``fail``: ``kv_load_failure_policy="fail"``; ``stats``: vLLM's stats log and metrics alone;
-#: ``digest``: the transfer digest on; ``soak`` and ``nlease``: see below.
+#: ``digest``: the transfer digest on; ``soak``, ``nlease`` and ``lease12``: see below.
 VARIANTS = {
     "short": {"extra": {"lease_s": 3, "handshake_timeout_s": 1}, "log_stats": True},
     "few": {"num_blocks": 40},
@@ -70,6 +70,9 @@ VARIANTS = {
     # KvplanConnector decode reading one must hold it alike: docs/vllm.md, "Migrating a fleet")
     "ds": {"env": {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}},
     "nlease": {"extra": {"kv_lease_duration": 3}, "log_stats": True},
+    # ``lease12``: vLLM's NixlConnector with a lease of 12 s, short enough that a test can
+    # wait it out, long enough for a decode on two loaded cores to post its read within it
+    "lease12": {"extra": {"kv_lease_duration": 12}},
 }
 
 

@@ -63,14 +63,15 @@ Extra config keys: ``secret`` (str, signs the metadata and every side channel me
 same on every engine), ``side_channel_host`` (where the side channel listens; default
 ``$VLLM_HOST_IP`` or 127.0.0.1), ``side_channel_advertise_host`` (what peers dial; default
 ``side_channel_host``; a wildcard, or loopback beside a non-loopback bind, is refused at
-start: :mod:`kvplan_nixl.serving.addresses`),
-``side_channel_port`` (base port, default 5700: rank ``r`` of DP rank ``dp`` listens on
-``base + dp * tp_size + r``), ``transfer_timeout_s`` (default 30), ``handshake_timeout_s``
-(default 5), ``lease_s`` (default 120), ``heartbeat_s`` (default ``lease_s / 3``),
-``nixl_backends`` (default ``["UCX"]``), ``mode`` (``"pull"``, ``"push"`` or ``"layerwise"``;
-default ``"pull"``), ``push_timeout_s`` (default 60), ``digest`` (default false: a transfer
-digest checks every push and pull, :mod:`.digests`, :mod:`.pull_digest`),
-``layerwise_wait_s`` (default 1; 0: never). See docs/vllm.md.
+start: :mod:`kvplan_nixl.serving.addresses`), ``side_channel_port`` (base port, default
+5700: rank ``r`` of DP rank ``dp`` listens on ``base + dp * tp_size + r``),
+``transfer_timeout_s`` (default 30), ``handshake_timeout_s`` (default 5), ``lease_s``
+(default 120), ``heartbeat_s`` (default ``lease_s / 3``), ``kv_lease_duration`` (default
+30: the lease of prefills running vLLM's NixlConnector, whose requests are heartbeaten every
+``kv_lease_duration / 6``), ``nixl_backends`` (default ``["UCX"]``), ``mode`` (``"pull"``,
+``"push"`` or ``"layerwise"``; default ``"pull"``), ``push_timeout_s`` (default 60),
+``digest`` (default false: a transfer digest checks every push and pull, :mod:`.digests`,
+:mod:`.pull_digest`), ``layerwise_wait_s`` (default 1; 0: never). See docs/vllm.md.
 """
 
 from __future__ import annotations

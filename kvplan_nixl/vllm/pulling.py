@@ -13,7 +13,9 @@ for a read that does not match (:mod:`kvplan_nixl.vllm.pull_digest`).
 
 A prefill running vLLM's own NixlConnector (``load.peer == "nixl"``) speaks its own protocol
 instead, over NIXL notifications (``pull_worker.py``): no RENEW, CONFIRM or RELEASE; while the
-read is in flight ``HB:<its request id>`` every ``heartbeat_s`` extends its lease, and once
+read is in flight ``HB:<its request id>`` every ``kv_lease_duration / 6`` (NixlConnector's key
+and interval; before, while queued, the scheduler's ``KvplanMetadata.beats``) extends its
+lease, and once
 the read ended (done or failed) each prefill rank read is told ``<its request id>:<n>``, ``n``
 the decode ranks that read it (it frees its blocks after ``n`` of them); decode rank 0 tells
 the ranks nobody reads ``<id>:1`` as soon as it posted. The read is used without a CONFIRM
@@ -73,10 +75,11 @@ class Pulls:
             _tell(w, load, unread, f"{load.remote_req}:1")
         elif w.rank == 0 and unread:  # prefill ranks nobody reads: release them now
             w.ctl.release(load, unread)
-        # a pull shorter than heartbeat_s (the usual one) sends no RENEW at all
+        # a pull shorter than heartbeat_s (the usual one) sends no RENEW at all; a
+        # NixlConnector prefill's is beaten at once (its queued beats stopped at scheduling)
+        beat = time.monotonic() + (0.0 if load.peer == "nixl" else w.heartbeat)
         self.inflight[load.req_id] = Pull(load, t, counts, tuple(tmap.peers), post_s,
-                                          len(plan), sum(t.runs().values()),
-                                          time.monotonic() + w.heartbeat)
+                                          len(plan), sum(t.runs().values()), beat)
 
     def progress(self, now: float) -> None:
         """Poll the reads in flight: heartbeats while pending, CONFIRM once complete."""
@@ -115,7 +118,7 @@ class Pulls:
         w, load = self.w, p.load
         if not p.t.done:
             if now >= p.next_beat:
-                p.next_beat = now + w.heartbeat
+                p.next_beat = now + w.nixl_heartbeat
                 _tell(w, load, p.peers, f"HB:{load.remote_req}")
             return
         del self.inflight[req_id]

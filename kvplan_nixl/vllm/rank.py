@@ -35,6 +35,7 @@ class Rank(Protocol):
     secret: str | None  # the deployment secret (signs metadata and control messages)
     lease: float  # lease_s
     heartbeat: float  # heartbeat_s
+    nixl_heartbeat: float  # a NixlConnector prefill's: kv_lease_duration / 6
     stats: KvplanStats
     digester: Digester | None  # the transfer digest's, None when it is off
     sends: Sends | None

@@ -30,6 +30,7 @@ each layer can be written as soon as the forward has computed it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,9 @@ class KvplanMetadata(KVConnectorMetadata):
     pushes: list[PushSend] = field(default_factory=list)
     layered: list[PushSend] = field(default_factory=list)
     pulled: list[PushSend] = field(default_factory=list)
+    #: NixlConnector prefills' requests admitted here and not yet scheduled, by prefill
+    #: engine (their ``remote_request_id``s): heartbeats, as NixlConnector's decode sends them
+    beats: dict[str, list[str]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -113,6 +117,10 @@ class Scheduler:
         self.handovers: dict[str, Handover] = {}
         self.prefilling: dict[str, Any] = {}  # layer-wise requests allocated, not scheduled yet
         self.layered: set[str] = set()  # layer-wise requests written from their forward
+        # how often requests queued for a NixlConnector prefill are heartbeaten: its own
+        # decode's interval (``kv_lease_duration / 6``, the key NixlConnector reads)
+        self.nixl_beat = settings.nixl_heartbeat()
+        self.next_beat = 0.0
 
     def new_request(self, request: Any) -> None:
         """Admission: check the request's ``kv_transfer_params`` once (a bad field fails the
@@ -207,9 +215,25 @@ class Scheduler:
             self.layered.add(nr.req_id)
         self.prefilling.clear()  # allocated this step, so scheduled this step (or never)
         m = KvplanMetadata(loads=list(self.loads.values()), sends=self.sends,
-                           pushes=self.pushes, layered=layered, pulled=self.pulled)
+                           pushes=self.pushes, layered=layered, pulled=self.pulled,
+                           beats=self._beats(time.monotonic()))
         self.loads, self.sends, self.pushes, self.pulled = {}, [], [], []
         return m
+
+    def _beats(self, now: float) -> dict[str, list[str]]:
+        """Every ``nixl_beat`` seconds, the requests still queued here whose KV a NixlConnector
+        prefill holds, by engine: NixlConnector's decode heartbeats a request from admission
+        (``on_new_request``), so its prefill's lease (``kv_lease_duration``) never runs out
+        while the request waits for blocks here. Once allocated, its load's read beats."""
+        if now < self.next_beat:
+            return {}
+        beats: dict[str, list[str]] = {}
+        for src in self.sources.values():
+            if isinstance(src, Source) and src.peer == "nixl":
+                beats.setdefault(src.engine, []).append(src.remote_req)
+        if beats:
+            self.next_beat = now + self.nixl_beat
+        return beats
 
     def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         from vllm.v1.request import RequestStatus

@@ -50,6 +50,12 @@ class Settings:
                              f"{bound}, got {v!r}")
         return s
 
+    def nixl_heartbeat(self) -> float:
+        """How often a NixlConnector prefill's requests are heartbeaten (queued, or read):
+        ``extra["kv_lease_duration"] / 6``, as NixlConnector's own decode does with that key
+        (default 30 s, so every 5 s). Set it as on the stock prefill, whose lease it is."""
+        return self.seconds("kv_lease_duration", 30.0) / 6
+
     def mode(self) -> str:
         """``extra["mode"]``: how a prefill hands its KV to a decode by default, ``"pull"``
         (the decode reads it; the default), ``"push"`` (the prefill writes it into blocks the

@@ -60,6 +60,7 @@ class Worker:
         self.lease = c.seconds("lease_s", 120.0)
         self.layer_wait = c.seconds("layerwise_wait_s", 1.0, zero=True)
         self.heartbeat = c.seconds("heartbeat_s", self.lease / 3)
+        self.nixl_heartbeat = c.nixl_heartbeat()  # a NixlConnector prefill's: its lease / 6
         if self.heartbeat > self.lease / 3:
             raise ValueError(
                 f"kv_connector_extra_config['heartbeat_s'] = {self.heartbeat:g} is above "
@@ -187,6 +188,8 @@ class Worker:
         if meta.pushes and self.writes is not None:
             with self.lock:
                 self.writes.add(meta.pushes, time.monotonic())
+        if meta.beats:
+            _beat_queued(self, meta.beats)
         if not meta.loads:
             return
         with self.lock:
@@ -341,6 +344,24 @@ class Worker:
             if self.ep is not None:
                 with contextlib.suppress(Exception):
                     self.ep.close()
+
+
+def _beat_queued(w: Worker, beats: dict[str, list[str]]) -> None:
+    """Heartbeat NixlConnector prefills' requests still queued in the scheduler
+    (``KvplanMetadata.beats``): ``HB:<ids>`` to the ranks ``w`` reads of each prefill it has
+    read before. A prefill not connected yet gets none (NixlConnector's decode would start its
+    handshake for it; ours starts when a request of it is scheduled)."""
+    with w.lock:
+        for engine, ids in beats.items():
+            if engine not in w.engines:
+                continue
+            peers = list(w.engines[engine][0].peers)
+            try:
+                w.ep.notify(engine, peers, "HB:" + ",".join(ids))
+            except Exception as e:  # its lease then runs out as if we were silent
+                logger.warning("kvplan: could not heartbeat NixlConnector prefill %s rank(s) "
+                               "%s for %d queued request(s): %s: %s", engine, peers, len(ids),
+                               type(e).__name__, e)
 
 
 def _hs_start(w: Worker, load: Load) -> HandshakeState:
