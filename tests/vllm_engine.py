@@ -307,6 +307,8 @@ def dump_kv(worker: object, path: str) -> int:
     for name, layer in layers.items():
         kv = layer.kv_cache
         kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+        if kv.dim() == 3:  # MLA's [B, N, C]: one latent "head", so that every layer reads alike
+            kv = kv.unsqueeze(1)
         out[name] = kv.detach().cpu().float().numpy()
     rank = get_tensor_model_parallel_rank()
     np.savez(os.path.join(path, f"rank{rank}.npz"), **out)
