@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -46,11 +47,15 @@ MODELS = {
     "mlaeagle": ("mla-eagle3", [], {"speculative": 2, "block_size": 128,
                                      "dtype": "bfloat16"}),
 }
-#: role -> (TP size, cores). p1/d1 are pinned to a core each; the TP 2 engine is not pinned
-#: ("nobind"): pinned to "0|1" its workers shared a core with p1's or d1's, and a prefill worker
-#: spinning at 100% on a core (vLLM steps while a request awaits its KV read) starved the
-#: threads pinned with it, its own progress thread included (docs/vllm.md).
-ROLES = {"p1": (1, "0"), "d1": (1, "1"), "t2": (2, "nobind")}
+#: role -> (TP size, cores, niceness). p1/d1 are pinned to a core each; the TP 2 engine is not
+#: pinned ("nobind"): pinned to "0|1" its workers shared a core with p1's or d1's, and a prefill
+#: worker spinning at 100% on a core (vLLM steps every millisecond while a request awaits its KV
+#: read, and its workers spin on the step queue) starved the threads pinned with it, its own
+#: progress thread included (docs/vllm.md). Unpinned, its two spinning workers still took both
+#: cores from the other engine and the tests: a stock TP 2 prefill with a lease of 12 s saw the
+#: decode's read come 13-17 s after its answer, the decode itself taking 0.6-4 s. So the TP 2
+#: engine runs at nice 10: the pinned engine and the tests come first, it takes what is left.
+ROLES = {"p1": (1, "0", 0), "d1": (1, "1", 0), "t2": (2, "nobind", 10)}
 #: variant -> engine options, named after the role (``llama-p1-short-few``), several allowed.
 #: ``short``: leases of 3 s (heartbeats every second), handshakes and control messages of 1 s,
 #: vLLM's stats log and metrics; ``few``: 40 KV blocks, so that freed blocks are soon reused;
@@ -76,25 +81,40 @@ VARIANTS = {
 }
 
 
+#: ports :func:`free_base_port` handed out in this process (an engine binds its own seconds
+#: later, after vLLM started: a second engine must not be given the same ones meanwhile)
+_HANDED: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (``bind(0)`` and ``connect()`` take theirs
+    from it): 32768 where the kernel does not say."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_base_port(n: int) -> int:
-    """A base port with ``n`` consecutive free ports after it (the side channel of each rank)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
+    """A base port with ``n`` consecutive free ports after it (the side channel of each rank),
+    below the kernel's ephemeral range: an engine binds its ports seconds after this choice,
+    and ephemeral ones (vLLM's, UCX's and NIXL's own sockets in the engines starting meanwhile)
+    took a chosen port in that gap in CI ("side channel port ... is already in use")."""
+    low, high = 20000, min(_ephemeral_low(), 65000) - n
+    for _ in range(500):
+        base = random.randrange(low, high)
+        ports = range(base, base + n)
+        if _HANDED.intersection(ports):
             continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free ports")
+        try:
+            for port in ports:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _HANDED.update(ports)
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high + n})")
 
 
 _STARTS: dict[str, int] = {}
@@ -110,10 +130,11 @@ class Engine:
                  attention_backend: str | None = None, extra: dict | None = None,
                  num_blocks: int = 0, log_stats: bool = False, port: int | None = None,
                  place: tuple[str, str] | None = None, speculative: int = 0,
-                 dtype: str = "float32", env: dict[str, str] | None = None):
+                 dtype: str = "float32", env: dict[str, str] | None = None, nice: int = 0):
         """``place``: (network namespace, its address) to run in, UCX over TCP on its veth
         (tests/netns.py: two hosts); None: this host, loopback. ``speculative``: draft tokens
-        per step with the model's EAGLE-3 draft (0: none). ``env``: more environment."""
+        per step with the model's EAGLE-3 draft (0: none). ``env``: more environment.
+        ``nice``: the engine's niceness (its processes yield the cores to the others')."""
         self.name, self.tp = name, tp
         self.port = free_base_port(tp) if port is None else port
         _STARTS[name] = _STARTS.get(name, 0) + 1
@@ -138,6 +159,8 @@ class Engine:
             VLLM_LOG_STATS_INTERVAL="1",
             **more_env,
         )
+        if nice:
+            prefix = ["nice", "-n", str(nice), *prefix]
         cmd = [*prefix, str(py), str(SCRIPT), "serve", "--model", str(model), "--tp", str(tp),
                "--side-port", str(self.port), "--policy", policy,
                "--block-size", str(block_size), "--transfer-timeout", "20",
@@ -376,8 +399,8 @@ class Pool:
         for n in names:
             if n not in _LIVE:
                 key, role, *rest = n.split("-")
-                tp, cores = ROLES[role]
-                opts = dict(MODELS[key][2])
+                tp, cores, nice = ROLES[role]
+                opts = dict(MODELS[key][2], nice=nice)
                 for v in rest:  # "nixl", or variants of VARIANTS
                     opts.update({"connector": "nixl"} if v == "nixl" else VARIANTS[v])
                 if self.hosts is not None:
@@ -441,8 +464,6 @@ def shm_files() -> set[str]:
 
 def prompt(seed: int, n: int = 45) -> list[int]:
     """``n`` token ids in [2, 1024) (0 and 1 are BOS/EOS), a different sequence per seed."""
-    import random
-
     rng = random.Random(seed)
     return [rng.randrange(2, 1024) for _ in range(n)]
 
