@@ -10,16 +10,11 @@ import subprocess
 
 import pytest
 
-from tests.vllm_env import MARKER, python_of, venv_dir
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_kimi_linear_state_and_mla_pages_arrive_at_every_tp_pair():
-    root = venv_dir()
-    if not (root / MARKER).exists():
-        pytest.skip(f"vLLM venv not built at {root} (python tests/vllm_env.py)")
-    r = subprocess.run([str(python_of(root)), "tests/vllm_kda_check.py"], cwd=REPO,
+def test_kimi_linear_state_and_mla_pages_arrive_at_every_tp_pair(vllm_python):
+    r = subprocess.run([str(vllm_python), "tests/vllm_kda_check.py"], cwd=REPO,
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "PYTHONPATH": REPO})
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("KDA", "negative"))]

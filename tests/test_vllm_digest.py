@@ -17,7 +17,6 @@ from tests.vllm_pool import (
     LAYERED,
     PULL,
     check_equal,
-    engine_pool,
     failures,
     pd,
     pd_push,
@@ -26,17 +25,13 @@ from tests.vllm_pool import (
     tails,
 )
 
+pytestmark = pytest.mark.engines("llama")
+
 SIGNED = r"kvplan: push req=\S+ digest of \d+ bytes to decode rank\(s\) \[0\] in"
 VERIFIED = r"kvplan: push req=\S+ rank=0 digest verified: \d+ bytes from prefill rank\(s\) \[0\]"
 PULL_SIGNED = r"kvplan: pull req=\S+ digest of \d+ bytes for \S+ req=\S+ rank 0 in"
 PULL_VERIFIED = (r"kvplan: pull req=\S+ rank=0 digest verified: \d+ bytes from prefill "
                  r"rank\(s\) \[0\]")
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    with engine_pool(tmp_path_factory, "vllm") as p:
-        yield p
 
 
 def test_digest_push_and_pull_equal_plain(pool):

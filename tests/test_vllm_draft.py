@@ -35,19 +35,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.vllm_pool import FAILED, PULL, PUSH_DONE, engine_pool, failures, pd_push, prompt, tails
+from tests.vllm_pool import FAILED, PULL, PUSH_DONE, failures, pd_push, prompt, tails
 
 #: per model: tokens per block, bytes per value, the main layers MLA (one latent of 576 values,
 #: replicated on every rank) or attention (4 KV heads of 64, split); the draft: 2 KV heads of 64
 CASES = {"eagle": {"block": 32, "value": 4, "mla": False},
          "mlaeagle": {"block": 128, "value": 2, "mla": True}}
 DRAFT_INDEX, DRAFT_HEADS, MAIN_HEADS, HEAD_DIM, LATENT = 4, 2, 4, 64, 576
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    with engine_pool(tmp_path_factory, "vllm-draft") as p:
-        yield p
 
 
 def has_amx() -> bool:
@@ -175,7 +169,8 @@ def proposals(e, what: str) -> list[list[int]]:
     return steps
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module",
+                params=[pytest.param(k, marks=pytest.mark.engines(k)) for k in CASES])
 def model(request) -> str:
     """The model key; module-scoped, so that pytest runs one model's tests, then the other's:
     each engine starts once."""

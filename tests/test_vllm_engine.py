@@ -27,7 +27,6 @@ import pytest
 from tests.vllm_pool import (
     PULL,
     check_equal,
-    engine_pool,
     free_base_port,
     pd,
     pd_equals_plain,
@@ -39,11 +38,7 @@ from tests.vllm_pool import (
     wait_lines,
 )
 
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    with engine_pool(tmp_path_factory, "vllm") as p:
-        yield p
+pytestmark = pytest.mark.engines("llama")
 
 
 def test_tp1_to_tp1_equals_plain_run(pool):

@@ -35,7 +35,7 @@ import pytest
 
 from examples import pd_serve
 from tests import netns, vllm_engine
-from tests.vllm_pool import prompt
+from tests.vllm_pool import ENGINE_GIB, prompt
 
 REPO = Path(__file__).resolve().parent.parent
 WHY = netns.unavailable()
@@ -264,16 +264,10 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    from tests.vllm_pool import engine_pool
-
-    with engine_pool(tmp_path_factory, "http") as p:  # only its model writer is used
-        yield p
-
-
-@pytest.fixture(scope="module")
 def sets(hosts, pool):
-    """Engine sets by name, one alive at a time (a new one stops the previous)."""
+    """Engine sets by name, one alive at a time (a new one stops the previous). Their servers
+    are started here, not by the session's ``pool`` (whose model writer they use): room is made
+    for them among its parked engines."""
     live: dict[str, Serving] = {}
 
     def get(name: str) -> Serving:
@@ -281,6 +275,8 @@ def sets(hosts, pool):
             for old in list(live):
                 live.pop(old).stop()
             model, tp = {"llama": ("llama", 1), "nemo1-tp2": ("nemo1", 2)}[name]
+            pool.only()  # park the pool's engines: the cores go to these servers
+            pool.make_room(ENGINE_GIB[1] + ENGINE_GIB[tp])
             live[name] = Serving(hosts, pool.py, pool.workdir, pool.model(model),
                                  decode_tp=tp, name=name)
         return live[name]
@@ -318,16 +314,10 @@ def control(s: Serving, name: str) -> None:
     print(f"{name} control: {crossed} bytes crossed without a transfer, {moved} moved with one")
 
 
-def test_layerwise_wait_takes_zero_and_refuses_a_negative_naming_the_key():
+def test_layerwise_wait_takes_zero_and_refuses_a_negative_naming_the_key(vllm_python):
     """``layerwise_wait_s`` (the prefill's bounded wait for a registration before its forward)
     is checked at start like every key; 0 turns the wait off (in the vLLM venv: the connector
     package imports vLLM)."""
-    from tests import vllm_env
-
-    try:
-        py = vllm_env.ensure()
-    except vllm_env.EnvUnavailable as e:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
     check = (
         "from kvplan_nixl.vllm.settings import Settings\n"
         "s = lambda v: Settings('e', 'h', 5700, 1, extra={'layerwise_wait_s': v})\n"
@@ -341,21 +331,24 @@ def test_layerwise_wait_takes_zero_and_refuses_a_negative_naming_the_key():
         "    else:\n"
         "        raise AssertionError(bad)\n"
         "print('ok')\n")
-    r = subprocess.run([str(py), "-c", check], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([str(vllm_python), "-c", check], capture_output=True, text=True, timeout=300,
                        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
 # file order: every test of one engine set, then the next set's
 
+@pytest.mark.engines("http")
 def test_dense_tp1_to_tp1_in_every_mode_equals_the_plain_run(sets):
     modes(sets("llama"), "llama TP1 -> TP1")
 
 
+@pytest.mark.engines("http")
 def test_dense_negative_control_straight_to_the_decode(sets):
     control(sets("llama"), "llama TP1 -> TP1")
 
 
+@pytest.mark.engines("http")
 def test_layerwise_requests_are_written_from_the_layer_hooks(sets):
     """Both legs sent at once, as the proxy sends them: every layer-wise request's KV is
     written from the prefill's layer hooks, none pushed whole for want of a registration."""
@@ -376,6 +369,7 @@ LEASE_S = float(pd_serve.kv_config(pd_serve.DOCS_ONE_HOST, "prefill")
 RELEASED_WITHIN = 10.0
 
 
+@pytest.mark.engines("http")
 def test_dense_proxy_answers_a_dead_decode_502_and_releases_the_prefills_hold_at_once(sets):
     """The decode SIGKILLed (API server, engine core, worker): a request through the pull
     proxy is answered 502 naming the decode, after the prefill ran it (its hold made: the
@@ -434,9 +428,11 @@ def test_dense_proxy_answers_a_dead_decode_502_and_releases_the_prefills_hold_at
     assert error.startswith(f"prefill {prefill} failed: "), error
 
 
+@pytest.mark.engines("http")
 def test_hybrid_n_groups_1_tp1_to_tp2_in_every_mode_equals_the_plain_run(sets):
     modes(sets("nemo1-tp2"), "NemotronH n_groups=1 TP1 -> TP2")
 
 
+@pytest.mark.engines("http")
 def test_hybrid_negative_control_straight_to_the_decode(sets):
     control(sets("nemo1-tp2"), "NemotronH n_groups=1 TP1 -> TP2")

@@ -25,7 +25,6 @@ import pytest
 
 from tests.vllm_pool import (
     check_equal,
-    engine_pool,
     free_base_port,
     pd,
     pd_equals_plain,
@@ -33,12 +32,6 @@ from tests.vllm_pool import (
     push_equals_plain,
     tails,
 )
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    with engine_pool(tmp_path_factory, "vllm-hybrid") as p:
-        yield p
 
 
 def _hetero_pairs(pool, key: str, seed: int) -> None:
@@ -65,11 +58,13 @@ def _hetero_pairs(pool, key: str, seed: int) -> None:
                               mode=mode)
 
 
+@pytest.mark.engines("nemo1")
 def test_mamba2_one_group_replicated_at_tp2(pool):
     # n_groups = 1 < TP 2: both ranks of the TP 2 engine hold the one B/C group
     _hetero_pairs(pool, "nemo1", 100)
 
 
+@pytest.mark.engines("nemo1")
 def test_hybrid_pull_that_fails_is_recomputed_per_request(pool):
     # block ids are per group, so a failed pull reports the request (failed_recving): vLLM
     # recomputes it from position 0 under the recompute policy, and the decode keeps serving
@@ -84,10 +79,12 @@ def test_hybrid_pull_that_fails_is_recomputed_per_request(pool):
     assert d1.log_lines(r"kvplan: pull req=\S+ from gone failed")
 
 
+@pytest.mark.engines("nemo2")
 def test_mamba2_two_groups_sharded_at_tp2(pool):
     _hetero_pairs(pool, "nemo2", 200)
 
 
+@pytest.mark.engines("gemma3")
 def test_sliding_window_and_full_attention_groups(pool):
     p1, d1, t2 = pool.only("gemma3-p1", "gemma3-d1", "gemma3-t2")
     for n in (45, 70):  # 70 positions: the window's first block is null on the prefill
@@ -142,6 +139,7 @@ def _nixl_reference(pool, prefill: str, decode: str, ids: list[int], attempts: i
                          + "\n".join(why) + tails())
 
 
+@pytest.mark.engines("mla")
 def test_mla_decode_equals_nixl_connectors(pool):
     # vLLM's CPU MLA path gives other tokens after a P/D handover than a plain run, with its
     # own connector too (docs/vllm.md): the reference is NixlConnector on the same engines

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from tests.vllm_pool import FAILED, PULL, check_equal, engine_pool, failures, pd, prompt, tails
+from tests.vllm_pool import FAILED, PULL, check_equal, failures, pd, prompt, tails
 
 #: NixlConnector's own decode's line when its read failed (it then recomputes the request)
 NIXL_FAILED = r"NIXL transfer failure"
@@ -52,12 +52,7 @@ def first_read(p, d, ids: list[int]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    with engine_pool(tmp_path_factory, "mixed") as p:
-        yield p
-
-
+@pytest.mark.engines("llama")
 def test_a_stock_nixlconnector_prefill_is_read_exactly_by_a_kvplan_decode(pool):
     """Dense Llama, TP 1 -> TP 1: tokens equal the plain run, and the prefill frees each
     request's blocks at the decode's notification, as after its own decode's read. It has 40
@@ -89,6 +84,7 @@ def test_a_stock_nixlconnector_prefill_is_read_exactly_by_a_kvplan_decode(pool):
         p.generate(ids, 16)["tokens"], f"the decode did not use the KV it read{tails()}"
 
 
+@pytest.mark.engines("llama")
 @pytest.mark.parametrize(("prefill", "decode"), [("llama-t2-nixl", "llama-d1"),
                                                   ("llama-t2-nixl", "llama-t2"),
                                                   ("llama-p1-nixl-few", "llama-t2")],
@@ -104,6 +100,7 @@ def test_dense_heterogeneous_tp_from_a_stock_prefill(pool, prefill, decode):
     check_equal(first_read(p, d, ids), plain, f"{prefill} -> {decode}")
 
 
+@pytest.mark.engines("nemo1")
 def test_nemotron_n_groups_1_from_a_stock_prefill(pool):
     """Mamba2 with one B/C group, stock prefill TP 1 -> decode TP 2: the B/C group is
     replicated on the decode's ranks, which vLLM's own decode reads as if it were sharded.
@@ -150,6 +147,7 @@ def test_nemotron_n_groups_1_from_a_stock_prefill(pool):
 EXPIRED = r"Releasing expired KV blocks"
 
 
+@pytest.mark.engines("gemma3")
 def test_sliding_window_from_a_stock_prefill(pool):
     """Gemma 3 (a sliding window of 32 beside full attention), stock TP 1 -> kvplan TP 2: the
     window's list offsets, which NixlConnector does not hand, are derived from
@@ -164,9 +162,10 @@ def test_sliding_window_from_a_stock_prefill(pool):
     assert not p.log_lines(f"{EXPIRED}| ERROR "), p.tail()
 
 
-@pytest.mark.parametrize(("prefill", "decode"), [("eagle-p1-nixl", "eagle-t2"),
-                                                  ("nemo2-p1-nixl", "nemo2-t2-ds")],
-                         ids=["eagle3-draft", "nemotron-n-groups-2"])
+@pytest.mark.parametrize(("prefill", "decode"), [
+    pytest.param("eagle-p1-nixl", "eagle-t2", marks=pytest.mark.engines("eagle")),
+    pytest.param("nemo2-p1-nixl", "nemo2-t2-ds", marks=pytest.mark.engines("nemo2")),
+], ids=["eagle3-draft", "nemotron-n-groups-2"])
 def test_other_models_from_a_stock_prefill(pool, prefill, decode):
     """Stock TP 1 -> kvplan TP 2, equal to the plain run: a Llama of 4 KV heads with an
     EAGLE-3 draft of 2 (the draft's regions are in the stock metadata beside the main
@@ -179,6 +178,7 @@ def test_other_models_from_a_stock_prefill(pool, prefill, decode):
     assert not d.log_lines(FAILED) and len(d.log_lines(STOCK_DONE)) == 2, failures(d, 0)
 
 
+@pytest.mark.engines("mla")
 def test_mla_from_a_stock_prefill_equals_its_own_decode(pool):
     """MLA, stock TP 2 -> kvplan TP 1: the latent is replicated, so the decode reads rank 0
     alone and tells rank 1 ``<id>:1`` right after posting. The prefill's lease is 12 s: had

@@ -19,7 +19,7 @@ import pytest
 from kvplan.adapters.vllm import spec_from_vllm
 from kvplan.adapters.vllm_nixl import NixlMetadataError, prefill_from_nixl
 from tests.test_vllm_adapter import fake_engine
-from tests.vllm_pool import REPO, engine_pool, free_base_port
+from tests.vllm_pool import REPO, free_base_port
 
 #: In vLLM's venv: argv model path, host, port, a port nobody serves. The decode's hash from
 #: a VllmConfig built as tests/vllm_engine.py builds the engine's (vLLM's own function), rank
@@ -80,12 +80,6 @@ print(json.dumps({"meta": meta, "again": again, "refusals": refusals}))
 """
 
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    with engine_pool(tmp_path_factory, "nixl_peer") as p:
-        yield p
-
-
 def _fetch(pool, engine) -> dict:
     idle = free_base_port(1)  # nothing listens there: the timeout's port
     r = subprocess.run([str(pool.py), "-c", FETCH, str(pool.model("llama")), "127.0.0.1",
@@ -96,8 +90,11 @@ def _fetch(pool, engine) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.engines("llama")
 def test_stock_prefill_metadata_is_accepted_exactly(pool):
-    (p,) = pool.only("llama-p1-nixl")
+    # -few: the same engine as test_vllm_mixed's first test (the session starts it once); the
+    # test reads its block count from the metadata
+    (p,) = pool.only("llama-p1-nixl-few")
     out = _fetch(pool, p)
     meta, ref = out["meta"], out["refusals"]
     port = f"127.0.0.1:{p.port}"
@@ -177,15 +174,9 @@ print("ok")
 """
 
 
-def test_answers_that_are_no_handshake_are_refused_by_name():
+def test_answers_that_are_no_handshake_are_refused_by_name(vllm_python):
     """vLLM's own listener, serving crafted answers: not a payload, a payload whose metadata
     does not decode, another engine's; each a ``SideChannelProtocolError`` naming the peer."""
-    from tests import vllm_env
-
-    try:
-        py = vllm_env.ensure()
-    except vllm_env.EnvUnavailable as e:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
-    r = subprocess.run([str(py), "-c", CRAFTED], capture_output=True, text=True, timeout=300,
-                       cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    r = subprocess.run([str(vllm_python), "-c", CRAFTED], capture_output=True, text=True,
+                       timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

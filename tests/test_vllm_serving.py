@@ -23,13 +23,11 @@ import time
 
 import pytest
 
-from tests import vllm_env
 from tests.vllm_pool import (
     FAILED,
     REPO,
     Engine,
     check_equal,
-    engine_pool,
     free_base_port,
     pd_equals_plain,
     prompt,
@@ -268,52 +266,49 @@ print("ok")
 """
 
 
-def _in_vllm_venv(script: str) -> None:
-    try:
-        py = vllm_env.ensure()
-    except vllm_env.EnvUnavailable as e:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+def _in_vllm_venv(py, script: str) -> None:
+    """Run ``script`` by the vLLM venv's interpreter ``py``; it prints ``ok`` at its end."""
     r = subprocess.run([str(py), "-c", script], capture_output=True, text=True,
                        timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
-def test_ports_by_data_parallel_rank_and_config_keys_checked_by_name():
-    _in_vllm_venv(SETTINGS_CHECK)
+def test_ports_by_data_parallel_rank_and_config_keys_checked_by_name(vllm_python):
+    _in_vllm_venv(vllm_python, SETTINGS_CHECK)
 
 
-def test_addresses_that_cannot_work_are_refused_when_the_connector_is_made():
+def test_addresses_that_cannot_work_are_refused_when_the_connector_is_made(vllm_python):
     """The facade reads the bind and advertised addresses (kvplan_nixl.serving.addresses): a
     wildcard or a loopback advertised beside a bind that serves other hosts stops the engine at
     start, naming the key or variable; a wildcard bind with an advertised address is taken."""
-    _in_vllm_venv(ADDRESS_CHECK)
+    _in_vllm_venv(vllm_python, ADDRESS_CHECK)
 
 
-def test_failed_loads_are_told_once_per_request():
+def test_failed_loads_are_told_once_per_request(vllm_python):
     """The scheduler learns a load failed from the workers' output (blocks, or the request
     for several groups), adds ``kvplan_load_failed`` to its params once, and counts it."""
-    _in_vllm_venv(OUTCOMES_CHECK)
+    _in_vllm_venv(vllm_python, OUTCOMES_CHECK)
 
 
-def test_bad_params_fail_their_request_at_the_connectors_scheduler_entry_points():
+def test_bad_params_fail_their_request_at_the_connectors_scheduler_entry_points(vllm_python):
     """Issue 36, item 1, through the scheduler half with vLLM's own Request and block
     objects: a bad field never raises, the request's load is refused (it fails into the
     policy), nothing is built from its tp_size, host or port."""
-    _in_vllm_venv(SCHEDULER_CHECK)
+    _in_vllm_venv(vllm_python, SCHEDULER_CHECK)
 
 
-def test_requests_queued_for_a_nixlconnector_prefill_are_heartbeaten():
+def test_requests_queued_for_a_nixlconnector_prefill_are_heartbeaten(vllm_python):
     """A decode request whose KV a NixlConnector prefill holds is heartbeaten from admission,
     as NixlConnector's own decode does (its lease would otherwise run out while the request
     waits in the queue), every ``kv_lease_duration / 6``, until it is scheduled (its read
     beats then) or aborted; a kvplan prefill's request is not (its lease is kvplan's)."""
-    _in_vllm_venv(BEATS_CHECK)
+    _in_vllm_venv(vllm_python, BEATS_CHECK)
 
 
-def test_prefill_holds_and_decode_control_messages_over_the_side_channel():
+def test_prefill_holds_and_decode_control_messages_over_the_side_channel(vllm_python):
     """control.py's two sides: holds end by the last reader's CONFIRM or the lease, only
     ended holds are freed, a refused, forged or misaddressed message changes nothing."""
-    _in_vllm_venv(HOLDS_CHECK)
+    _in_vllm_venv(vllm_python, HOLDS_CHECK)
 
 
 def _fake_engine(name: str, seen: dict, answer, before=None):
@@ -562,12 +557,6 @@ def test_example_proxy_releases_when_the_client_leaves_mid_stream():
 
 # -- real engines ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    with engine_pool(tmp_path_factory, "vllm") as p:
-        yield p
-
-
 def _metric(m: dict, name: str, field: str = "value") -> float:
     """A metric's value (counters: vLLM's reader may name them with or without _total)."""
     x = m.get(name) or m.get(name + "_total")
@@ -589,6 +578,7 @@ def _pull_numbers(line: str) -> tuple[int, int]:
                                                                          line).group(1))
 
 
+@pytest.mark.engines("llama")
 def test_confirmed_pulls_and_stats_add_up(pool):
     p, d = pool.only(P, D)
     m0, pm0 = d.metrics(), p.metrics()
@@ -624,6 +614,7 @@ def test_confirmed_pulls_and_stats_add_up(pool):
     assert len(p.log_lines(r"kvplan: prefill req=\S+ released$")) >= 2, p.tail()
 
 
+@pytest.mark.engines("llama")
 def test_lease_ran_out_before_the_pull_and_blocks_reused_is_recomputed(pool):
     p, d = pool.only(P, D)
     ids = prompt(31)
@@ -646,6 +637,7 @@ def test_lease_ran_out_before_the_pull_and_blocks_reused_is_recomputed(pool):
         == refused0 + 1
 
 
+@pytest.mark.engines("llama")
 def test_lease_ran_out_during_the_pull_is_recomputed_and_the_engine_serves_on(pool):
     p, d = pool.only(P, D)
     ids, other = prompt(41), prompt(42)
@@ -701,6 +693,7 @@ class _Hostile(threading.Thread):
             c.close()
 
 
+@pytest.mark.engines("llama")
 def test_hostile_side_channels_fail_their_pulls_only(pool):
     p, d = pool.only(P, D)
     ids, other = prompt(51), prompt(52)
@@ -752,6 +745,7 @@ def test_hostile_side_channels_fail_their_pulls_only(pool):
     assert _wait_metric(d, "vllm:kvplan_num_failed_loads", failed_loads + 3) == failed_loads + 3
 
 
+@pytest.mark.engines("llama")
 def test_fail_policy_fails_the_request_whose_hold_ended(pool):
     p, d = pool.only(P, DF)
     ids = prompt(61)
@@ -781,6 +775,7 @@ HOSTILE = [("remote_port", "abc"), ("tp_size", "x"), ("remote_block_ids", 5),
            ("remote_host", "a b"), ("remote_generation", [1])]
 
 
+@pytest.mark.engines("llama")
 def test_hostile_params_fail_their_own_request_and_the_engine_serves_on(pool):
     """Each bad field of a decode's kv_transfer_params fails that request alone, named in the
     log with its value, into kv_load_failure_policy (recomputed under recompute, failed under
@@ -803,6 +798,7 @@ def test_hostile_params_fail_their_own_request_and_the_engine_serves_on(pool):
     check_equal(df.generate(other, 16), plain_other, "the fail-policy engine serves on")
 
 
+@pytest.mark.engines("llama")
 def test_a_taken_port_is_named_with_its_config_key(pool):
     pool.only()  # the cores back: one engine that fails at start-up
     with socket.create_server(("127.0.0.1", 0)) as taken:
@@ -819,6 +815,7 @@ def test_a_taken_port_is_named_with_its_config_key(pool):
             e.stop()
 
 
+@pytest.mark.engines("llama")
 def test_a_wildcard_side_channel_address_stops_the_engine_at_start(pool):
     """``side_channel_host: 0.0.0.0`` with nothing advertised: the engine does not start (it
     used to start and advertise 0.0.0.0, failing every pull); the log names the key."""

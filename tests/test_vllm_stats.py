@@ -6,24 +6,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from tests import vllm_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def stats():
-    root = vllm_env.venv_dir()
-    py = vllm_env.python_of(root)
-    if not (root / vllm_env.MARKER).exists() or not py.exists():
-        reason = f"the vLLM venv is absent ({root}): build it with `python tests/vllm_env.py`"
-        print(reason, file=sys.stderr)
-        pytest.skip(reason)
+def stats(vllm_python):
+    py = vllm_python
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
     proc = subprocess.run([str(py), str(ROOT / "tests" / "vllm_stats_check.py")], env=env,
                           capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -1,13 +1,18 @@
-"""Real vLLM engines for the engine tests (tests/test_vllm_engine.py, tests/test_vllm_hybrid.py):
-processes of the vLLM venv's python running tests/vllm_engine.py, started on first use, shared
-across tests and files, killed as groups on teardown.
+"""Real vLLM engines for the engine tests (the ``engines`` tier: tests/conftest.py):
+processes of the vLLM venv's python running tests/vllm_engine.py, started on first use, kept
+for the whole session (one :class:`Pool`, the ``pool`` fixture), killed as groups at its end.
 
 Engines are named ``MODEL-ROLE`` (``llama-p1``, ``nemo1-t2``...): MODEL picks the tiny model
 (:data:`MODELS`), ROLE the TP size and cores (:data:`ROLES`), a ``-nixl`` suffix runs vLLM's
 own NixlConnector instead of KvplanConnector, and other suffixes add options
-(:data:`VARIANTS`: ``llama-p1-short-few``). Every start of an engine keeps its own log
-(``NAME.N.log`` under the pool's directory); a failing assertion shows each live engine's last
-lines and the first error of its log (the root cause vLLM's "see stack trace" points at).
+(:data:`VARIANTS`: ``llama-p1-short-few``). A test names the engines it needs with
+:meth:`Pool.only`; the others are *parked* (SIGSTOP: no CPU, their memory kept) rather than
+stopped, so that a later test naming them again (in any file) resumes them in milliseconds
+instead of starting them again for 1-3 minutes. Parked engines are stopped, least recently
+used first, when memory runs short (:data:`RESERVE_GIB`). Every start of an engine keeps its
+own log (``NAME.N.log`` under the pool's directory); a failing assertion shows each running
+engine's last lines and the first error of its log (the root cause vLLM's "see stack trace"
+points at).
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ def free_base_port(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high + n})")
 
 
-_STARTS: dict[str, int] = {}
+#: starts of each engine name in this process (an engine's log is NAME.N.log)
+STARTS: dict[str, int] = {}
 _LIVE: dict[str, Engine] = {}
 ERROR = re.compile(r"Traceback|Error|error:")
 
@@ -137,8 +143,8 @@ class Engine:
         ``nice``: the engine's niceness (its processes yield the cores to the others')."""
         self.name, self.tp = name, tp
         self.port = free_base_port(tp) if port is None else port
-        _STARTS[name] = _STARTS.get(name, 0) + 1
-        self.log_path = workdir / f"{name}.{_STARTS[name]}.log"  # one per start, all kept
+        STARTS[name] = STARTS.get(name, 0) + 1
+        self.log_path = workdir / f"{name}.{STARTS[name]}.log"  # one per start, all kept
         more_env, env = env or {}, dict(os.environ)
         prefix, ip, dev = [], "127.0.0.1", "lo"
         if place is not None:
@@ -190,6 +196,7 @@ class Engine:
         self.ready = False
         self.engine_id: str | None = None  # its kv_transfer_config.engine_id, once ready
         self.n = 0
+        self.parked = False  # stopped by SIGSTOP while other tests run (Pool.only)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -362,7 +369,8 @@ class Engine:
 
 
 def tails() -> str:
-    return "".join(e.tail() for e in _LIVE.values() if not e.log.closed)
+    """The running engines' log tails (parked ones took no part in the test)."""
+    return "".join(e.tail() for e in _LIVE.values() if not e.log.closed and not e.parked)
 
 
 def failures(e: Engine, before: int) -> str:
@@ -371,15 +379,33 @@ def failures(e: Engine, before: int) -> str:
     return "".join(f"\n  {line}" for line in e.log_lines(FAILED)[before:]) + tails()
 
 
+#: MemAvailable (GiB) that must remain after a new engine starts: below it, parked engines
+#: are stopped, least recently used first. An engine takes about 2.9 GiB at TP 1 and 4.6 GiB
+#: at TP 2 (measured: tiny models, 1 GiB of KV cache each); CI machines have 24 GiB.
+RESERVE_GIB = float(os.environ.get("KVPLAN_ENGINE_RESERVE_GIB", 6))
+#: what one engine of a TP size is assumed to take when room is made for it (GiB)
+ENGINE_GIB = {1: 3.0, 2: 5.0}
+
+
+def mem_available_gib() -> float:
+    """The kernel's estimate of memory available without swapping (``/proc/meminfo``)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
 class Pool:
-    """Engines by name (``MODEL-ROLE[-nixl]``), started on first use; ``only(...)`` stops the
-    others."""
+    """Engines by name (``MODEL-ROLE[-nixl]``), started on first use; ``only(...)`` parks the
+    others (SIGSTOP) and resumes these."""
 
     def __init__(self, py: Path, workdir: Path, hosts=None) -> None:
         """``hosts``: a :class:`tests.netns.TwoHosts`: prefill roles (``p1``) then run on its
         host ``a``, the others on ``b``, UCX over the veth between them."""
         self.py, self.workdir, self.hosts = py, workdir, hosts
         self.models: dict[str, Path] = {}
+        self.parked: list[str] = []  # least recently used first
 
     def model(self, key: str) -> Path:
         """The tiny model ``key`` of :data:`MODELS`, written on first use."""
@@ -393,33 +419,63 @@ class Pool:
         return self.models[key]
 
     def only(self, *names: str) -> list[Engine]:
-        # stop the others, and any of these that died (a test may kill one)
-        for n in [n for n in _LIVE if n not in names or _LIVE[n].proc.poll() is not None]:
-            _LIVE.pop(n).stop()
+        """These engines running (started, or resumed if parked), every other one parked: a
+        test gets the cores to itself. An engine that died (a test may kill one) starts
+        afresh."""
+        for n in [n for n in _LIVE if _LIVE[n].proc.poll() is not None]:
+            self._drop(n)
+        for n in [n for n in _LIVE if n not in names and n not in self.parked]:
+            _LIVE[n].signal(signal.SIGSTOP)
+            _LIVE[n].parked = True
+            self.parked.append(n)
         for n in names:
-            if n not in _LIVE:
-                key, role, *rest = n.split("-")
-                tp, cores, nice = ROLES[role]
-                opts = dict(MODELS[key][2], nice=nice)
-                for v in rest:  # "nixl", or variants of VARIANTS
-                    opts.update({"connector": "nixl"} if v == "nixl" else VARIANTS[v])
-                if self.hosts is not None:
-                    from tests.netns import ADDRS
+            if n in self.parked:
+                self.parked.remove(n)
+                _LIVE[n].signal(signal.SIGCONT)
+                _LIVE[n].parked = False
+        new = [n for n in names if n not in _LIVE]
+        if new:
+            self.make_room(sum(ENGINE_GIB[ROLES[n.split("-")[1]][0]] for n in new))
+        for n in new:
+            key, role, *rest = n.split("-")
+            tp, cores, nice = ROLES[role]
+            opts = dict(MODELS[key][2], nice=nice)
+            for v in rest:  # "nixl", or variants of VARIANTS
+                opts.update({"connector": "nixl"} if v == "nixl" else VARIANTS[v])
+            if self.hosts is not None:
+                from tests.netns import ADDRS
 
-                    h = "a" if role == "p1" else "b"
-                    opts["place"] = (self.hosts.ns[h], ADDRS[h])
-                _LIVE[n] = Engine(n, self.py, self.model(key), self.workdir, tp=tp,
-                                  cores=cores, **opts)
+                h = "a" if role == "p1" else "b"
+                opts["place"] = (self.hosts.ns[h], ADDRS[h])
+            _LIVE[n] = Engine(n, self.py, self.model(key), self.workdir, tp=tp,
+                              cores=cores, **opts)
         engines = [_LIVE[n] for n in names]
         for e in engines:  # they start together; wait for all
             e.wait_ready()
         return engines
 
+    def make_room(self, gib: float) -> None:
+        """Stop parked engines, least recently used first, until ``gib`` more can start
+        with :data:`RESERVE_GIB` left."""
+        while self.parked and mem_available_gib() - gib < RESERVE_GIB:
+            self._drop(self.parked[0])
+            time.sleep(1)  # the kernel's count lags the processes' exit a little
+
+    def _drop(self, name: str) -> None:
+        """Stop ``name`` (resumed first if parked: a stopped process cannot exit)."""
+        e = _LIVE.pop(name)
+        if name in self.parked:
+            self.parked.remove(name)
+            with contextlib.suppress(ProcessLookupError):
+                e.signal(signal.SIGCONT)
+        e.stop()
+
     def stop(self, *names: str) -> None:
-        """Stop these engines (a hung one included); the next ``only`` starts them afresh."""
+        """Stop these engines (a hung or parked one included); the next ``only`` starts them
+        afresh."""
         for n in names:
             if n in _LIVE:
-                _LIVE.pop(n).stop()
+                self._drop(n)
 
     def close(self) -> None:
         self.stop(*_LIVE)
@@ -569,19 +625,11 @@ def pd_equals_plain(p: Engine, d: Engine, ids: list[int], what: str) -> list[str
 
 
 @contextlib.contextmanager
-def engine_pool(tmp_path_factory, name: str):
-    """A :class:`Pool` for one test module (its fixture): skips, saying why, where the vLLM
-    venv cannot be built; stops every engine and removes orphaned shared memory after."""
-    import pytest
-
-    from tests import vllm_env
-
-    try:
-        py = vllm_env.ensure()
-    except vllm_env.EnvUnavailable as e:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+def engine_pool(py: Path, workdir: Path):
+    """A :class:`Pool` of the vLLM venv's interpreter ``py`` (the session's ``pool`` fixture,
+    tests/conftest.py): stops every engine and removes orphaned shared memory after."""
     shm = shm_files()
-    pool = Pool(py, tmp_path_factory.mktemp(name))
+    pool = Pool(py, workdir)
     try:
         yield pool
     finally:
