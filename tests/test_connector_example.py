@@ -104,10 +104,10 @@ def test_bytes_equal_the_oracle_on_a_sample(run):
 
 
 def test_etcd_helper_round_trip_and_cleanup():
-    from examples.connector.etcd import Etcd, EtcdServer
+    from examples.connector.etcd import Etcd, etcd_server
 
-    server = EtcdServer()
-    with server as url:
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvplan-etcd-*")))
+    with etcd_server() as url:
         assert url.startswith("http://127.0.0.1:")
         etcd = Etcd(url)
         etcd.put("/a/rank/0", b"\x00\xff metadata")
@@ -117,4 +117,6 @@ def test_etcd_helper_round_trip_and_cleanup():
         assert etcd.wait("/b/", 1) == {"/b/rank/0": b"other engine"}
         with pytest.raises(TimeoutError, match="no 2 keys under '/b/'"):
             etcd.wait("/b/", 2, timeout=0.1)
-    assert server.proc.poll() is not None and not os.path.exists(server.dir)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvplan-etcd-*"))) == before
+    with pytest.raises(OSError):  # the server is gone
+        Etcd(url).prefix("/")
