@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = np.random.default_rng(0).integers(1, a.max_tokens + 1, a.requests).tolist()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     print("starting etcd, then the engines (importing NIXL takes seconds)", file=sys.stderr)
-    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: NIXL is not fork-safe
+    spawn = multiprocessing.get_context("spawn")  # fresh interpreters, nothing forked
     with etcd_server() as url:
         (p, p_end), (d, d_end) = spawn.Pipe(), spawn.Pipe()  # the proxy's end, the engine's
         engines = [spawn.Process(target=run, args=args) for args in (

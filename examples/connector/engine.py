@@ -64,10 +64,11 @@ def run(role: str, etcd_url: str, tp: int, peer_tp: int, proxy: Connection) -> N
             src, want = kv_cache(eps[0].map("prefill").src), kv_cache(spec)  # for verify()
         else:  # the (prefill rank, decode rank) pairs that notify each request
             dspec = EngineSpec.from_dict(json.loads(etcd.wait(f"{NS}/decode/spec", 1).popitem()[1]))
-            expect = {(p, d) for d in range(peer_tp) for p in pull_map(spec, dspec, d).peers}
+            expect = {(p, d) for d in range(dspec.num_ranks)
+                      for p in pull_map(spec, dspec, d).peers}
         proxy.send({"op": "ready"})
         # the toy scheduler: a free list of block ids shared by the ranks, requests wait FIFO
-        free = np.random.default_rng(len(role)).permutation(BLOCKS).tolist()  # P, D differ
+        free = np.random.default_rng(len(role)).permutation(BLOCKS).tolist()  # P, D: 2 orders
         fifo, live = [], {}  # live: request id -> the request, its blocks, reads or acks
         while True:  # block briefly only when idle: a target must be progressed regularly
             if proxy.poll(0 if role == "decode" and live else 1e-3):
