@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
-import queue
 import shutil
-import subprocess
 import sys
-import threading
 import time
+from multiprocessing.connection import Connection, wait
 
 import numpy as np
 
-from examples.connector.engine import BLOCKS
-from examples.connector.etcd import EtcdServer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from examples.connector.engine import BLOCKS, run
+from examples.connector.etcd import etcd_server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,70 +38,61 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("etcd") is None:
         sys.exit("etcd is not installed (Debian/Ubuntu: apt-get install etcd-server)")
     lengths = np.random.default_rng(0).integers(1, a.max_tokens + 1, a.requests).tolist()
-    env = {"NIXL_LOG_LEVEL": "WARN", **os.environ, "PYTHONPATH": ROOT}
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     print("starting etcd, then the engines (importing NIXL takes seconds)", file=sys.stderr)
-    with EtcdServer() as url:
-        engines = [subprocess.Popen(
-            [sys.executable, "-m", "examples.connector.engine", json.dumps(
-                {"role": role, "etcd": url, "tp": tp, "peers": other})],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-            for role, tp, other in (("prefill", a.prefill_tp, a.decode_tp),
-                                    ("decode", a.decode_tp, a.prefill_tp))]
+    spawn = multiprocessing.get_context("spawn")  # fresh interpreters, nothing forked
+    with etcd_server() as url:
+        (p, p_end), (d, d_end) = spawn.Pipe(), spawn.Pipe()  # the proxy's end, the engine's
+        engines = [spawn.Process(target=run, args=args) for args in (
+            ("prefill", url, a.prefill_tp, a.decode_tp, p_end),
+            ("decode", url, a.decode_tp, a.prefill_tp, d_end))]
+        for e in engines:
+            e.start()
         try:
-            return _proxy(a, *engines, lengths)
+            return proxy(a, p, d, [e.sentinel for e in engines], lengths)
         finally:
             for e in engines:
                 e.kill()
-                e.wait()
+                e.join()
 
 
-def _reader(e: subprocess.Popen, events: queue.Queue) -> None:
-    for line in e.stdout:
-        events.put(json.loads(line))
-    events.put({"op": "exit"})
-
-
-def _proxy(a, p: subprocess.Popen, d: subprocess.Popen, lengths: list[int]) -> int:
+def proxy(a, p: Connection, d: Connection, sentinels: list[int], lengths: list[int]) -> int:
     """The disaggregated server's proxy: prompt to prefill, its block ids to decode."""
-    start, events = time.perf_counter(), queue.Queue()
-    for e in (p, d):
-        threading.Thread(target=_reader, args=(e, events), daemon=True).start()
+    start = time.perf_counter()
 
-    def send(e: subprocess.Popen, **msg) -> None:
-        e.stdin.write(json.dumps(msg) + "\n")
-        e.stdin.flush()
-
-    def get() -> dict:
-        msg = events.get(timeout=120)  # queue.Empty: no word from the engines for 2 minutes
-        if msg["op"] == "exit":
-            raise RuntimeError("an engine exited early (its error is above)")
-        return msg
+    def get() -> dict:  # the next message of either engine
+        for ready in wait([p, d, *sentinels], timeout=120):
+            if ready in (p, d):
+                return ready.recv()
+        raise RuntimeError("an engine exited (its error is above) or was silent for 2 minutes")
 
     get(), get()  # "ready" from each: ranks registered, published in etcd, decode connected
     t0 = time.perf_counter()
     print(f"prefill TP{a.prefill_tp} and decode TP{a.decode_tp} ready in {t0 - start:.1f} s",
           file=sys.stderr, flush=True)
     for i, n in enumerate(lengths):
-        send(p, op="prefill", id=i, tokens=n)
+        p.send({"op": "prefill", "id": i, "tokens": n})
     done, freed = {}, set()
     while len(done) < len(lengths) or len(freed) < len(lengths):
         m = get()
         if m["op"] == "prefilled":  # the kv_transfer_params: prefill's block ids
-            send(d, op="decode", id=m["id"], tokens=lengths[m["id"]], src=m["blocks"])
+            d.send({"op": "decode", "id": m["id"], "tokens": lengths[m["id"]], "src": m["blocks"]})
         elif m["op"] == "freed":
             freed.add(m["id"])
         elif m["op"] == "done":
-            done[m["id"]] = m | {"tokens": lengths[m["id"]]}
+            done[m["id"]] = m = m | {"tokens": lengths[m["id"]]}
             if not m["ok"]:  # some notification may never come: prefill frees on our word
-                send(p, op="free", id=m["id"])
+                p.send({"op": "free", "id": m["id"]})
                 freed.add(m["id"])
-            print(json.dumps(done[m["id"]]) if a.json else
-                  f"req {m['id']:4d}  {lengths[m['id']]:4d} tokens  {len(m['dst']):3d} blocks  "
+            print(json.dumps(m) if a.json else
+                  f"req {m['id']:4d}  {m['tokens']:4d} tokens  {len(m['dst']):3d} blocks  "
                   f"{m['bytes'] / 2**20:7.3f} MiB  {m['ms']:7.2f} ms  "
                   f"{'ok' if m['ok'] else 'FAILED ' + '; '.join(m['errors'])}", flush=True)
     wall = time.perf_counter() - t0
-    send(p, op="quit"), send(d, op="quit")
-    byes = [get(), get()]  # "bye": each engine's free blocks
+    byes = []  # each engine's free blocks; decode first: its Endpoints' goodbyes reach prefill
+    for e in (d, p):
+        e.send({"op": "quit"})
+        byes.append(get())
     ok = sum(m["ok"] for m in done.values())
     print(f"{ok}/{len(lengths)} requests verified, "
           f"{sum(m['bytes'] for m in done.values()) / 2**20:.1f} MiB in {wall:.2f} s; "

@@ -1,27 +1,25 @@
-"""One engine (prefill or decode) in its own process: a toy scheduler and one thread per rank.
+"""One engine, prefill or decode, in its own process: one Endpoint per rank and a toy scheduler.
 
-Run by ``python -m examples.connector``; talks JSON lines with it on stdin/stdout. Each rank
-thread owns one ``kvplan_nixl.Endpoint`` (an Endpoint is used from one thread only) and
-publishes its metadata in etcd; decode ranks fetch the prefill ranks' metadata from etcd,
-connect, and pull each request with a notification; prefill ranks free a request's blocks
-once every decode rank that reads from them has notified.
+Started by ``python -m examples.connector`` (the proxy), which it talks to over a pipe. Every
+rank registers its buffers and publishes its metadata in etcd; decode ranks fetch the prefill
+ranks' metadata, connect, and pull each request with a notification; prefill frees a request's
+blocks once every decode rank that reads them has notified. One loop, the engine's only
+thread, drives all its Endpoints (an Endpoint is called from one thread only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
-import queue
-import sys
-import threading
-import types
+from multiprocessing.connection import Connection
 
 import numpy as np
 
 from examples.connector.etcd import Etcd
 from kvplan import EngineSpec, pull_map, simulate
 from kvplan.examples import gqa_with_mla_draft
+from kvplan_nixl import Endpoint, Transfer
 
 NS, BLOCKS = "/kvplan/example", 128  # etcd key prefix; KV-cache blocks per engine
 
@@ -33,163 +31,101 @@ def model(tp: int) -> EngineSpec:
 
 
 def fill(req: int, spec: EngineSpec, rank: int, region: int, n: int) -> np.ndarray:
-    """What prefill "computes": the bytes of ``n`` blocks of one request, one rank, one region,
-    as an (n, block bytes) array with no zero byte; the same on every rank of a replicated
-    region (MLA), since replicas hold the same data."""
+    """What prefill "computes": ``n`` blocks of one request, rank and region, as an (n, block
+    bytes) array with no zero byte; the same on every rank of a replicated region (MLA), since
+    replicas hold the same data."""
     who = 0 if spec.regions[region].is_replicated else rank + 1
-    x = np.arange(n * spec.rank_block_nbytes(region), dtype=np.uint32) * np.uint32(2654435761)
-    x += np.uint32((((req * 1009 + who) * 1013 + region) * 40503 + 1) & 0xFFFFFFFF)
-    # a Weyl sequence per (request, rank, region); its top byte, made odd, is never 0
-    return (x >> np.uint32(24) | np.uint32(1)).astype(np.uint8).reshape(n, -1)
+    rng = np.random.default_rng((req, who, region))
+    return rng.integers(1, 256, (n, spec.rank_block_nbytes(region)), np.uint8)
 
 
-class Rank(threading.Thread):
-    """One rank: its Endpoint and buffers; commands in ``inbox``, results to ``events``."""
+def kv_cache(spec: EngineSpec) -> dict[tuple[int, int], np.ndarray]:
+    """Every rank's KV cache, one zeroed (blocks, block bytes) array per (rank, region)."""
+    return {(r, i): np.zeros((spec.regions[i].num_blocks, spec.rank_block_nbytes(i)), np.uint8)
+            for r in range(spec.num_ranks) for i in spec.regions_on(r)}
 
-    def __init__(self, a, spec: EngineSpec, rank: int, etcd: Etcd, events: queue.Queue) -> None:
-        super().__init__(daemon=True)
-        self.role, self.spec, self.rank, self.etcd, self.other = a.role, spec, rank, etcd, a.peers
-        self.events, self.inbox, self.inflight = events, queue.Queue(), {}
-        self.bufs = [np.zeros(spec.rank_region_nbytes(i), np.uint8) for i in spec.regions_on(rank)]
-        self.blocks = [b.reshape(spec.regions[i].num_blocks, -1) for i, b in enumerate(self.bufs)]
-        self.src: dict = {}  # decode: the prefill ranks' buffers, as far as recomputed
-        self.want = {(rank, i): np.zeros_like(b) for i, b in enumerate(self.bufs)}
 
-    def run(self) -> None:
-        from kvplan_nixl import Endpoint  # imported by main() already, before the threads
-
-        with Endpoint(self.role, self.spec, self.rank, self.bufs) as ep:
-            self.etcd.put(f"{NS}/{self.role}/rank/{self.rank}", ep.metadata())
-            if self.role == "decode":  # pull: connect one prefill rank, then the map's peers
-                mds = self.etcd.wait(f"{NS}/prefill/rank/", self.other)
+def run(role: str, etcd_url: str, tp: int, peer_tp: int, proxy: Connection) -> None:
+    """The engine: register, publish, (decode) connect, then serve the proxy's requests."""
+    spec, etcd = model(tp), Etcd(etcd_url)
+    kv, expect, src, want = kv_cache(spec), set(), {}, {}
+    with contextlib.ExitStack() as stack:  # start-up [register_kv_caches]: one Endpoint per rank
+        eps = [stack.enter_context(Endpoint(role, spec, r, [kv[r, i] for i in spec.regions_on(r)]))
+               for r in range(tp)]
+        etcd.put(f"{NS}/{role}/spec", json.dumps(spec.to_dict()).encode())
+        for ep in eps:
+            etcd.put(f"{NS}/{role}/rank/{ep.rank}", ep.metadata())
+        if role == "decode":  # handshake: one prefill rank (it makes the map), the map's peers
+            mds = etcd.wait(f"{NS}/prefill/rank/", peer_tp)
+            for ep in eps:
                 ep.connect(mds[f"{NS}/prefill/rank/0"])
                 for r in ep.map("prefill").peers:
                     ep.connect(mds[f"{NS}/prefill/rank/{r}"])
-            self.events.put(("ready", self.rank))
-            while True:
-                try:  # block briefly only when idle: a target must be progressed regularly
-                    cmd = self.inbox.get_nowait() if self.inflight else self.inbox.get(True, 1e-3)
-                except queue.Empty:
-                    cmd = None
-                if cmd == "quit":
+            src, want = kv_cache(eps[0].map("prefill").src), kv_cache(spec)  # for verify()
+        else:  # the (prefill rank, decode rank) pairs that notify each request
+            dspec = EngineSpec.from_dict(json.loads(etcd.wait(f"{NS}/decode/spec", 1).popitem()[1]))
+            expect = {(p, d) for d in range(dspec.num_ranks)
+                      for p in pull_map(spec, dspec, d).peers}
+        proxy.send({"op": "ready"})
+        # the toy scheduler: a free list of block ids shared by the ranks, requests wait FIFO
+        free = np.random.default_rng(len(role)).permutation(BLOCKS).tolist()  # P, D: 2 orders
+        fifo, live = [], {}  # live: request id -> the request, its blocks, reads or acks
+        while True:  # block briefly only when idle: a target must be progressed regularly
+            if proxy.poll(0 if role == "decode" and live else 1e-3):
+                m = proxy.recv()
+                if m["op"] == "quit":
                     break
-                if cmd:  # decode: plan with the handshake's map, post one read per request
-                    req, src, dst = cmd
-                    for blk in self.blocks:
-                        blk[dst] = 0  # so that a byte the read misses shows up as 0
-                    plan = ep.map("prefill").plan([src], [dst])
-                    self.inflight[req] = ep.read(plan, "prefill", notify=b"%d" % req, timeout=30)
-                for n in ep.notifications():  # progresses the agent; prefill learns the frees
-                    self.events.put(("notified", int(n.message), self.rank, n.rank))
-                for req, t in list(self.inflight.items()):
-                    if t.poll() and t.done:
-                        del self.inflight[req]
-                        self.events.put(("loaded", req, self.rank, *self.verify(req, t),
-                                         t.plan.nbytes, (t.seconds or 0.0) * 1e3))
-
-    def verify(self, req: int, t) -> tuple[bool, str, str]:
-        """(ok, sha256 of the request's blocks, error): no byte was missed, and the bytes equal
-        what kvplan.simulate moves from the prefill ranks' ``fill``, recomputed here."""
-        if not t.ok:
-            return False, "", str(t.error())
-        plan, pspec = t.plan, t.plan.map.src
-        src_ids, dst_ids = plan.src_blocks[0], plan.dst_blocks[0]
-        for r, i in {(int(a), int(b)) for a, b in plan.copies()[["src_rank", "src_region"]]}:
-            if (r, i) not in self.src:
-                self.src[(r, i)] = np.zeros(pspec.rank_region_nbytes(i), np.uint8)
-            blocks = self.src[(r, i)].reshape(pspec.regions[i].num_blocks, -1)
-            blocks[src_ids] = fill(req, pspec, r, i, len(src_ids))
-        simulate(plan, self.src, self.want)  # (a byte it does not write fails got.all())
-        sha, err = hashlib.sha256(), ""
-        for i, blk in enumerate(self.blocks):
-            got, want = blk[dst_ids], self.want[(self.rank, i)].reshape(blk.shape)[dst_ids]
-            sha.update(got.tobytes())
-            if not got.all() or not np.array_equal(got, want):
-                err = err or f"region {self.spec.regions[i].name}: bytes differ"
-        return not err, sha.hexdigest(), err
+                if m["op"] == "free":  # the proxy gave up on this request
+                    free += live.pop(m["id"], {}).get("ids", [])
+                else:
+                    fifo.append(m)
+            while fifo and (n := -(-fifo[0]["tokens"] // spec.regions[0].block_size)) <= len(free):
+                m, ids, free = fifo.pop(0), free[:n], free[n:]  # admit: allocate its blocks
+                live[m["id"]] = st = {**m, "ids": ids, "acks": set(), "reads": []}
+                if role == "prefill":  # the "forward pass" writes its KV into every rank
+                    for (r, i), blocks in kv.items():
+                        blocks[ids] = fill(m["id"], spec, r, i, n)
+                    proxy.send({"op": "prefilled", "id": m["id"], "blocks": ids})
+                    continue
+                for blocks in kv.values():
+                    blocks[ids] = 0  # so that a byte a read misses shows up as 0
+                for ep in eps:  # [start_load_kv]: plan with the handshake's map, read, notify
+                    plan = ep.map("prefill").plan([m["src"]], [ids])
+                    st["reads"].append(ep.read(plan, "prefill", notify=b"%d" % m["id"], timeout=30))
+            for ep in eps:  # prefill [get_finished]: a notification per decode rank and read
+                for note in ep.notifications():  # (also progresses the agent)
+                    if (st := live.get(int(note.message))) is not None:
+                        st["acks"].add((ep.rank, note.rank))
+                        if expect <= st["acks"]:  # every decode rank read it: free its blocks
+                            free += live.pop(st["id"])["ids"]
+                            proxy.send({"op": "freed", "id": st["id"]})
+            for st in [st for st in live.values() if st["reads"]]:  # decode [get_finished]
+                for t in st["reads"]:
+                    t.poll()  # never raises for a failed read
+                if all(t.done for t in st["reads"]):  # "decode" the request: free its blocks
+                    free += live.pop(st["id"])["ids"]
+                    proxy.send({"op": "done", "id": st["id"], "src": st["src"], "dst": st["ids"],
+                                **verify(st["id"], st["reads"], kv, src, want)})
+    proxy.send({"op": "bye", "role": role, "free": len(free), "blocks": BLOCKS})  # all closed
 
 
-def main() -> int:
-    """``python -m examples.connector.engine '{"role": "prefill", "etcd": URL, "tp": 4,
-    "peers": 2}'``; JSON lines on stdin and stdout (see __main__.py)."""
-    a = types.SimpleNamespace(**json.loads(sys.argv[1]))
-    threading.excepthook = _crash
-    import kvplan_nixl.endpoint  # noqa: F401  (loads NIXL once, before the rank threads)
-
-    etcd, spec, events = Etcd(a.etcd), model(a.tp), queue.Queue()
-    etcd.put(f"{NS}/{a.role}/spec", json.dumps(spec.to_dict()).encode())
-    ranks = [Rank(a, spec, r, etcd, events) for r in range(a.tp)]
-    for r in ranks:
-        r.start()
-    # prefill: the (prefill rank, decode rank) pairs notifying per request (each decode rank
-    # notifies the ranks its plan reads; every plan of this one-group model reads all of the
-    # map's peers, otherwise take the peers of each request's plans)
-    expect: set = set()
-    if a.role == "prefill":
-        dspec = EngineSpec.from_dict(json.loads(etcd.wait(f"{NS}/decode/spec", 1).popitem()[1]))
-        expect = {(p, d) for d in range(dspec.num_ranks) for p in pull_map(spec, dspec, d).peers}
-    [events.get() for _ in ranks]  # each "ready": registered, published, (decode) connected
-    say(op="ready", role=a.role)
-    threading.Thread(target=_stdin, args=(events,), daemon=True).start()
-    # the toy scheduler: a free list of block ids shared by the ranks, requests waiting FIFO
-    free = np.random.default_rng(len(a.role)).permutation(BLOCKS).tolist()
-    fifo, live = [], {}  # waiting requests; live: request id -> its blocks, its ranks' reports
-    while True:
-        kind, *ev = events.get()
-        st = live.get(ev[0]) if kind != "in" else None
-        if kind == "in" and ev[0]["op"] == "quit":
-            break
-        if kind == "in" and ev[0]["op"] == "free":  # the proxy gave up on this request
-            free += live.pop(ev[0]["id"], {}).get("ids", [])
-        elif kind == "in":
-            fifo.append(ev[0])
-        elif st and kind == "notified":
-            st["acks"][(ev[1], ev[2])] = True
-            if expect <= st["acks"].keys():  # every decode rank read it: free its blocks
-                free += live.pop(ev[0])["ids"]
-                say(op="freed", id=ev[0])
-        elif st and kind == "loaded":
-            st["acks"][ev[1]] = ev[2:]  # ok, sha256, error, bytes, ms
-            if len(st["acks"]) == a.tp:  # every rank has the request: "decode" it, free
-                free += live.pop(ev[0])["ids"]
-                res = [st["acks"][r] for r in range(a.tp)]
-                say(op="done", id=ev[0], ok=all(x[0] for x in res), src=st["src"], dst=st["ids"],
-                    sha256=[x[1] for x in res], errors=[x[2] for x in res if x[2]],
-                    bytes=sum(x[3] for x in res), ms=max(x[4] for x in res))
-        while fifo and (n := -(-fifo[0]["tokens"] // spec.regions[0].block_size)) <= len(free):
-            m = fifo.pop(0)  # admit: allocate its blocks
-            ids, free = free[:n], free[n:]
-            live[m["id"]] = {**m, "ids": ids, "acks": {}}
-            if a.role == "prefill":  # the "forward pass" writes its KV into every rank's blocks
-                for r in ranks:
-                    for i, blk in enumerate(r.blocks):
-                        blk[ids] = fill(m["id"], spec, r.rank, i, n)
-                say(op="prefilled", id=m["id"], blocks=ids)
-            else:
-                for r in ranks:
-                    r.inbox.put((m["id"], m["src"], ids))
-    for r in ranks:
-        r.inbox.put("quit")
-        r.join(30)
-    say(op="bye", role=a.role, free=len(free), blocks=BLOCKS)
-    return 0
-
-
-def _crash(args) -> None:
-    threading.__excepthook__(args)
-    os._exit(1)  # a rank failed: end the engine, the proxy sees it exit and says so
-
-
-def say(**msg) -> None:
-    """One JSON line to the proxy."""
-    print(json.dumps(msg), flush=True)
-
-
-def _stdin(events: queue.Queue) -> None:
-    for line in sys.stdin:
-        events.put(("in", json.loads(line)))
-    events.put(("in", {"op": "quit"}))  # the proxy went away
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def verify(req: int, reads: list[Transfer], kv: dict, src: dict, want: dict) -> dict:
+    """The decode ranks' reads of one request: ok if every byte of its blocks was written and
+    equals what kvplan.simulate moves from the prefill bytes (``fill``, recomputed here); the
+    sha256 of each rank's blocks, the bytes read, the slowest read's time."""
+    plan = reads[0].plan
+    for (p, i), blocks in src.items():
+        blocks[plan.src_blocks[0]] = fill(req, plan.map.src, p, i, len(plan.src_blocks[0]))
+    errors, digests, ids = [str(t.error()) for t in reads if not t.ok], [], plan.dst_blocks[0]
+    flat_src, flat_want = ({k: b.reshape(-1) for k, b in x.items()} for x in (src, want))
+    for t in reads:
+        simulate(t.plan, flat_src, flat_want)
+        sha = hashlib.sha256()
+        for (d, i), blocks in kv.items():
+            if d == t.plan.map.rank:
+                sha.update(blocks[ids].tobytes())
+                if not blocks[ids].all() or not np.array_equal(blocks[ids], want[d, i][ids]):
+                    errors.append(f"rank {d} region {plan.map.dst.regions[i].name}: bytes differ")
+        digests.append(sha.hexdigest())
+    return {"ok": not errors, "sha256": digests, "errors": errors,
+            "bytes": sum(t.nbytes for t in reads), "ms": max(t.seconds or 0 for t in reads) * 1e3}
