@@ -16,16 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvplan.constants import MAX_ALLOCATION_BYTES, MAX_BLOCK_ATOMS
 from kvplan.cp import check_pcp
 from kvplan.errors import SpecError
-from kvplan.regions import (
-    _UNIT_AXES,
-    MAX_ALLOCATION_BYTES,
-    MAX_BLOCK_ATOMS,
-    Kind,
-    RegionSpec,
-    _size_fields,
-)
+from kvplan.regions import _UNIT_AXES, Kind, RegionSpec, _size_fields
 
 if TYPE_CHECKING:
     from kvplan.spec import EngineSpec

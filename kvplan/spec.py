@@ -22,19 +22,21 @@ from typing import Any
 import attrs
 
 from kvplan import engine_derive as derive
-from kvplan.engine_derive import Buffers
-from kvplan.errors import SpecError
-from kvplan.regions import (
-    AXES,
+from kvplan.constants import (
     DTYPE_SIZES,
-    KV,
-    LEGACY_ORDERS,
     MAX_ALLOCATION_BYTES,
     MAX_BLOCK_ATOMS,
     MAX_BLOCK_SIZE,
     MAX_PP_SIZE,
     MAX_REGIONS,
     MAX_TP_SIZE,
+)
+from kvplan.engine_derive import Buffers
+from kvplan.errors import SpecError
+from kvplan.regions import (
+    AXES,
+    KV,
+    LEGACY_ORDERS,
     VLLM_ORDERS,
     Component,
     Kind,

@@ -28,7 +28,7 @@ ROOT = ig.ROOT
 #: The core's layers (docs/design.md draws them): a module imports only its own layer and the
 #: layers below. A new module must be placed here, which is the point.
 #:
-#:   0  errors                              nothing from kvplan
+#:   0  errors, names, constants            nothing from kvplan
 #:   1  spec*, placement, layout, runs, compat, ...   the values: engines, regions, layouts
 #:   2  lanes, allocations                  the handshake's values: lanes, templates
 #:   3  plan, request                       the request: block ids -> runs (TransferPlan)
@@ -39,6 +39,7 @@ ROOT = ig.ROOT
 LAYERS = {
     "kvplan.errors": 0,
     "kvplan.names": 0,
+    "kvplan.constants": 0,
     "kvplan.spec": 1,
     "kvplan.regions": 1,
     "kvplan.engine_derive": 1,

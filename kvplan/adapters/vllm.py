@@ -90,9 +90,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvplan.constants import DTYPE_SIZES
 from kvplan.errors import RequestError, SpecError
 from kvplan.layout import rank_layout
-from kvplan.regions import DTYPE_SIZES
 from kvplan.request import ABSENT
 from kvplan.spec import EngineSpec
 
