@@ -6,10 +6,12 @@ nothing above at import time. A spec is what two engines exchange at handshake. 
 through ``from_dict`` (the JSON-able form), is checked on construction, and leaves through
 ``to_dict``. Per-rank facts (which regions a pipeline stage holds, block and page sizes,
 allocation sizes) are answered here; byte layouts, placements and plans live in other modules.
-Four methods delegate to modules above by an import inside the method (a reader follows it;
-importing this module does not import them): ``from_hf_config`` to
-:func:`kvplan.hf.from_hf_config`, ``from_vllm`` to :func:`kvplan.adapters.vllm.spec_from_vllm`,
-``_repr_html_`` and ``to_pandas`` to :mod:`kvplan.views`.
+The value knows no builder: a spec from a Hugging Face ``config.json`` is
+:func:`kvplan.hf.from_hf_config` (also ``kvplan.from_hf_config``), from vLLM's own KV cache
+:func:`kvplan.adapters.vllm.spec_from_vllm`; both sit above and import this module, never the
+other way. Only the two presentation methods, ``_repr_html_`` and ``to_pandas``, import
+:mod:`kvplan.views` inside the method (a reader follows it; importing this module does not
+import it).
 
 Every public name of :mod:`kvplan.regions` is re-exported here, as it was defined here before.
 """
@@ -287,31 +289,6 @@ class EngineSpec:
         lines = [f"EngineSpec tp={self.tp_size}{pp}, {len(self.regions)} regions"]
         lines += [f"  {i}: {r}" for i, r in enumerate(self.regions)]
         return "\n".join(lines)
-
-    @classmethod
-    def from_hf_config(
-        cls, config: Any, *, tp_size: int, block_size: int = 16, num_blocks: int = 1024,
-        dtype: str | None = None, pp_size: int = 1, draft: Any = None, **kwargs: Any,
-    ) -> EngineSpec:
-        """A spec from a Hugging Face ``config.json`` (a dict, or a path; nothing downloaded).
-
-        Families, fields read, ``draft`` and the other options (``layout``, ``kv``,
-        ``state_dtype``, ``family``): :func:`kvplan.hf.from_hf_config`.
-        """
-        from kvplan.hf import from_hf_config  # the adapter lives above the value it builds
-
-        return from_hf_config(config, tp_size=tp_size, block_size=block_size,
-                              num_blocks=num_blocks, dtype=dtype, pp_size=pp_size, draft=draft,
-                              **kwargs)
-
-    @classmethod
-    def from_vllm(cls, kv_caches: Any, kv_cache_config: Any, **kwargs: Any) -> EngineSpec:
-        """A spec from vLLM's own KV cache: the tensors ``register_kv_caches`` receives and
-        the ``KVCacheConfig``; options and refusals: :func:`kvplan.adapters.vllm.spec_from_vllm`.
-        """
-        from kvplan.adapters.vllm import spec_from_vllm  # the adapter lives above
-
-        return spec_from_vllm(kv_caches, kv_cache_config, **kwargs)
 
     def with_layout(self, layout: str, kv: str = "split") -> EngineSpec:
         """This engine with every region laid out by ``layout``.

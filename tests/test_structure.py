@@ -84,12 +84,11 @@ LAYERS = {
 
 #: The only imports that point up, each inside the one method named, which a reader follows
 #: to the function it calls: a value's presentation methods import their view module when
-#: shown (the idiom numpy and pandas use for optional presentation code), and
-#: ``EngineSpec.from_hf_config`` / ``from_vllm`` delegate to the adapter functions. Nothing
-#: else may point up, not even lazily; an entry no longer in the code fails too.
+#: shown (the idiom numpy and pandas use for optional presentation code). A value builds from
+#: no adapter (``kvplan.hf.from_hf_config``, ``kvplan.adapters.vllm.spec_from_vllm`` are
+#: functions above it). Nothing else may point up, not even lazily; an entry no longer in the
+#: code fails too.
 DELEGATES = {
-    ("kvplan.spec", "EngineSpec.from_hf_config", "kvplan.hf"),
-    ("kvplan.spec", "EngineSpec.from_vllm", "kvplan.adapters.vllm"),
     ("kvplan.spec", "EngineSpec._repr_html_", "kvplan.views"),
     ("kvplan.spec", "EngineSpec.to_pandas", "kvplan.views"),
     ("kvplan.plan", "TransferPlan.summary", "kvplan.views"),
