@@ -33,6 +33,7 @@ from kvplan.constants import (
     MAX_REGIONS,
     MAX_TP_SIZE,
 )
+from kvplan.cp import is_pcp_sharded
 from kvplan.engine_derive import Buffers
 from kvplan.errors import SpecError
 from kvplan.regions import (
@@ -120,15 +121,20 @@ class EngineSpec:
             if r.name in seen:
                 raise SpecError(f"region name {r.name!r} appears twice")
             seen.add(r.name)
-            derive.check_components(self, r)
-        derive.check_groups(self)
-        derive.check_dcp(self)
-        object.__setattr__(self, "_stages", derive.assign_stages(self))
-        object.__setattr__(self, "_pages", derive.assign_pages(self))
-        object.__setattr__(self, "_buffers", derive.assign_buffers(self))
+            derive.check_components(r, self.tp_size)
+        regions = self.regions
+        derive.check_groups(regions)
+        derive.check_dcp(regions, self.tp_size, self.dcp_size, self.dcp_interleave,
+                         self.pcp_size)
+        stages = derive.assign_stages(regions, self.pp_size)
+        pages = derive.assign_pages(regions, self.tp_size, stages)
+        buffers = derive.assign_buffers(regions, stages, pages)
+        derive.check_sizes(regions, buffers, pages)
+        object.__setattr__(self, "_stages", stages)
+        object.__setattr__(self, "_pages", pages)
+        object.__setattr__(self, "_buffers", buffers)
         # per request, allocations.finish needs every region's buffer: derive it once here
-        object.__setattr__(self, "_region_buffers", tuple(s[0] for s in self._buffers.slots))
-        derive.check_sizes(self)
+        object.__setattr__(self, "_region_buffers", tuple(s[0] for s in buffers.slots))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EngineSpec:
@@ -178,7 +184,7 @@ class EngineSpec:
     def pcp_sharded(self) -> bool:
         """True when the PCP ranks hold distinct DCP shards (vLLM 0.33's sharded PCP: TP 1,
         ``pcp_size == dcp_size``); otherwise every PCP rank holds a full replica."""
-        return self.pcp_size > 1 and self.dcp_size == self.pcp_size and self.tp_size == 1
+        return is_pcp_sharded(self.tp_size, self.pcp_size, self.dcp_size)
 
     def positions_per_block(self, index: int) -> int:
         """Request positions one block id of region ``index`` covers: ``block_size``, times
@@ -211,10 +217,7 @@ class EngineSpec:
 
     def rank_block_nbytes(self, index: int) -> int:
         """Bytes of one block of region ``index`` on one rank (all streams, local units)."""
-        r = self.regions[index]
-        per_token = sum(c.streams * c.local_units(self.tp_size) * c.unit_bytes
-                        for c in r.components)
-        return r.block_size * per_token
+        return derive.block_nbytes(self.regions[index], self.tp_size)
 
     def rank_page_nbytes(self, index: int) -> int:
         """Byte stride between consecutive blocks of region ``index``: its pool's page, or its
