@@ -21,7 +21,7 @@ import attrs
 from kvplan.constants import MAX_ALLOCATION_BYTES, MAX_BLOCK_ATOMS
 from kvplan.cp import check_pcp, is_pcp_sharded
 from kvplan.errors import SpecError
-from kvplan.regions import _UNIT_AXES, Kind, RegionSpec, _size_fields
+from kvplan.regions import UNIT_AXES, Kind, RegionSpec
 
 
 @attrs.frozen
@@ -33,6 +33,14 @@ class Buffers:
     slots: tuple[tuple[int, int, int, int], ...]
     nbytes: tuple[int, ...]
 
+
+
+def _size_fields(r: Any) -> str:
+    """``' (num_kv_heads 8, head_dim 128)'``: the fields a region's page size comes from, for
+    a message refusing a size derived from them."""
+    got = [f"{f} {getattr(r, f)}" for f in ("num_kv_heads", "head_dim", "dim")
+           if getattr(r, f, None) is not None]
+    return f" ({', '.join(got)})" if got else ""
 
 
 def check_sizes(regions: Sequence[RegionSpec], buffers: Buffers, pages: Sequence[int]) -> None:
@@ -192,12 +200,12 @@ def slot_signature(regions: Sequence[RegionSpec], pages: Sequence[int],
     r = regions[i]
     if r.pool is not None or any(regions[m].pool is not None
                                  for m in alloc_members(regions, i)):
-        outer = "".join(x for x in r.order if x not in _UNIT_AXES[r.kind])[:2]
+        outer = "".join(x for x in r.order if x not in UNIT_AXES[r.kind])[:2]
         blocks = max(x.num_blocks for x in regions if x.pool == r.pool) if r.pool \
             else r.num_blocks
         return (("pages", blocks), ("page bytes", pages[i]), ("outer axes", outer))
     comps = tuple((c.units, c.unit_bytes, c.streams) for c in r.components)
-    order = "".join(x for x in r.order if x not in _UNIT_AXES[r.kind])
+    order = "".join(x for x in r.order if x not in UNIT_AXES[r.kind])
     return (("num_blocks", r.num_blocks), ("block_size", r.block_size),
             ("kernel block", r.kernel_size), ("units, unit bytes and streams", comps),
             ("axis order", order))

@@ -27,14 +27,6 @@ from kvplan.constants import (
 from kvplan.errors import SpecError
 
 
-def _size_fields(r: Any) -> str:
-    """``' (num_kv_heads 8, head_dim 128)'``: the fields a region's page size comes from, for
-    a message refusing a size derived from them."""
-    got = [f"{f} {getattr(r, f)}" for f in ("num_kv_heads", "head_dim", "dim")
-           if getattr(r, f, None) is not None]
-    return f" ({', '.join(got)})" if got else ""
-
-
 def check_spec_json(d: Any, what: str) -> None:
     """Refuse a spec (or region) ``d`` nested deeper than :data:`MAX_SPEC_DEPTH` or with a key
     that is not a string, or holding more than :data:`MAX_SPEC_ITEMS` values, naming where
@@ -191,8 +183,9 @@ _OWN_FIELDS = {
 _COMMON = ("name", "kind", "group", "num_blocks", "dtype", "pool", "page_bytes", "stage",
            "layout", "allocation")
 _OPTIONAL = ("kernel_block_size", "pool", "page_bytes", "stage")  # written only when set
-#: Axes whose size is 1 for a kind whatever the rank (so their place in an order is moot).
-_UNIT_AXES = {Kind.ATTENTION: "", Kind.MLA: "SH", Kind.INDEXER: "SH", Kind.STATE: "SHN"}
+#: Axes whose size is 1 for a kind whatever the rank (so their place in an order is moot);
+#: engine_derive compares two layer slots' orders without them.
+UNIT_AXES = {Kind.ATTENTION: "", Kind.MLA: "SH", Kind.INDEXER: "SH", Kind.STATE: "SHN"}
 
 
 @attrs.frozen(kw_only=True)
@@ -332,7 +325,7 @@ class RegionSpec:
                     f"(its block must be contiguous in its page of pool {self.pool!r})"
                 )
         if self.pool is not None:  # a block must be contiguous in its page: L, B outermost
-            outer = [x for x in order if x not in _UNIT_AXES[self.kind]][:2]
+            outer = [x for x in order if x not in UNIT_AXES[self.kind]][:2]
             if sorted(outer) != ["B", "L"]:
                 raise SpecError(
                     f"region {name!r}: a region in pool {self.pool!r} needs its block "

@@ -13,7 +13,8 @@ other way. Only the two presentation methods, ``_repr_html_`` and ``to_pandas``,
 :mod:`kvplan.views` inside the method (a reader follows it; importing this module does not
 import it).
 
-Every public name of :mod:`kvplan.regions` is re-exported here, as it was defined here before.
+The public names of :mod:`kvplan.regions` and :mod:`kvplan.constants` that were defined here
+before are re-exported here.
 """
 
 from __future__ import annotations
