@@ -80,7 +80,8 @@ def check_dcp(regions: Sequence[RegionSpec], tp: int, dcp: int, il: int, pcp: in
     are ``dcp`` consecutive ranks of a TP group that hold the same heads, each rank
     holding every ``dcp``-th run of ``il`` (``dcp_interleave``) tokens of a block id."""
     check_pcp(tp, pcp, dcp)
-    sharded = is_pcp_sharded(tp, pcp, dcp)  # DCP over the PCP ranks (TP 1): every head a rank
+    # sharded PCP is DCP over the PCP ranks (TP 1): each rank has every head
+    sharded = is_pcp_sharded(tp, pcp, dcp)
     if tp % dcp and not sharded:
         raise SpecError(
             f"dcp_size {dcp} does not divide tp_size {tp} ({tp} % {dcp} = {tp % dcp}): "

@@ -1,17 +1,19 @@
 """Engine specs: the validated, immutable description of one engine's KV cache.
 
 Layer 1 (values): imports :mod:`kvplan.regions` (one region), :mod:`kvplan.engine_derive` (the
-checks across regions and the derived stages, pages and buffers) and :mod:`kvplan.errors`,
-nothing above at import time. A spec is what two engines exchange at handshake. It enters
-through ``from_dict`` (the JSON-able form), is checked on construction, and leaves through
-``to_dict``. Per-rank facts (which regions a pipeline stage holds, block and page sizes,
-allocation sizes) are answered here; byte layouts, placements and plans live in other modules.
+checks across regions and the derived stages, pages and buffers, from plain fields),
+:mod:`kvplan.cp` (the sharded-PCP rule), :mod:`kvplan.constants` and :mod:`kvplan.errors`; none
+of them imports it back. A spec is what two engines exchange at handshake. It enters through
+``from_dict`` (the JSON-able form), is checked on construction, and leaves through ``to_dict``.
+Per-rank facts (which regions a pipeline stage holds, block and page sizes, allocation sizes)
+are answered here; byte layouts, placements and plans live in other modules.
+
 The value knows no builder: a spec from a Hugging Face ``config.json`` is
 :func:`kvplan.hf.from_hf_config` (also ``kvplan.from_hf_config``), from vLLM's own KV cache
 :func:`kvplan.adapters.vllm.spec_from_vllm`; both sit above and import this module, never the
-other way. Only the two presentation methods, ``_repr_html_`` and ``to_pandas``, import
-:mod:`kvplan.views` inside the method (a reader follows it; importing this module does not
-import it).
+other way. The only imports of a module above are the two presentation methods', ``_repr_html_``
+and ``to_pandas``, which import :mod:`kvplan.views` inside the method (a reader follows it;
+importing this module does not import it).
 
 The public names of :mod:`kvplan.regions` and :mod:`kvplan.constants` that were defined here
 before are re-exported here.
