@@ -13,9 +13,14 @@ The whole public API::
     check_plan(plan)                                  # its checks, on the plan alone (PlanError)
     staged = stage(plan, chunk_bytes)                 # gather / bulk / scatter legs (staging)
 
-Seeing plans (notebooks, ``kvplan[view]``): ``EngineSpec.from_hf_config(config_json, tp_size=8)``,
+Seeing plans (notebooks, ``kvplan[view]``): ``from_hf_config(config_json, tp_size=8)``,
 ``presets.spec("llama-3.1-70b", tp_size=8)``, ``plan.to_pandas()``, ``plan.plot()``,
 ``plot_rank_map(plans)``; specs, maps and plans render as HTML tables in Jupyter.
+
+Builders of specs are functions of the adapters above the value, never methods of it:
+``from_hf_config`` (a Hugging Face ``config.json``; :func:`kvplan.hf.from_hf_config`, re-exported
+here; ``EngineSpec.from_hf_config`` before) and :func:`kvplan.adapters.vllm.spec_from_vllm`
+(vLLM's own KV cache; ``EngineSpec.from_vllm`` before).
 
 Layer 6 (the public names): imports the modules below it for their public names; nothing
 here is needed for a method to work (docs/design.md). Nothing in the core imports this package
@@ -30,6 +35,7 @@ from kvplan.errors import (
     RequestError,
     SpecError,
 )
+from kvplan.hf import from_hf_config
 from kvplan.lanes import Lane, Mode
 from kvplan.layout import RankLayout, rank_layout
 from kvplan.placement import (
@@ -75,6 +81,7 @@ __all__ = [
     "TransferMap",
     "TransferPlan",
     "check_plan",
+    "from_hf_config",
     "head_sources",
     "held_heads",
     "holders",

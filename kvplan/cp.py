@@ -17,23 +17,44 @@ tp_rank``. Two kinds of context parallelism place tokens:
 
 Any other mix of PCP with DCP is refused by :func:`check_pcp` (no engine stores it).
 
-Layer 1 (values): imports errors only (the spec's type for hints); the spec, the planner
-and the outputs call it.
+Layer 1 (values), below :mod:`kvplan.spec`: imports errors only, and regions for a type hint.
+The spec calls :func:`check_pcp` and :func:`is_pcp_sharded` with its plain sizes while it is
+built; the functions of a built engine take anything with its sizes (:class:`Parallelism`, which
+:class:`~kvplan.EngineSpec` is), so this module never names the spec; the planner and the
+outputs call them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvplan.errors import SpecError
 
 if TYPE_CHECKING:
-    from kvplan.spec import EngineSpec, RegionSpec
+    from kvplan.regions import RegionSpec
 
 
-def check_pcp(spec: EngineSpec) -> None:
+class Parallelism(Protocol):
+    """What this module reads of an engine: how its ranks are sharded. :class:`kvplan.EngineSpec`
+    is one; naming the fields here rather than the spec keeps the spec, which calls this module
+    while it is built, the only one of the two importing the other."""
+
+    tp_size: int
+    pp_size: int
+    pcp_size: int
+    dcp_size: int
+    dcp_interleave: int
+    pcp_sharded: bool
+
+
+def is_pcp_sharded(tp: int, pcp: int, dcp: int) -> bool:
+    """True when the PCP ranks hold distinct DCP shards (vLLM 0.33's sharded PCP: TP 1,
+    ``pcp == dcp``); otherwise every PCP rank holds a full replica."""
+    return pcp > 1 and dcp == pcp and tp == 1
+
+
+def check_pcp(tp: int, pcp: int, dcp: int) -> None:
     """Refuse PCP settings no engine stores, naming the sizes (raises :class:`SpecError`)."""
-    pcp, dcp, tp = spec.pcp_size, spec.dcp_size, spec.tp_size
     if pcp == 1 or dcp == 1:
         return
     if tp != 1 or pcp != dcp:
@@ -45,22 +66,22 @@ def check_pcp(spec: EngineSpec) -> None:
         )
 
 
-def tp_rank(spec: EngineSpec, rank: int) -> int:
+def tp_rank(spec: Parallelism, rank: int) -> int:
     """The TP rank of flat ``rank``."""
     return rank % spec.tp_size
 
 
-def pcp_rank(spec: EngineSpec, rank: int) -> int:
+def pcp_rank(spec: Parallelism, rank: int) -> int:
     """The PCP rank of flat ``rank`` (0 without PCP)."""
     return (rank // spec.tp_size) % spec.pcp_size
 
 
-def dcp_rank(spec: EngineSpec, rank: int) -> int:
+def dcp_rank(spec: Parallelism, rank: int) -> int:
     """The DCP rank of flat ``rank``: its PCP rank under sharded PCP, else ``tp_rank % dcp``."""
     return pcp_rank(spec, rank) if spec.pcp_sharded else tp_rank(spec, rank) % spec.dcp_size
 
 
-def stage_base(spec: EngineSpec, stage: int, replica: int = 0) -> int:
+def stage_base(spec: Parallelism, stage: int, replica: int = 0) -> int:
     """Flat rank of TP rank 0 of PCP rank ``replica`` of pipeline stage ``stage``."""
     return (stage * spec.pcp_size + replica) * spec.tp_size
 
@@ -71,7 +92,7 @@ def token_slice(dcp: int, interleave: int, rank: int) -> str:
     return f"positions {rank * interleave}:{(rank + 1) * interleave} of every {dcp * interleave}"
 
 
-def cp_label(spec: EngineSpec, rank: int, region: RegionSpec) -> str:
+def cp_label(spec: Parallelism, rank: int, region: RegionSpec) -> str:
     """What flat ``rank`` holds of ``region`` under context parallelism, for outputs:
     ``DCP 1/2 (positions 1:2 of every 2)``, ``PCP shard 1/2 (...)``, ``PCP replica 1/4``; ""
     without it (and for state regions, which PCP replicates and DCP leaves whole)."""
@@ -88,7 +109,7 @@ def cp_label(spec: EngineSpec, rank: int, region: RegionSpec) -> str:
     return ", ".join(parts)
 
 
-def parallel_label(spec: EngineSpec) -> str:
+def parallel_label(spec: Parallelism) -> str:
     """An engine's parallelism in one word for titles: ``TP2``, ``TP4 PP2``, ``TP8 DCP4``,
     ``TP2 PCP2`` (replicas), ``TP1 PCP2+DCP2`` (sharded PCP)."""
     out = f"TP{spec.tp_size}" + (f" PP{spec.pp_size}" if spec.pp_size > 1 else "")
@@ -98,7 +119,7 @@ def parallel_label(spec: EngineSpec) -> str:
     return out + (f" DCP{spec.dcp_size}" if spec.dcp_size > 1 else "")
 
 
-def parallel_fields(spec: EngineSpec) -> dict[str, int]:
+def parallel_fields(spec: Parallelism) -> dict[str, int]:
     """``tp_size``, ``pp_size`` and, where set, ``dcp_size``/``dcp_interleave``/``pcp_size``
     (for JSON outputs)."""
     out = {"tp_size": spec.tp_size, "pp_size": spec.pp_size}

@@ -38,8 +38,8 @@ dtype (e.g. vLLM's ``fp8_ds_mla``).
 What each family reads (the tables, the config reader, one rule per family) is
 :mod:`kvplan.hf_families`; this module turns its layers into regions, groups, pools and stages.
 
-Layer 5 (adapters on top): imports spec, errors and hf_families; ``EngineSpec.from_hf_config``
-is a classmethod that imports :func:`from_hf_config` from here inside the method and calls it.
+Layer 5 (adapters on top): imports spec, errors and hf_families; the spec it builds never
+imports it (``kvplan.from_hf_config`` is this function, re-exported by the package).
 """
 
 from __future__ import annotations

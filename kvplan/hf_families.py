@@ -8,7 +8,7 @@ Where to look for "what does kvplan read from this config"; :mod:`kvplan.hf` tur
 into an engine spec's regions, groups and pools (:func:`kvplan.hf.from_hf_config`) and holds the
 theory of operation and the byte sizes.
 
-Layer 5 (adapters on top): imports spec and errors only.
+Layer 5 (adapters on top): imports errors and constants only (the dtype sizes), no value module.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 
 import attrs
 
+from kvplan.constants import DTYPE_SIZES
 from kvplan.errors import SpecError
-from kvplan.spec import DTYPE_SIZES
 
 # Architecture names (``architectures[0]``) and model types -> family. Drafts: Eagle-3 heads.
 _ARCHITECTURES = {

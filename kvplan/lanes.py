@@ -9,13 +9,15 @@ ids, and a ``TransferPlan`` (``plan.py``) keeps the map they belong to. They sit
 their own so that all three import them from below, and none of those imports another upward.
 
 Layer 2 (the handshake's values): imports the values of layer 1 (layout, placement, cp, granules,
-runs, spec) only.
+runs, spec) only. :class:`LaneMap` names what the layers above read of a ``TransferMap``, so
+that the request stage and the plan never import the planner, not even for a type hint.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -220,3 +222,21 @@ class Lane:
             f"Lane(p{self.src_rank} L{self.src_region} -> d{self.dst_rank} L{self.dst_region}, "
             f"{self.placement.value}, {units})"
         )
+
+
+class LaneMap(Protocol):
+    """What the request stage and a plan read of the map they come from: its two engines, its
+    mode and rank, its lanes and their indexes. :class:`kvplan.TransferMap` (planner.py, a layer
+    up) is the one kind there is, and ``TransferPlan.map`` is that map. Naming the fields here
+    lets request.py and plan.py say what they read without importing the planner, which
+    imports them (``TransferMap.plan`` calls :func:`kvplan.request.build_plan`)."""
+
+    src: EngineSpec
+    dst: EngineSpec
+    mode: Mode
+    rank: int
+    lanes: tuple[Lane, ...]
+    #: destination region index -> indices of its lanes (ascending)
+    region_lanes: dict[int, tuple[int, ...]]
+    #: region name -> destination region index
+    region_ids: dict[str, int]

@@ -5,8 +5,9 @@ the runs of one request as a structured array of :data:`COPY_DTYPE`, grouped by 
 map, the block ids and the token range it was planned for. :meth:`TransferPlan.part` slices it
 by region without re-planning (layer-wise posting).
 
-Layer 3 (the request), beside request.py: imports the lanes' values (lanes.py) and errors;
-names ``TransferMap`` for annotations only (under ``TYPE_CHECKING``: the map is built above).
+Layer 3 (the request), beside request.py: imports the lanes' values (lanes.py) and errors. The
+map a plan keeps is a ``TransferMap``, built a layer up; this module names it by what a plan
+reads of it (:class:`kvplan.lanes.LaneMap`) and never imports the planner.
 Its presentation methods (``summary``, ``_repr_html_``, ``to_pandas``, ``plot``) import
 :mod:`kvplan.views` inside the method, as numpy and pandas do for optional presentation code.
 """
@@ -14,16 +15,12 @@ Its presentation methods (``summary``, ``_repr_html_``, ``to_pandas``, ``plot``)
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
 
 from kvplan.errors import RequestError
-from kvplan.lanes import Mode, ReadOnlyArrays, frozen
-
-if TYPE_CHECKING:
-    from kvplan.planner import TransferMap
+from kvplan.lanes import LaneMap, Mode, ReadOnlyArrays, frozen
 
 #: dtype of :meth:`TransferPlan.copies`: one row per run, offsets in bytes from the base of the
 #: buffer the run lies in (``src_buffer``/``dst_buffer``: indices in each spec's ``buffers``).
@@ -54,7 +51,7 @@ class TransferPlan(ReadOnlyArrays):
     slots of an allocation too: such a run is listed under the lane of its first byte).
     """
 
-    map: TransferMap
+    map: LaneMap  # the TransferMap it was planned from
     src_blocks: tuple[np.ndarray, ...]
     dst_blocks: tuple[np.ndarray, ...]
     rows: np.ndarray
@@ -162,18 +159,6 @@ class TransferPlan(ReadOnlyArrays):
         from kvplan.views import plan_summary  # presentation: imported when shown
 
         return plan_summary(self)
-
-    def _scope(self) -> str:
-        """The request's token range (and list anchoring) and a part's regions, for summary."""
-        out = ""
-        if self.tokens is not None:
-            anchor = ", destination lists from start" if self.dst_from == "start" else ""
-            out += f", tokens {self.tokens[0]}:{self.tokens[1]}{anchor}"
-        if self.regions is not None:
-            names = [self.map.dst.regions[j].name for j in self.regions]
-            shown = ", ".join(names[:3]) + (f", ... ({len(names)})" if len(names) > 3 else "")
-            out += f"; part of {len(self.map.dst.regions)} regions: {shown}"
-        return out
 
     def __repr__(self) -> str:
         m = self.map

@@ -43,7 +43,7 @@ from kvplan.lanes import Lane, Mode, UnitRange, build_template
 from kvplan.layout import rank_layout
 from kvplan.placement import Placement, TokenSharding, head_sources
 from kvplan.request import build_plan
-from kvplan.spec import EngineSpec
+from kvplan.spec import EngineSpec, RegionSpec
 
 if TYPE_CHECKING:
     from kvplan.plan import TransferPlan
@@ -239,7 +239,7 @@ class TransferMap:
             runs = sum(len(t.length) for t in tpls) / len(tpls)
             lines.append(
                 f"  p{lane.src_rank} -> d{lane.dst_rank}  {r.name}: {lane.describe(self.dst)}, "
-                f"{_streams(r)}, {nbytes:g} B and {runs:g} runs per {unit}{share}"
+                f"{stream_notation(r)}, {nbytes:g} B and {runs:g} runs per {unit}{share}"
             )
         return "\n".join(lines)
 
@@ -269,8 +269,9 @@ class TransferMap:
         return plot_rank_map(self, ax=ax)
 
 
-def _streams(region) -> str:
-    """Stream notation for summaries: K+V, K (key only), or the parts of a state slot."""
+def stream_notation(region: RegionSpec) -> str:
+    """Stream notation for summaries: ``K+V``, ``K`` (key only), or the parts of a state slot
+    (``parts conv+ssm``); :meth:`TransferMap.summary` and ``TransferPlan.summary`` write it."""
     if region.is_state:
         return "parts " + "+".join(c.name for c in region.components)
     return "K+V" if region.streams == 2 else "K"

@@ -7,7 +7,7 @@ latents, state parts). :func:`plot_rank_map` draws it with matplotlib (imported 
 drawing: the ``view`` extra), :data:`PLOT_NOTES` says what its abbreviations mean.
 
 It also holds the helpers the notebook views need too (:func:`human_bytes`, :func:`rank_share`,
-``_lane_stats``, ``_map_of``, ``_require``): this module is the lower of the two,
+:func:`lane_stats`, :func:`map_of`, :func:`require_extra`): this module is the lower of the two,
 :mod:`kvplan.views` imports them from here and re-exports the rank map's public names
 (``kvplan.views.rank_map`` and ``kvplan.rank_map`` are the function; the module is named
 ``rank_picture`` so that no module and function share a name).
@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 # -- shared with kvplan.views ------------------------------------------------------------------
 
 
-def _require(module: str, what: str):
+def require_extra(module: str, what: str) -> Any:
+    """The optional module ``module`` (pandas, matplotlib) imported, or an ImportError saying
+    that ``what`` needs it and how to install it (the ``view`` extra)."""
     try:
         return __import__(module)
     except ImportError:
@@ -52,11 +54,12 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _map_of(item) -> TransferMap:
+def map_of(item: Any) -> TransferMap:
+    """The map of a plan (``plan.map``), or ``item`` itself when it is a map."""
     return getattr(item, "map", item)
 
 
-def _lane_stats(item) -> list[tuple[Lane, int, int]]:
+def lane_stats(item: Any) -> list[tuple[Lane, int, int]]:
     """(lane, bytes, runs) per lane: of the request for a plan, per block for a map; an object
     with ``map`` and ``lane_stats()`` (kvplan explain's counts) gives its own."""
     from kvplan.plan import TransferPlan
@@ -175,8 +178,8 @@ def rank_map(items: Any) -> tuple[Edge, ...]:
     items = [items] if not isinstance(items, (list, tuple)) else list(items)
     acc: dict[tuple[int, int], dict[tuple[str, str], list]] = {}
     for item in items:
-        m = _map_of(item)
-        for lane, nbytes, runs in _lane_stats(item):
+        m = map_of(item)
+        for lane, nbytes, runs in lane_stats(item):
             if runs == 0:
                 continue
             region = m.dst.regions[lane.dst_region]
@@ -229,14 +232,14 @@ def plot_rank_map(items: Any, ax: Any = None, title: str | None = None):
     bytes, each edge labelled with its head ranges / replicas and bytes. Ranks without an edge
     are drawn faded.
     """
-    _require("matplotlib", "plot()")
+    require_extra("matplotlib", "plot()")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
     items = [items] if not isinstance(items, (list, tuple)) else list(items)
     if not items:
         raise ValueError("plot_rank_map: nothing to draw (no plans or maps given)")
-    m = _map_of(items[0])
+    m = map_of(items[0])
     src, dst = m.src, m.dst
     edges = rank_map(items)
     n_src, n_dst = src.num_ranks, dst.num_ranks

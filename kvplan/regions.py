@@ -1,11 +1,12 @@
 """Region specs: one region of an engine's KV cache (its kind, geometry, dtype and layout),
-validated and immutable, with the enums, axis orders and limits every spec shares.
+validated and immutable, with the enums and axis orders every spec shares.
 
 Layer 1 (values), with :mod:`kvplan.spec` (the engine) and :mod:`kvplan.engine_derive` (what
-an engine's regions add up to). It imports only :mod:`kvplan.errors`: nothing here knows about
-ranks, plans or views. A region enters through :meth:`RegionSpec.from_dict` (the JSON-able
-form), is checked on construction, and leaves through ``to_dict``. :mod:`kvplan.spec`
-re-exports every public name here, so ``from kvplan.spec import RegionSpec`` keeps working.
+an engine's regions add up to). It imports only :mod:`kvplan.errors` and
+:mod:`kvplan.constants` (dtype sizes, limits): nothing here knows about ranks, plans or views. A
+region enters through :meth:`RegionSpec.from_dict` (the JSON-able form), is checked on
+construction, and leaves through ``to_dict``. :mod:`kvplan.spec` re-exports every public name
+here, so ``from kvplan.spec import RegionSpec`` keeps working.
 """
 
 from __future__ import annotations
@@ -16,47 +17,14 @@ from typing import Any
 
 import attrs
 
+from kvplan.constants import (
+    DTYPE_SIZES,
+    MAX_BLOCK_SIZE,
+    MAX_REGIONS,
+    MAX_SPEC_DEPTH,
+    MAX_SPEC_ITEMS,
+)
 from kvplan.errors import SpecError
-
-#: Bytes per element of each dtype name a spec may use (torch's spelling).
-DTYPE_SIZES: Mapping[str, int] = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
-
-
-#: Bounds a spec must respect (see docs/design.md, "Limits"): they keep every byte offset a plan
-#: computes inside int64 and make a forged or mistyped spec cheap to refuse.
-MAX_TP_SIZE = 256
-MAX_PP_SIZE = 256
-MAX_REGIONS = 1024
-MAX_BLOCK_SIZE = 1 << 16
-#: Largest buffer (bytes on one rank) of a region, pool or allocation: offsets plus lengths
-#: stay < 2**63 even where the planner lays a V buffer one block above its K buffer.
-MAX_ALLOCATION_BYTES = 1 << 61
-#: Largest number of (stream, unit, token) atoms in one block on one rank; the handshake builds
-#: a template of that many rows per lane, so this bounds its time and memory.
-MAX_BLOCK_ATOMS = 1 << 20
-#: Deepest nesting of lists and mappings a spec's JSON form may have (a real one has 5: engine,
-#: regions, region, parts, shape); checked without recursion before anything else reads it, so
-#: a forged spec nested 10^5 deep is refused instead of overflowing the stack in a repr.
-MAX_SPEC_DEPTH = 16
-#: Most values (lists, mappings and scalars) a spec's JSON form may hold: ample for
-#: MAX_REGIONS regions, and it bounds the walk of the depth check.
-MAX_SPEC_ITEMS = MAX_REGIONS * 256
-
-
-def _size_fields(r: Any) -> str:
-    """``' (num_kv_heads 8, head_dim 128)'``: the fields a region's page size comes from, for
-    a message refusing a size derived from them."""
-    got = [f"{f} {getattr(r, f)}" for f in ("num_kv_heads", "head_dim", "dim")
-           if getattr(r, f, None) is not None]
-    return f" ({', '.join(got)})" if got else ""
 
 
 def check_spec_json(d: Any, what: str) -> None:
@@ -215,8 +183,9 @@ _OWN_FIELDS = {
 _COMMON = ("name", "kind", "group", "num_blocks", "dtype", "pool", "page_bytes", "stage",
            "layout", "allocation")
 _OPTIONAL = ("kernel_block_size", "pool", "page_bytes", "stage")  # written only when set
-#: Axes whose size is 1 for a kind whatever the rank (so their place in an order is moot).
-_UNIT_AXES = {Kind.ATTENTION: "", Kind.MLA: "SH", Kind.INDEXER: "SH", Kind.STATE: "SHN"}
+#: Axes whose size is 1 for a kind whatever the rank (so their place in an order is moot);
+#: engine_derive compares two layer slots' orders without them.
+UNIT_AXES = {Kind.ATTENTION: "", Kind.MLA: "SH", Kind.INDEXER: "SH", Kind.STATE: "SHN"}
 
 
 @attrs.frozen(kw_only=True)
@@ -356,7 +325,7 @@ class RegionSpec:
                     f"(its block must be contiguous in its page of pool {self.pool!r})"
                 )
         if self.pool is not None:  # a block must be contiguous in its page: L, B outermost
-            outer = [x for x in order if x not in _UNIT_AXES[self.kind]][:2]
+            outer = [x for x in order if x not in UNIT_AXES[self.kind]][:2]
             if sorted(outer) != ["B", "L"]:
                 raise SpecError(
                     f"region {name!r}: a region in pool {self.pool!r} needs its block "

@@ -10,26 +10,23 @@ and lanes (at most regions x peer ranks), and over the at most two partially cov
 
 Layer 3 (the request): imports the lanes (lanes.py), allocations, runs, regroup and the values
 below, and builds the :class:`~kvplan.plan.TransferPlan` value beside it; ``TransferMap.plan``
-(planner.py, above) calls :func:`build_plan`. The map is named for annotations only.
+(planner.py, above) calls :func:`build_plan`. The map is named by what this stage reads of it
+(:class:`kvplan.lanes.LaneMap`): this module never imports the planner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvplan.allocations import finish
 from kvplan.errors import RequestError
-from kvplan.lanes import BlockTemplate, Lane, frozen
+from kvplan.lanes import BlockTemplate, Lane, LaneMap, frozen
 from kvplan.plan import COPY_DTYPE, TransferPlan
 from kvplan.regroup import check_state_slots
 from kvplan.runs import merge_runs
 from kvplan.spec import EngineSpec
-
-if TYPE_CHECKING:
-    from kvplan.planner import TransferMap
 
 
 def _id_array(ids: object, side: str, g: int) -> np.ndarray:
@@ -211,11 +208,19 @@ def _token_range(tokens) -> tuple[int, int] | None:
     return start, end
 
 
-def _span(
-    tmap: TransferMap, lane: Lane, n_src: int, n_dst: int, tokens: tuple[int, int] | None,
+def lane_span(
+    tmap: LaneMap, lane: Lane, n_src: int, n_dst: int, tokens: tuple[int, int] | None,
     dst_from: str,
 ) -> tuple[int, int, int]:
-    """``(lo, hi, dst_first)`` of one lane for a request (see :meth:`TransferMap.plan`)."""
+    """``(lo, hi, dst_first)`` of one lane for a request (see :meth:`TransferMap.plan`): the
+    request positions ``[lo, hi)`` the lane copies (a sliding window's last blocks only) and the
+    position, in destination blocks, where the destination list starts (``dst_from``).
+
+    ``n_src`` / ``n_dst`` are the lengths of the lane's two block lists, ``tokens`` the
+    request's range (``None``: what both lists cover). Raises :class:`~kvplan.RequestError`
+    naming the group and region when the lists do not cover ``tokens``. The plan's rows are
+    built from it, and ``kvplan.views.blocks_written`` counts the blocks a plan writes by it.
+    """
     tpl = lane.templates[0]
     vs, vd = tpl.src_bs, tpl.dst_bs  # request positions per block of each list
     if tokens is None:
@@ -245,7 +250,7 @@ def _span(
 
 
 def build_plan(
-    tmap: TransferMap,
+    tmap: LaneMap,
     src_blocks: Sequence,
     dst_blocks: Sequence,
     tokens: tuple[int, int] | None = None,
@@ -273,7 +278,7 @@ def build_plan(
         if runs is None:
             s_ids, d_ids = src_lists[lane.src_group], dst_lists[g]
             state = tmap.dst.regions[lane.dst_region].is_state  # slots move whole, by position
-            span = _span(tmap, lane, len(s_ids), len(d_ids), None if state else rng, dst_from)
+            span = lane_span(tmap, lane, len(s_ids), len(d_ids), None if state else rng, dst_from)
             runs = _lane_runs(lane, s_ids, d_ids, span, order_cache)
             by_template[key] = runs
         lane_rows.append(runs)

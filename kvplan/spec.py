@@ -1,17 +1,22 @@
 """Engine specs: the validated, immutable description of one engine's KV cache.
 
 Layer 1 (values): imports :mod:`kvplan.regions` (one region), :mod:`kvplan.engine_derive` (the
-checks across regions and the derived stages, pages and buffers) and :mod:`kvplan.errors`,
-nothing above at import time. A spec is what two engines exchange at handshake. It enters
-through ``from_dict`` (the JSON-able form), is checked on construction, and leaves through
-``to_dict``. Per-rank facts (which regions a pipeline stage holds, block and page sizes,
-allocation sizes) are answered here; byte layouts, placements and plans live in other modules.
-Four methods delegate to modules above by an import inside the method (a reader follows it;
-importing this module does not import them): ``from_hf_config`` to
-:func:`kvplan.hf.from_hf_config`, ``from_vllm`` to :func:`kvplan.adapters.vllm.spec_from_vllm`,
-``_repr_html_`` and ``to_pandas`` to :mod:`kvplan.views`.
+checks across regions and the derived stages, pages and buffers, from plain fields),
+:mod:`kvplan.cp` (the sharded-PCP rule), :mod:`kvplan.constants` and :mod:`kvplan.errors`; none
+of them imports it back. A spec is what two engines exchange at handshake. It enters through
+``from_dict`` (the JSON-able form), is checked on construction, and leaves through ``to_dict``.
+Per-rank facts (which regions a pipeline stage holds, block and page sizes, allocation sizes)
+are answered here; byte layouts, placements and plans live in other modules.
 
-Every public name of :mod:`kvplan.regions` is re-exported here, as it was defined here before.
+The value knows no builder: a spec from a Hugging Face ``config.json`` is
+:func:`kvplan.hf.from_hf_config` (also ``kvplan.from_hf_config``), from vLLM's own KV cache
+:func:`kvplan.adapters.vllm.spec_from_vllm`; both sit above and import this module, never the
+other way. The only imports of a module above are the two presentation methods', ``_repr_html_``
+and ``to_pandas``, which import :mod:`kvplan.views` inside the method (a reader follows it;
+importing this module does not import it).
+
+The public names of :mod:`kvplan.regions` and :mod:`kvplan.constants` that were defined here
+before are re-exported here.
 """
 
 from __future__ import annotations
@@ -22,19 +27,22 @@ from typing import Any
 import attrs
 
 from kvplan import engine_derive as derive
-from kvplan.engine_derive import Buffers
-from kvplan.errors import SpecError
-from kvplan.regions import (
-    AXES,
+from kvplan.constants import (
     DTYPE_SIZES,
-    KV,
-    LEGACY_ORDERS,
     MAX_ALLOCATION_BYTES,
     MAX_BLOCK_ATOMS,
     MAX_BLOCK_SIZE,
     MAX_PP_SIZE,
     MAX_REGIONS,
     MAX_TP_SIZE,
+)
+from kvplan.cp import is_pcp_sharded
+from kvplan.engine_derive import Buffers
+from kvplan.errors import SpecError
+from kvplan.regions import (
+    AXES,
+    KV,
+    LEGACY_ORDERS,
     VLLM_ORDERS,
     Component,
     Kind,
@@ -116,15 +124,20 @@ class EngineSpec:
             if r.name in seen:
                 raise SpecError(f"region name {r.name!r} appears twice")
             seen.add(r.name)
-            derive.check_components(self, r)
-        derive.check_groups(self)
-        derive.check_dcp(self)
-        object.__setattr__(self, "_stages", derive.assign_stages(self))
-        object.__setattr__(self, "_pages", derive.assign_pages(self))
-        object.__setattr__(self, "_buffers", derive.assign_buffers(self))
+            derive.check_components(r, self.tp_size)
+        regions = self.regions
+        derive.check_groups(regions)
+        derive.check_dcp(regions, self.tp_size, self.dcp_size, self.dcp_interleave,
+                         self.pcp_size)
+        stages = derive.assign_stages(regions, self.pp_size)
+        pages = derive.assign_pages(regions, self.tp_size, stages)
+        buffers = derive.assign_buffers(regions, stages, pages)
+        derive.check_sizes(regions, buffers, pages)
+        object.__setattr__(self, "_stages", stages)
+        object.__setattr__(self, "_pages", pages)
+        object.__setattr__(self, "_buffers", buffers)
         # per request, allocations.finish needs every region's buffer: derive it once here
-        object.__setattr__(self, "_region_buffers", tuple(s[0] for s in self._buffers.slots))
-        derive.check_sizes(self)
+        object.__setattr__(self, "_region_buffers", tuple(s[0] for s in buffers.slots))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EngineSpec:
@@ -174,7 +187,7 @@ class EngineSpec:
     def pcp_sharded(self) -> bool:
         """True when the PCP ranks hold distinct DCP shards (vLLM 0.33's sharded PCP: TP 1,
         ``pcp_size == dcp_size``); otherwise every PCP rank holds a full replica."""
-        return self.pcp_size > 1 and self.dcp_size == self.pcp_size and self.tp_size == 1
+        return is_pcp_sharded(self.tp_size, self.pcp_size, self.dcp_size)
 
     def positions_per_block(self, index: int) -> int:
         """Request positions one block id of region ``index`` covers: ``block_size``, times
@@ -207,10 +220,7 @@ class EngineSpec:
 
     def rank_block_nbytes(self, index: int) -> int:
         """Bytes of one block of region ``index`` on one rank (all streams, local units)."""
-        r = self.regions[index]
-        per_token = sum(c.streams * c.local_units(self.tp_size) * c.unit_bytes
-                        for c in r.components)
-        return r.block_size * per_token
+        return derive.block_nbytes(self.regions[index], self.tp_size)
 
     def rank_page_nbytes(self, index: int) -> int:
         """Byte stride between consecutive blocks of region ``index``: its pool's page, or its
@@ -285,31 +295,6 @@ class EngineSpec:
         lines = [f"EngineSpec tp={self.tp_size}{pp}, {len(self.regions)} regions"]
         lines += [f"  {i}: {r}" for i, r in enumerate(self.regions)]
         return "\n".join(lines)
-
-    @classmethod
-    def from_hf_config(
-        cls, config: Any, *, tp_size: int, block_size: int = 16, num_blocks: int = 1024,
-        dtype: str | None = None, pp_size: int = 1, draft: Any = None, **kwargs: Any,
-    ) -> EngineSpec:
-        """A spec from a Hugging Face ``config.json`` (a dict, or a path; nothing downloaded).
-
-        Families, fields read, ``draft`` and the other options (``layout``, ``kv``,
-        ``state_dtype``, ``family``): :func:`kvplan.hf.from_hf_config`.
-        """
-        from kvplan.hf import from_hf_config  # the adapter lives above the value it builds
-
-        return from_hf_config(config, tp_size=tp_size, block_size=block_size,
-                              num_blocks=num_blocks, dtype=dtype, pp_size=pp_size, draft=draft,
-                              **kwargs)
-
-    @classmethod
-    def from_vllm(cls, kv_caches: Any, kv_cache_config: Any, **kwargs: Any) -> EngineSpec:
-        """A spec from vLLM's own KV cache: the tensors ``register_kv_caches`` receives and
-        the ``KVCacheConfig``; options and refusals: :func:`kvplan.adapters.vllm.spec_from_vllm`.
-        """
-        from kvplan.adapters.vllm import spec_from_vllm  # the adapter lives above
-
-        return spec_from_vllm(kv_caches, kv_cache_config, **kwargs)
 
     def with_layout(self, layout: str, kv: str = "split") -> EngineSpec:
         """This engine with every region laid out by ``layout``.

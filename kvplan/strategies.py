@@ -41,7 +41,8 @@ from collections.abc import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from kvplan.spec import DTYPE_SIZES, EngineSpec
+from kvplan.constants import DTYPE_SIZES
+from kvplan.spec import EngineSpec
 from kvplan.strategies_requests import block_lists, requests, token_requests
 
 __all__ = [

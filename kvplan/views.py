@@ -10,10 +10,11 @@ Layers of identical geometry are shown as one row (``layers.[0-79].attn x80``), 
 model is a few rows per peer rank, not a wall of numbers. The rank map (edges ``source rank ->
 destination rank`` with their flows) and its picture live in :mod:`kvplan.rank_picture`, re-exported
 here (``rank_map``, ``plot_rank_map``, ``Flow``, ``Edge``, ``PLOT_NOTES``, ...); that module also
-holds the helpers both need (``human_bytes``, ``rank_share``, ``_lane_stats``), imported from it.
+holds the helpers both need (``human_bytes``, ``rank_share``, ``lane_stats``), imported from it.
 
 Layer 5 (views on top): may import every layer below and :mod:`kvplan.rank_picture` beside it
-(which never imports this one); pandas and matplotlib stay optional.
+(which never imports this one), by their public names only (``request.lane_span``,
+``planner.stream_notation``); pandas and matplotlib stay optional.
 """
 from __future__ import annotations
 
@@ -24,21 +25,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvplan.names import name_set
+from kvplan.planner import stream_notation
 from kvplan.rank_picture import (
     KIND_COLORS,
     KIND_LABELS,
     PLOT_NOTES,
     Edge,
     Flow,
-    _lane_stats,
-    _map_of,
-    _require,
     human_bytes,
     kind_class,
+    lane_stats,
+    map_of,
     plot_rank_map,
     rank_map,
     rank_share,
+    require_extra,
 )
+from kvplan.request import lane_span
 
 if TYPE_CHECKING:
     from kvplan.plan import TransferPlan
@@ -181,7 +184,7 @@ def spec_html(spec: EngineSpec) -> str:
 
 def spec_frame(spec: EngineSpec):
     """One row per region: its JSON fields, stage and bytes per block on one rank."""
-    pd = _require("pandas", "EngineSpec.to_pandas()")
+    pd = require_extra("pandas", "EngineSpec.to_pandas()")
     rows = []
     for i, r in enumerate(spec.regions):
         d = r.to_dict()
@@ -198,6 +201,8 @@ def spec_frame(spec: EngineSpec):
 
 
 def _streams(region: RegionSpec) -> str:
+    """The streams column of a table: ``K+V``, ``K``, or a state slot's parts (``conv+ssm``;
+    summaries write :func:`kvplan.planner.stream_notation`, ``parts conv+ssm``)."""
     if region.is_state:
         return "+".join(c.name for c in region.components)
     return "K+V" if region.streams == 2 else "K"
@@ -221,10 +226,10 @@ def peer_rows(item) -> dict[int, list[dict[str, Any]]]:
     or None), and ``bytes``/``runs`` (of the request for a plan, per destination block for a
     map). Peers ascending, rows in lane order.
     """
-    m = _map_of(item)
+    m = map_of(item)
     pull = m.mode.value == "pull"
     per_peer: dict[int, dict[tuple, dict[str, Any]]] = {}
-    for lane, nbytes, runs in _lane_stats(item):
+    for lane, nbytes, runs in lane_stats(item):
         region = m.dst.regions[lane.dst_region]
         peer = lane.src_rank if pull else lane.dst_rank
         tpl = lane.templates[0]
@@ -280,8 +285,6 @@ def blocks_written(plan: TransferPlan) -> tuple[int, int]:
     ones holding positions ``1024..3000``; a sliding window writes its last blocks only. Per
     group, the blocks from the lowest first position any of its lanes copies to the end.
     """
-    from kvplan.request import _span
-
     m = plan.map
     keep = None if plan.regions is None else set(plan.regions)
     spans: dict[int, tuple[int, int]] = {}
@@ -291,7 +294,7 @@ def blocks_written(plan: TransferPlan) -> tuple[int, int]:
         g = lane.group
         n_src, n_dst = len(plan.src_blocks[g]), len(plan.dst_blocks[g])
         state = m.dst.regions[lane.dst_region].is_state
-        lo, hi, first = _span(m, lane, n_src, n_dst, None if state else plan.tokens,
+        lo, hi, first = lane_span(m, lane, n_src, n_dst, None if state else plan.tokens,
                               plan.dst_from)
         if hi <= lo:
             continue
@@ -301,6 +304,19 @@ def blocks_written(plan: TransferPlan) -> tuple[int, int]:
         spans[g] = (a, b) if old is None else (min(a, old[0]), max(b, old[1]))
     written = sum(b - a for a, b in spans.values())
     return written, sum(len(b) for b in plan.dst_blocks)
+
+
+def _scope(plan: TransferPlan) -> str:
+    """The request's token range (and list anchoring) and a part's regions, for summaries."""
+    out = ""
+    if plan.tokens is not None:
+        anchor = ", destination lists from start" if plan.dst_from == "start" else ""
+        out += f", tokens {plan.tokens[0]}:{plan.tokens[1]}{anchor}"
+    if plan.regions is not None:
+        names = [plan.map.dst.regions[j].name for j in plan.regions]
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)})" if len(names) > 3 else "")
+        out += f"; part of {len(plan.map.dst.regions)} regions: {shown}"
+    return out
 
 
 def _blocks_text(plan: TransferPlan) -> str:
@@ -317,7 +333,7 @@ def plan_html(plan: TransferPlan) -> str:
     other = "p" if m.mode.value == "pull" else "d"
     parts = [_CSS, f"<p><b>TransferPlan {html.escape(_map_header(m))}</b>: "
              f"{human_bytes(plan.nbytes)} in {len(plan)} runs, {_blocks_text(plan)} in "
-             f"{len(plan.dst_blocks)} group(s){html.escape(plan._scope())}</p>"]
+             f"{len(plan.dst_blocks)} group(s){html.escape(_scope(plan))}</p>"]
     for peer, rows in peer_rows(plan).items():
         nbytes = sum(r["bytes"] for r in rows)
         runs = sum(r["runs"] for r in rows)
@@ -330,31 +346,29 @@ def plan_html(plan: TransferPlan) -> str:
 def plan_summary(plan: TransferPlan) -> str:
     """:meth:`TransferPlan.summary`: per peer rank its bytes and runs, then one line per set of
     alike lanes (``layers.[0-79].attn x80: S(heads 0:4) K+V, 40.0 MiB in 10240 runs``)."""
-    from kvplan.planner import _streams
-
     m = plan.map
     me, other = ("d", "p") if m.mode.value == "pull" else ("p", "d")
     share = rank_share(m.dst if m.mode.value == "pull" else m.src, m.rank)
     lines = [
         f"TransferPlan {m.mode.value} {me}{m.rank}{f' ({share})' if share else ''}: "
         f"{human_bytes(plan.nbytes)} in {len(plan)} "
-        f"runs, {_blocks_text(plan)} in {len(plan.dst_blocks)} group(s){plan._scope()}"
+        f"runs, {_blocks_text(plan)} in {len(plan.dst_blocks)} group(s){_scope(plan)}"
     ]
     for peer, rows in peer_rows(plan).items():
         nbytes, runs = sum(r["bytes"] for r in rows), sum(r["runs"] for r in rows)
         lines.append(f"  {other}{peer}: {human_bytes(nbytes)}, {runs} runs")
         for r in rows:
             region = m.dst.regions[m.dst.region_index(r["region_names"][0])]
-            lines.append(f"    {r['regions']}: {r['placement']} {_streams(region)}, "
+            lines.append(f"    {r['regions']}: {r['placement']} {stream_notation(region)}, "
                          f"{human_bytes(r['bytes'])} in {r['runs']} runs")
     return "\n".join(lines)
 
 
 def map_frame(m: TransferMap):
     """One row per lane: ranks, region, placement, streams, bytes and runs per block."""
-    pd = _require("pandas", "TransferMap.to_pandas()")
+    pd = require_extra("pandas", "TransferMap.to_pandas()")
     rows = []
-    for lane, nbytes, runs in _lane_stats(m):
+    for lane, nbytes, runs in lane_stats(m):
         region = m.dst.regions[lane.dst_region]
         rows.append({
             "src_rank": lane.src_rank, "dst_rank": lane.dst_rank,
@@ -374,7 +388,7 @@ FRAME_COLUMNS = {"src_offset": "src_offset_bytes", "dst_offset": "dst_offset_byt
 def plan_frame(plan: TransferPlan):
     """The plan's copies as a DataFrame (the columns of ``copies()``, the byte ones named with
     their unit: :data:`FRAME_COLUMNS`) plus region names."""
-    pd = _require("pandas", "TransferPlan.to_pandas()")
+    pd = require_extra("pandas", "TransferPlan.to_pandas()")
     rows = plan.copies()
     df = pd.DataFrame({FRAME_COLUMNS.get(name, name): rows[name] for name in rows.dtype.names})
     m = plan.map

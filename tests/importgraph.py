@@ -31,6 +31,16 @@ class Import:
     #: the qualified name of the function it sits in (``EngineSpec.to_pandas``), "" at module
     #: level: lets a check allow a lazy import in one named method and nowhere else
     function: str = ""
+    #: under ``if TYPE_CHECKING:`` (read only with ``typing=True``): never run, but a reader
+    #: follows it all the same, so a check may count it and say where it is
+    checking: bool = False
+
+    def where(self) -> str:
+        """``kvplan.spec:299 (lazily, in EngineSpec.from_hf_config)``: the source, line and
+        how the import is reached, for a check's message."""
+        how = [w for w, on in (("under TYPE_CHECKING", self.checking),
+                               (f"lazily, in {self.function}", self.lazy)) if on]
+        return f"{self.source}:{self.line}" + (f" ({', '.join(how)})" if how else "")
 
 
 def modules(package: str, root: Path = ROOT) -> dict[str, Path]:
@@ -59,33 +69,39 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _walk(node: ast.AST, lazy: bool, guarded: bool, typing: bool = False, where: str = ""):
-    """Yield ``(import node, lazy, guarded, function)`` under ``node``; TYPE_CHECKING blocks
-    only where ``typing`` (a reader follows them; the interpreter never runs them)."""
+def _walk(node: ast.AST, lazy: bool, guarded: bool, typing: bool = False, where: str = "",
+          checking: bool = False):
+    """Yield ``(import node, lazy, guarded, function, checking)`` under ``node``; TYPE_CHECKING
+    blocks only where ``typing`` (a reader follows them; the interpreter never runs them)."""
     for child in ast.iter_child_nodes(node):
-        yield from _walk_one(child, lazy, guarded, typing, where)
+        yield from _walk_one(child, lazy, guarded, typing, where, checking)
 
 
-def _walk_one(node: ast.AST, lazy: bool, guarded: bool, typing: bool = False, where: str = ""):
-    if isinstance(node, ast.If) and _is_type_checking(node) and not typing:
+def _walk_one(node: ast.AST, lazy: bool, guarded: bool, typing: bool = False, where: str = "",
+              checking: bool = False):
+    if isinstance(node, ast.If) and _is_type_checking(node):
+        if typing:
+            for n in node.body:
+                yield from _walk_one(n, lazy, guarded, typing, where, True)
         for n in node.orelse:
-            yield from _walk_one(n, lazy, guarded, typing, where)
+            yield from _walk_one(n, lazy, guarded, typing, where, checking)
     elif isinstance(node, (ast.Import, ast.ImportFrom)):
-        yield node, lazy, guarded, where
+        yield node, lazy, guarded, where, checking
     elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         inner = f"{where}.{node.name}" if where else node.name
         is_def = not isinstance(node, ast.ClassDef)
-        yield from _walk(node, lazy or is_def, guarded, typing, inner)
+        yield from _walk(node, lazy or is_def, guarded, typing, inner, checking)
     elif isinstance(node, ast.Lambda):
-        yield from _walk(node, True, guarded, typing, f"{where}.<lambda>" if where else "<lambda>")
+        yield from _walk(node, True, guarded, typing, f"{where}.<lambda>" if where else "<lambda>",
+                         checking)
     elif isinstance(node, ast.Try):
         optional = _catches_import_error(node)
         for n in node.body:
-            yield from _walk_one(n, lazy, guarded or optional, typing, where)
+            yield from _walk_one(n, lazy, guarded or optional, typing, where, checking)
         for n in [*node.handlers, *node.orelse, *node.finalbody]:
-            yield from _walk_one(n, lazy, guarded, typing, where)
+            yield from _walk_one(n, lazy, guarded, typing, where, checking)
     else:
-        yield from _walk(node, lazy, guarded, typing, where)
+        yield from _walk(node, lazy, guarded, typing, where, checking)
 
 
 def _resolve(name: str, known: Iterable[str]) -> str:
@@ -103,7 +119,7 @@ def imports_of(module: str, path: Path, known: set[str], typing: bool = False) -
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
-    for node, lazy, guarded, where in _walk(tree, False, False, typing):
+    for node, lazy, guarded, where, checking in _walk(tree, False, False, typing):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
@@ -115,7 +131,8 @@ def imports_of(module: str, path: Path, known: set[str], typing: bool = False) -
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
                      for a in node.names]
         for name in dict.fromkeys(names):
-            out.append(Import(module, _resolve(name, known), node.lineno, lazy, guarded, where))
+            out.append(Import(module, _resolve(name, known), node.lineno, lazy, guarded, where,
+                              checking))
     return out
 
 

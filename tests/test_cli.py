@@ -116,7 +116,7 @@ def test_files_that_are_not_utf8_json(capsys, tmp_path):
         assert cli.main(argv) == 2, argv
         assert "is not UTF-8 text" in one_error_line(capsys.readouterr().err)
     with pytest.raises(kvplan.SpecError, match="not UTF-8"):
-        kvplan.EngineSpec.from_hf_config(str(bad), tp_size=2)
+        kvplan.from_hf_config(str(bad), tp_size=2)
 
 
 def test_a_users_value_is_used_not_replaced_by_a_default(capsys):

@@ -5,8 +5,10 @@ commands running in a bare venv that has neither NIXL nor torch, the commands of
 coming in through the ``kvplan.commands`` entry points.
 
 The import graph is read from the source (tests/importgraph.py): lazy imports inside functions
-count, since they tie a reader of one file to another just the same. Imports under
-``if TYPE_CHECKING:`` are left out: they only name types for annotations.
+count, since they tie a reader of one file to another just the same, and so do imports under
+``if TYPE_CHECKING:``: they never run, but a type hint naming a module above is the same
+inversion (a value that names the code built on it), and a circle of them is a circle a reader
+walks. A check that fails names each offending import by module, line and target.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ ROOT = ig.ROOT
 #: The core's layers (docs/design.md draws them): a module imports only its own layer and the
 #: layers below. A new module must be placed here, which is the point.
 #:
-#:   0  errors                              nothing from kvplan
+#:   0  errors, names, constants            nothing from kvplan
 #:   1  spec*, placement, layout, runs, compat, ...   the values: engines, regions, layouts
 #:   2  lanes, allocations                  the handshake's values: lanes, templates
 #:   3  plan, request                       the request: block ids -> runs (TransferPlan)
@@ -39,6 +41,7 @@ ROOT = ig.ROOT
 LAYERS = {
     "kvplan.errors": 0,
     "kvplan.names": 0,
+    "kvplan.constants": 0,
     "kvplan.spec": 1,
     "kvplan.regions": 1,
     "kvplan.engine_derive": 1,
@@ -83,12 +86,12 @@ LAYERS = {
 
 #: The only imports that point up, each inside the one method named, which a reader follows
 #: to the function it calls: a value's presentation methods import their view module when
-#: shown (the idiom numpy and pandas use for optional presentation code), and
-#: ``EngineSpec.from_hf_config`` / ``from_vllm`` delegate to the adapter functions. Nothing
-#: else may point up, not even lazily; an entry no longer in the code fails too.
+#: shown (the idiom numpy and pandas use for optional presentation code; docs/design.md). Only
+#: presentation: a value builds from no adapter (``kvplan.hf.from_hf_config``,
+#: ``kvplan.adapters.vllm.spec_from_vllm`` are functions above it, not methods of the spec).
+#: Nothing else may point up, not lazily, not under TYPE_CHECKING; an entry no longer in the
+#: code fails too.
 DELEGATES = {
-    ("kvplan.spec", "EngineSpec.from_hf_config", "kvplan.hf"),
-    ("kvplan.spec", "EngineSpec.from_vllm", "kvplan.adapters.vllm"),
     ("kvplan.spec", "EngineSpec._repr_html_", "kvplan.views"),
     ("kvplan.spec", "EngineSpec.to_pandas", "kvplan.views"),
     ("kvplan.plan", "TransferPlan.summary", "kvplan.views"),
@@ -103,18 +106,44 @@ EXECUTOR = "kvplan_nixl"
 FORBIDDEN = (EXECUTOR, "nixl", "nixl_cu12", "nixl_cu13", "torch")
 MAX_CLASS_LINES = 300
 
-GRAPH = ig.graph("kvplan", "kvplan_nixl")
+#: The methods a presentation delegate may sit in, and the one module it may import.
+PRESENTATION = {"_repr_html_", "to_pandas", "summary", "plot"}
+VIEWS = "kvplan.views"
+
+#: Every import a reader follows, type-hint imports included (``Import.checking``).
+GRAPH = ig.graph("kvplan", "kvplan_nixl", typing=True)
 CORE = sorted(m for m in GRAPH if m.split(".")[0] == "kvplan")
 
 
 def _delegate(i: ig.Import) -> bool:
-    return i.lazy and (i.source, i.function, i.target) in DELEGATES
+    return i.lazy and not i.checking and (i.source, i.function, i.target) in DELEGATES
 
 
-def _core_edges() -> dict[str, set[str]]:
-    """The core's import arrows but the delegating methods' (which point up by design)."""
-    return {m: {i.target for i in GRAPH[m] if i.target in LAYERS and not _delegate(i)}
-            for m in CORE}
+def _core_imports() -> list[ig.Import]:
+    """The core's imports of core modules but the delegating methods' (which point up by
+    design): the arrows of the layer table."""
+    return [i for m in CORE for i in GRAPH[m] if i.target in LAYERS and not _delegate(i)]
+
+
+def _circles(imports: list[ig.Import]) -> list[str]:
+    """Each import circle as the imports that close it: ``kvplan.spec:24 -> kvplan.engine_derive,
+    kvplan.engine_derive:31 (under TYPE_CHECKING) -> kvplan.spec``."""
+    edges: dict[str, set[str]] = {}
+    for i in imports:
+        edges.setdefault(i.source, set()).add(i.target)
+    out = []
+    for members in ig.cycles(edges):
+        inside = sorted((i for i in imports if i.source in members and i.target in members),
+                        key=lambda i: (i.source, i.line))
+        out.append(", ".join(f"{i.where()} -> {i.target}" for i in inside))
+    return out
+
+
+def _upward(imports: list[ig.Import]) -> list[str]:
+    """Each import of a higher layer: ``kvplan.spec:299 (lazily, in EngineSpec.from_hf_config)
+    imports kvplan.hf (layer 1 -> 5)``."""
+    return [f"{i.where()} imports {i.target} (layer {LAYERS[i.source]} -> {LAYERS[i.target]})"
+            for i in imports if LAYERS[i.target] > LAYERS[i.source]]
 
 
 def test_every_core_module_has_a_layer():
@@ -123,25 +152,51 @@ def test_every_core_module_has_a_layer():
 
 
 def test_no_import_circle_in_the_core():
-    assert ig.cycles(_core_edges()) == []
+    """Type-hint imports count: a circle closed only under TYPE_CHECKING is still a circle."""
+    circles = _circles(_core_imports())
+    assert circles == [], "import circles:\n" + "\n".join(circles)
 
 
 def test_no_layer_imports_a_higher_one():
-    bad = [
-        f"{i.source} (layer {LAYERS[i.source]}) line {i.line} imports {i.target} "
-        f"(layer {LAYERS[i.target]}){' lazily in ' + i.function if i.lazy else ''}"
-        for m in CORE for i in GRAPH[m]
-        if i.target in LAYERS and LAYERS[i.target] > LAYERS[m] and not _delegate(i)
-    ]
-    assert bad == []
+    """Not at module level, not lazily, not under TYPE_CHECKING: only DELEGATES point up."""
+    up = _upward(_core_imports())
+    assert up == [], "upward imports:\n" + "\n".join(up)
 
 
-def test_every_upward_delegate_is_in_the_code_and_lazy():
+def test_the_checks_name_an_upward_import_and_its_circle():
+    """The two checks above on a made-up import, as ``spec.py`` had it (``EngineSpec`` building
+    itself from a Hugging Face config by ``from kvplan import hf`` in a method): each names the
+    module, the line and the target."""
+    added = ig.Import("kvplan.spec", "kvplan.hf", 299, lazy=True, guarded=False,
+                      function="EngineSpec.from_hf_config")
+    assert _upward([added]) == [
+        "kvplan.spec:299 (lazily, in EngineSpec.from_hf_config) imports kvplan.hf (layer 1 -> 5)"]
+    [circle] = [c for c in _circles([*_core_imports(), added]) if "-> kvplan.hf" in c]
+    assert "kvplan.spec:299 (lazily, in EngineSpec.from_hf_config) -> kvplan.hf" in circle
+    assert "kvplan.hf:" in circle and "-> kvplan.spec" in circle  # hf's own import of spec
+
+
+def test_every_upward_delegate_is_presentation_in_the_code_and_lazy():
     found = {(i.source, i.function, i.target) for m in CORE for i in GRAPH[m] if _delegate(i)}
     assert sorted(DELEGATES - found) == [], "DELEGATES names an import that is gone"
-    eager = [(i.source, i.target) for m in CORE for i in GRAPH[m]
+    eager = [i.where() for m in CORE for i in GRAPH[m]
              if (i.source, i.target) in {(s, t) for s, _, t in DELEGATES} and not i.lazy]
     assert eager == []
+    # presentation only (the guide's one exception): a view module, from a showing method
+    assert {t for _, _, t in DELEGATES} == {VIEWS}
+    assert {f.rsplit(".", 1)[-1] for _, f, _ in DELEGATES} <= PRESENTATION
+
+
+def test_no_core_module_imports_a_private_name_of_another():
+    """A module uses another's public names (``request.lane_span``, not ``request._span``): what
+    a module shares it names, documents and keeps; its ``_`` names it may change alone."""
+    bad = []
+    for m, path in ig.modules("kvplan").items():
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "kvplan":
+                bad += [f"{m}:{n.lineno} imports {a.name} from {n.module}"
+                        for a in n.names if a.name.startswith("_")]
+    assert bad == [], "private names imported:\n" + "\n".join(bad)
 
 
 def _functions(tree: ast.AST):

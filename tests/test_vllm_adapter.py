@@ -305,12 +305,6 @@ def test_padded_pages_and_moved_slots_are_refused():
         vllm_buffers(moved, spec)
 
 
-def test_from_vllm_alias():
-    kv, cfg, _ = fake_engine()
-    assert EngineSpec.from_vllm(kv, cfg, backend="CPU_ATTN") == spec_from_vllm(
-        kv, cfg, backend="CPU_ATTN")
-
-
 def test_imports_stay_apart():
     # the adapter is pure (no torch, no vllm); kvplan_nixl never loads vLLM on import; the
     # connector module without vLLM installed is an ImportError naming vllm, nothing else

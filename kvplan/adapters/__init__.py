@@ -5,9 +5,10 @@ Pure like the rest of ``kvplan``: an adapter reads the engine's tensors only thr
 objects through their attributes, so it never imports the engine (or torch).
 
 - :mod:`kvplan.adapters.vllm`: vLLM's V1 KV cache (``register_kv_caches`` tensors and the
-  ``KVCacheConfig``), ``spec_from_vllm`` / ``EngineSpec.from_vllm``.
+  ``KVCacheConfig``), ``spec_from_vllm``.
 - :mod:`kvplan.adapters.vllm_nixl`: a stock vLLM NixlConnector prefill's spec and buffer
   addresses from the ``NixlAgentMetadata`` it publishes, ``prefill_from_nixl``.
 
-Layer 4 (adapters, beside hf): imports the values below (spec, regions, layout, errors).
+Layer 5 (adapters, beside hf): imports the values below (spec, regions, layout, errors); no
+value imports an adapter back.
 """

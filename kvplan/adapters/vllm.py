@@ -78,8 +78,8 @@ padded attention pages, ``head_size_v`` different from ``head_size``, pipeline s
 state kinds than Mamba1, Mamba2 and GDN / KDA (``mamba_type``), states of more than a conv
 and a temporal part (Kimi-K3's ``use_kda_recoverssm`` records).
 
-Layer 4 (adapters, beside hf): imports spec, regions, layout, request (for ``ABSENT``) and
-errors; ``EngineSpec.from_vllm`` delegates here by a lazy import.
+Layer 5 (adapters, beside hf): imports spec, constants, layout, request (for ``ABSENT``) and
+errors; the spec it builds never imports it.
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvplan.constants import DTYPE_SIZES
 from kvplan.errors import RequestError, SpecError
 from kvplan.layout import rank_layout
-from kvplan.regions import DTYPE_SIZES
 from kvplan.request import ABSENT
 from kvplan.spec import EngineSpec
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import kvplan
-from kvplan import EngineSpec, presets
+from kvplan import EngineSpec, from_hf_config, presets
 from kvplan.cli.cliargs import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_TP, UsageError, int_in
 
 _Usage = UsageError
@@ -99,7 +99,7 @@ def engine(arg: str, tp: int | None, args: argparse.Namespace, side: str,
         return spec
     if tp is None:
         raise _Usage(f"--{side}-tp is needed for the model {arg!r}")
-    return EngineSpec.from_hf_config(
+    return from_hf_config(
         data,
         tp_size=tp,
         pp_size=opt(args, f"{side}_pp", 1),

@@ -4,7 +4,7 @@ Each preset is a JSON file in this package holding the fields of the model's pub
 ``config.json`` that decide its KV cache (plus architecture, model type and a few identifying
 numbers), with ``_name_or_path`` naming the checkpoint it was copied from. Nothing is downloaded:
 :func:`load` reads the packaged file, :func:`spec` turns it into an engine spec with
-:meth:`kvplan.EngineSpec.from_hf_config`.
+:func:`kvplan.hf.from_hf_config`.
 
 Where the numbers come from (all ``config.json`` field names; ``text_config`` for the
 multimodal wrappers, Gemma 3 27B and Qwen3.5):
@@ -55,6 +55,8 @@ from importlib import resources
 from typing import Any
 
 from kvplan.errors import SpecError
+from kvplan.hf import from_hf_config
+from kvplan.spec import EngineSpec
 
 _PACKAGE = "kvplan.presets"
 
@@ -76,17 +78,15 @@ def load(name: str) -> dict[str, Any]:
     return json.loads(text)
 
 
-def spec(name: str, tp_size: int, **kwargs: Any):
-    """``EngineSpec.from_hf_config(load(name), tp_size=tp_size, **kwargs)``.
+def spec(name: str, tp_size: int, **kwargs: Any) -> EngineSpec:
+    """``kvplan.hf.from_hf_config(load(name), tp_size=tp_size, **kwargs)``.
 
     ``draft`` may name a preset too (``draft="llama-3.1-8b-eagle3"``).
     """
-    from kvplan.spec import EngineSpec
-
     draft = kwargs.pop("draft", None)
     if isinstance(draft, str) and draft in names():
         draft = load(draft)
-    return EngineSpec.from_hf_config(load(name), tp_size=tp_size, draft=draft, **kwargs)
+    return from_hf_config(load(name), tp_size=tp_size, draft=draft, **kwargs)
 
 
 __all__ = ["load", "names", "spec"]
