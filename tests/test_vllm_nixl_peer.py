@@ -92,9 +92,7 @@ def _fetch(pool, engine) -> dict:
 
 @pytest.mark.engines("llama")
 def test_stock_prefill_metadata_is_accepted_exactly(pool):
-    # -few: the same engine as test_vllm_mixed's first test (the session starts it once); the
-    # test reads its block count from the metadata
-    (p,) = pool.only("llama-p1-nixl-few")
+    (p,) = pool.only("llama-p1-nixl")
     out = _fetch(pool, p)
     meta, ref = out["meta"], out["refusals"]
     port = f"127.0.0.1:{p.port}"
@@ -107,6 +105,7 @@ def test_stock_prefill_metadata_is_accepted_exactly(pool):
     assert ref["raw rank 1"] == "no answer", ref
     assert "no handshake answer in 2 s" in ref["after"] and port in ref["after"], ref
     assert p.log_lines(r"KeyError: \(0, 1\)"), "the listener died otherwise" + p.tail()
+    pool.stop(p.name)  # a prefill that answers no handshake: no later test may be given it
 
     # the decode: the same model allocated as vLLM 0.32 allocates it, its own block count
     kw = {"layers": 2, "heads": 2, "head": 64, "block": 32, "layout": "LBHNC"}
