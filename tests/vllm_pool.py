@@ -337,12 +337,10 @@ class Engine:
                 + "\n".join(lines[-n:]) + cause)
 
     def kill(self) -> None:
-        """SIGKILL the engine and every process it started (its own session)."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL the engine and every process it started (its own session: its workers too,
+        should its first process be gone already)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
 
     def stop(self) -> None:
@@ -462,13 +460,16 @@ class Pool:
             time.sleep(1)  # the kernel's count lags the processes' exit a little
 
     def _drop(self, name: str) -> None:
-        """Stop ``name`` (resumed first if parked: a stopped process cannot exit)."""
+        """Stop ``name``: a parked one is killed (no test is using it, and a graceful stop
+        takes 5-15 s; :func:`remove_orphan_shm` takes what it leaves at the session's end)."""
         e = _LIVE.pop(name)
         if name in self.parked:
             self.parked.remove(name)
-            with contextlib.suppress(ProcessLookupError):
-                e.signal(signal.SIGCONT)
-        e.stop()
+            e.kill()
+            e.reader.join(timeout=10)
+            e.log.close()
+        else:
+            e.stop()
 
     def stop(self, *names: str) -> None:
         """Stop these engines (a hung or parked one included); the next ``only`` starts them
@@ -478,6 +479,7 @@ class Pool:
                 self._drop(n)
 
     def close(self) -> None:
+        """Every engine gone: the parked ones killed at once, the others stopped."""
         self.stop(*_LIVE)
 
 
