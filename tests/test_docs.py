@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -132,28 +133,33 @@ def test_docs_stand_on_their_own():
             assert (f.parent / target).exists(), f"{f.name}: broken link {target}"
 
 
-RENDERED = re.compile(r"^<!--\s*examples/pd_serve\.py:\s*(one host|two hosts)\s*-->$")
+RENDERED = re.compile(r"^<!--\s*examples/pd_serve\.py((?:\s+\S+)*?)\s*-->$")
+#: the blocks docs/vllm.md must show: those two the tests run (two hosts: the defaults; one
+#: host: ``DOCS_ONE_HOST``) and the stock NixlConnector prefill a migration starts from
+REQUIRED = ("", "--prefill-ip 127.0.0.1 --decode-ip 127.0.0.1 --iface lo",
+            "--prefill-ip 127.0.0.1 --decode-ip 127.0.0.1 --iface lo --stock-prefill")
 
 
 def test_serving_command_blocks_are_the_ones_the_tests_run():
-    """docs/vllm.md's command blocks are examples/pd_serve.py's output, the module
-    tests/test_vllm_http.py starts its engines and proxies with: one source."""
+    """docs/vllm.md's command blocks are examples/pd_serve.py's output for the arguments their
+    marker names (``<!-- examples/pd_serve.py ARGS -->``), the module tests/test_vllm_http.py
+    starts its engines and proxies with: one source."""
     from examples import pd_serve
 
-    want = {"one host": pd_serve.render(pd_serve.DOCS_ONE_HOST, two_hosts=False),
-            "two hosts": pd_serve.render(pd_serve.DOCS_TWO_HOSTS, two_hosts=True)}
     path = ROOT / "docs" / "vllm.md"
     lines = path.read_text(encoding="utf-8").splitlines()
     found = {}
     for b in blocks(path):
         m = RENDERED.match(lines[b.line - 2].strip()) if b.line >= 2 else None
         if m:
-            found[m.group(1)] = b.code
-    assert found.keys() == want.keys(), f"marked blocks {sorted(found)}, want {sorted(want)}"
-    for which, code in found.items():
-        assert code == want[which], (f"docs/vllm.md's {which} block differs from "
-                                     f"`python examples/pd_serve.py`'s; paste its output:\n"
-                                     f"{want[which]}")
+            found[" ".join(m.group(1).split())] = b
+    assert set(REQUIRED) <= found.keys(), f"marked blocks {sorted(found)}, want {REQUIRED}"
+    for args, b in found.items():
+        want = pd_serve.printed(shlex.split(args))
+        assert b.code == want, (f"{b.id} differs from `python examples/pd_serve.py {args}`'s "
+                                f"output; paste it:\n{want}")
+    assert found[REQUIRED[0]].code == pd_serve.render(pd_serve.DOCS_TWO_HOSTS, two_hosts=True)
+    assert found[REQUIRED[1]].code == pd_serve.render(pd_serve.DOCS_ONE_HOST, two_hosts=False)
     printed = subprocess.run([sys.executable, "examples/pd_serve.py"], cwd=ROOT, env=_env(),
                              capture_output=True, text=True, timeout=60)
-    assert printed.returncode == 0 and printed.stdout == want["two hosts"], printed.stderr
+    assert printed.returncode == 0 and printed.stdout == found[""].code, printed.stderr
