@@ -254,7 +254,7 @@ print("ok")
 """
 
 
-def test_connector_push_checks_the_digest_before_the_first_token():
+def test_connector_push_checks_the_digest_before_the_first_token(vllm_python):
     from tests.test_vllm_serving import _in_vllm_venv
 
-    _in_vllm_venv(CONNECTOR_CHECK)
+    _in_vllm_venv(vllm_python, CONNECTOR_CHECK)

@@ -84,7 +84,8 @@ def test_every_block_says_what_it_is():
     bad = [f"{b.id} ({b.lang or 'no language'})" for b in ALL if b.lang not in RUN | SHOWN]
     assert not bad, ("fence each block as python / bash (run) or text / json / toml (shown): "
                      + ", ".join(bad))
-    assert len([b for b in ALL if b.skip]) <= 8, "docs-test: skip is for installs and long runs"
+    # installs, the two test tiers and long runs only (README.md holds three of them)
+    assert len([b for b in ALL if b.skip]) <= 9, "docs-test: skip is for installs and long runs"
 
 
 @pytest.mark.parametrize("path", [f for f in FILES

@@ -204,9 +204,9 @@ print("ok")
 """
 
 
-def test_release_floods_to_a_silent_host_never_delay_confirm_or_renew():
+def test_release_floods_to_a_silent_host_never_delay_confirm_or_renew(vllm_python):
     """8 failed requests naming silent ports of the genuine prefill's host with tp_size 64
     queue 512 RELEASEs (and one with tp_size 10**9 is bounded by the queue): a genuine
     CONFIRM and RENEW to that host are answered, and a genuine RELEASE to another host sent,
     within 1 s, where they used to wait behind every RELEASE."""
-    _in_vllm_venv(CONTROL_ATTACK)
+    _in_vllm_venv(vllm_python, CONTROL_ATTACK)

@@ -203,7 +203,7 @@ print("ok")
 """
 
 
-def test_connector_pull_checks_the_digest_before_its_confirm():
+def test_connector_pull_checks_the_digest_before_its_confirm(vllm_python):
     from tests.test_vllm_serving import _in_vllm_venv
 
-    _in_vllm_venv(CONNECTOR_PULL)
+    _in_vllm_venv(vllm_python, CONNECTOR_PULL)

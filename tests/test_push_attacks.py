@@ -180,11 +180,11 @@ print("ok")
 """
 
 
-def test_a_transfer_key_registered_twice_fails_both_and_writes_neither():
+def test_a_transfer_key_registered_twice_fails_both_and_writes_neither(vllm_python):
     """Item 2: two decode requests registering one key are both answered PUSHFAIL (over a
     real NIXL connection the prefill makes through the decode's real side channel), the
     prefill request of that key is written into neither and its hold ends."""
-    _in_vllm_venv(COLLISION_CHECK.replace("{WRITER_RANK}", WRITER_RANK))
+    _in_vllm_venv(vllm_python, COLLISION_CHECK.replace("{WRITER_RANK}", WRITER_RANK))
 
 
 LATE_CHECK = r"""
@@ -246,16 +246,16 @@ print("ok")
 """
 
 
-def test_a_layer_computed_after_the_window_closed_is_never_posted():
+def test_a_layer_computed_after_the_window_closed_is_never_posted(vllm_python):
     """Item 3: layer-wise, a layer hook that fires after the decode's window closed (a slow
     forward) posts nothing (its time is never clamped to 0 and posted): the push fails
     with PUSHFAIL to the decode, whose blocks of that layer are untouched."""
-    _in_vllm_venv(LATE_CHECK.replace("{WRITER_RANK}", WRITER_RANK))
+    _in_vllm_venv(vllm_python, LATE_CHECK.replace("{WRITER_RANK}", WRITER_RANK))
 
 
-def test_push_answers_count_only_from_the_named_engine_and_malformed_ones_drop_alone():
+def test_push_answers_count_only_from_the_named_engine_and_malformed_ones_drop_alone(vllm_python):
     """Items 4 and 5: PUSHED from another engine (early or not) never completes a request;
     early answers are bounded per engine without losing the genuine one and expire; a
     batch of malformed answers (deep nesting, non-integer bytes) is dropped message by
     message, the genuine one in it taken, and a request they name ends loaded or failed."""
-    _in_vllm_venv(PUSH_CHECK)
+    _in_vllm_venv(vllm_python, PUSH_CHECK)
