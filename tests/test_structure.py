@@ -71,6 +71,7 @@ LAYERS = {
     "kvplan.adapters": 5,
     "kvplan.adapters.vllm": 5,
     "kvplan.adapters.vllm_nixl": 5,
+    "kvplan.adapters.sglang": 5,
     "kvplan.cli": 7,
     "kvplan.cli.__main__": 7,
     "kvplan.cli.command": 7,

@@ -8,6 +8,8 @@ objects through their attributes, so it never imports the engine (or torch).
   ``KVCacheConfig``), ``spec_from_vllm``.
 - :mod:`kvplan.adapters.vllm_nixl`: a stock vLLM NixlConnector prefill's spec and buffer
   addresses from the ``NixlAgentMetadata`` it publishes, ``prefill_from_nixl``.
+- :mod:`kvplan.adapters.sglang`: SGLang's token pools (``MHATokenToKVPool``,
+  ``MLATokenToKVPool``) read into ``SGLangKV`` values, ``spec_from_sglang``.
 
 Layer 5 (adapters, beside hf): imports the values below (spec, regions, layout, errors); no
 value imports an adapter back.

@@ -1,0 +1,235 @@
+"""An :class:`~kvplan.EngineSpec` from SGLang's own KV cache: its token pools and their sizes.
+
+SGLang (release 0.5.23) keeps one rank's KV cache in a token pool
+(``sglang/srt/mem_cache/memory_pool.py``) and tells its disaggregation connections about it as
+``kv_data_ptrs``, ``kv_data_lens`` and ``kv_item_lens`` (``get_contiguous_buf_infos``: one
+entry per buffer, ``item_len`` = the bytes of one page). What the pools allocate:
+
+- ``MHATokenToKVPool`` (GQA and MHA): per layer a ``k_buffer`` and a ``v_buffer`` of
+  ``[size + page_size, head_num, head_dim]`` (the NHD layout; token ``t`` of page ``p`` is
+  row ``p * page_size + t``; page 0 is the padded page no request owns). ``head_num`` is this
+  rank's share of the model's KV heads over the *attention* TP size: ``max(1, K //
+  attn_tp_size)``, rank ``r`` holding head ``r * K // attn_tp_size`` when ``K <
+  attn_tp_size`` (replicated heads). kvplan writes each layer as one region with separate K
+  and V buffers, ``"layout": "LBNHD"``, ``"allocation": [<layer>.k, <layer>.v]``.
+- ``MLATokenToKVPool`` (DeepSeek, Kimi): per layer one ``kv_buffer`` of ``[size + page_size,
+  1, kv_lora_rank + qk_rope_head_dim]``, the same on every rank: one ``mla`` region per
+  layer.
+
+What an engine knows is read into a :class:`SGLangKV` value, either from a pool object
+(:meth:`SGLangKV.from_pool`, read only through attributes, ``.shape``, ``.dtype`` and
+``.data_ptr()``, so neither torch nor SGLang is imported) or from plain numbers
+(:meth:`SGLangKV.mha`, :meth:`SGLangKV.mla`, what ``KVArgs`` carries: ``kv_item_lens``,
+``page_size``, head counts). :func:`spec_from_sglang` turns it into a spec; the planner then
+plans the transfers SGLang's Mooncake and NIXL connections make between two such engines
+(``send_kvcache`` at equal TP and for MLA, ``send_kvcache_slice`` at different attention TP
+sizes), byte for byte, including the cases those connections get wrong or refuse
+(docs/sglang.md).
+
+Refused with a :class:`~kvplan.SpecError` naming the pool (not described yet): a V head size
+different from K's (MiMo-V2 style; ``kvplan``'s attention regions have one head size),
+layouts other than NHD (``SGLANG_USE_HND_KVCACHE``, ``vectorized_5d``), the FP4 / MXFP8 pools
+and their scale buffers, ``PageMajorMHATokenToKVPool``, hybrid pools (``HybridLinearKVPool``,
+Mamba / GDN state pools, ``SWAKVPool``), draft buffers appended to a pool, DP attention's
+pools of several attention-TP groups (give this adapter one group's ``attn_tp_size``), and a
+head count neither dividing nor divided by the attention TP size.
+
+Layer 5 (adapters, beside hf): imports spec, constants and errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from kvplan.constants import DTYPE_SIZES
+from kvplan.errors import SpecError
+from kvplan.spec import EngineSpec
+
+#: Pool classes this adapter describes, by ``type(pool).__name__``.
+POOLS = ("MHATokenToKVPool", "MLATokenToKVPool")
+#: SGLang pool classes known and refused, with the reason given.
+REFUSED_POOLS: Mapping[str, str] = {
+    "MHATokenToKVPoolFP4": "FP4 pages with separate scale buffers",
+    "MHATokenToKVPoolMXFP8": "MXFP8 pages with separate scale buffers",
+    "PageMajorMHATokenToKVPool": "page-major buffers",
+    "NoOpMHATokenToKVPool": "a pool without KV buffers",
+    "HybridLinearKVPool": "a hybrid pool (Mamba / GDN state beside attention)",
+    "MambaPool": "a recurrent-state pool",
+    "SWAKVPool": "a sliding-window pool beside a full-attention pool",
+}
+
+
+@attrs.frozen
+class SGLangKV:
+    """What one SGLang rank knows about its KV cache, as plain values.
+
+    ``kind`` is ``"mha"`` (``MHATokenToKVPool``) or ``"mla"`` (``MLATokenToKVPool``);
+    ``layers`` the global layer ids of this rank's pool (``start_layer`` on); ``pages`` the
+    pages of each buffer (``(size + page_size) // page_size``, page 0 the padded one);
+    ``page_size`` tokens per page; ``dtype`` the stored element type (SGLang stores fp8 as
+    ``uint8``); ``head_num`` this rank's KV heads and ``head_dim`` / ``v_head_dim`` their sizes
+    (MLA: ``head_num`` 1, ``head_dim`` = ``kv_lora_rank + qk_rope_head_dim``).
+    """
+
+    kind: str
+    layers: tuple[int, ...]
+    pages: int
+    page_size: int
+    dtype: str
+    head_num: int
+    head_dim: int
+    v_head_dim: int
+
+    @property
+    def item_len(self) -> int:
+        """Bytes of one page of one K (or V, or MLA) buffer: SGLang's ``kv_item_len``."""
+        return self.page_size * self.head_num * self.head_dim * DTYPE_SIZES[self.dtype]
+
+    @classmethod
+    def mha(cls, *, layer_num: int, size: int, page_size: int, dtype: str, head_num: int,
+            head_dim: int, v_head_dim: int | None = None, start_layer: int = 0) -> SGLangKV:
+        """An ``MHATokenToKVPool``'s values (its constructor's arguments, ``head_num`` this
+        rank's heads)."""
+        return cls._checked("mha", start_layer, layer_num, size, page_size, dtype, head_num,
+                            head_dim, head_dim if v_head_dim is None else v_head_dim)
+
+    @classmethod
+    def mla(cls, *, layer_num: int, size: int, page_size: int, dtype: str, kv_lora_rank: int,
+            qk_rope_head_dim: int, start_layer: int = 0) -> SGLangKV:
+        """An ``MLATokenToKVPool``'s values (its constructor's arguments)."""
+        dim = kv_lora_rank + qk_rope_head_dim
+        return cls._checked("mla", start_layer, layer_num, size, page_size, dtype, 1, dim, dim)
+
+    @classmethod
+    def _checked(cls, kind: str, start: int, layer_num: int, size: int, page_size: int,
+                 dtype: str, head_num: int, head_dim: int, v_head_dim: int) -> SGLangKV:
+        pool = "MHATokenToKVPool" if kind == "mha" else "MLATokenToKVPool"
+        if dtype not in DTYPE_SIZES:
+            raise SpecError(f"{pool}: dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
+        for field, value in (("layer_num", layer_num), ("page_size", page_size),
+                             ("head_num", head_num), ("head_dim", head_dim),
+                             ("v_head_dim", v_head_dim)):
+            if value < 1:
+                raise SpecError(f"{pool}: {field} must be at least 1, got {value}")
+        if size < 0 or (size + page_size) % page_size:
+            raise SpecError(f"{pool}: size {size} + page_size {page_size} is not whole pages")
+        if v_head_dim != head_dim:
+            raise SpecError(
+                f"{pool}: V heads of {v_head_dim} values beside K heads of {head_dim} "
+                "(MiMo-V2 style) are not described by kvplan's SGLang adapter yet: its "
+                "attention regions have one head size")
+        return cls(kind, tuple(range(start, start + layer_num)), (size + page_size) // page_size,
+                   page_size, dtype, head_num, head_dim, v_head_dim)
+
+    @classmethod
+    def from_pool(cls, pool: Any) -> SGLangKV:
+        """The values of an SGLang token pool object, checked against its buffers' shapes."""
+        name = type(pool).__name__
+        if name in REFUSED_POOLS:
+            raise SpecError(f"{name}: {REFUSED_POOLS[name]} is not described by kvplan's "
+                            "SGLang adapter yet")
+        if name not in POOLS:
+            raise SpecError(f"{name}: not an SGLang pool kvplan's adapter knows "
+                            f"({', '.join(POOLS)})")
+        layout = getattr(pool, "kv_cache_layout", None) or "nhd"
+        if getattr(pool, "use_hnd", False) or str(layout).lower() != "nhd":
+            raise SpecError(f"{name}: KV cache layout {layout!r} (HND or vectorized_5d) is not "
+                            "described yet; SGLang's disaggregation assumes NHD too")
+        start = int(getattr(pool, "start_layer", 0) or 0)
+        common = {"layer_num": int(pool.layer_num), "size": int(pool.size),
+                  "page_size": int(pool.page_size), "start_layer": start}
+        if name == "MLATokenToKVPool":
+            bufs = list(pool.kv_buffer)
+            kv = cls.mla(dtype=_dtype(name, bufs), kv_lora_rank=int(pool.kv_lora_rank),
+                         qk_rope_head_dim=int(pool.qk_rope_head_dim), **common)
+            _check_shapes(name, "kv_buffer", bufs, kv, (1, kv.head_dim))
+            return kv
+        k, v = list(pool.k_buffer), list(pool.v_buffer)
+        kv = cls.mha(dtype=_dtype(name, k + v), head_num=int(pool.head_num),
+                     head_dim=int(pool.head_dim), v_head_dim=int(pool.v_head_dim), **common)
+        _check_shapes(name, "k_buffer", k, kv, (kv.head_num, kv.head_dim))
+        _check_shapes(name, "v_buffer", v, kv, (kv.head_num, kv.v_head_dim))
+        return kv
+
+
+def _dtype(pool: str, tensors: Sequence[Any]) -> str:
+    names = {str(t.dtype).rsplit(".", 1)[-1] for t in tensors}
+    if len(names) != 1:
+        raise SpecError(f"{pool}: its buffers have dtypes {sorted(names)}, not one")
+    return names.pop()
+
+
+def _check_shapes(pool: str, field: str, tensors: Sequence[Any], kv: SGLangKV,
+                  tail: tuple[int, int]) -> None:
+    want = (kv.pages * kv.page_size, *tail)
+    if len(tensors) != len(kv.layers):
+        raise SpecError(f"{pool}: {len(tensors)} {field} tensors for layer_num "
+                        f"{len(kv.layers)} (draft buffers appended to a pool are not "
+                        "described yet)")
+    for layer, t in zip(kv.layers, tensors):
+        if tuple(int(x) for x in t.shape) != want:
+            raise SpecError(f"{pool}: {field} of layer {layer} has shape {tuple(t.shape)}, "
+                            f"the pool's sizes say {want}")
+
+
+def region_name(layer: int) -> str:
+    """The region name of global layer ``layer``: ``layers.<layer>``."""
+    return f"layers.{layer}"
+
+
+def spec_from_sglang(kv: SGLangKV, *, attn_tp_size: int, total_kv_heads: int | None = None
+                     ) -> EngineSpec:
+    """The :class:`~kvplan.EngineSpec` of an SGLang engine whose ranks hold pools like ``kv``.
+
+    ``attn_tp_size`` is the engine's attention TP size (``tp_size`` without DP attention;
+    ``tp_size // dp_size`` with it: one attention-TP group), ``total_kv_heads`` the model's
+    KV head count (``model_config.get_total_num_kv_heads()``, SGLang's ``total_kv_head_num``),
+    needed for MHA pools when heads are replicated (fewer heads than ranks), else read as
+    ``head_num * attn_tp_size``. One region per layer (:func:`region_name`); MHA layers have
+    buffers ``<region>.k`` and ``<region>.v``, MLA layers one buffer named as the region.
+
+    Raises :class:`~kvplan.SpecError` when ``head_num`` is not this engine's share of
+    ``total_kv_heads`` (SGLang's ``max(1, K // attn_tp_size)``) or the head count and TP size
+    divide neither way.
+    """
+    if attn_tp_size < 1:
+        raise SpecError(f"attn_tp_size must be at least 1, got {attn_tp_size}")
+    block = {"num_blocks": kv.pages, "block_size": kv.page_size, "dtype": kv.dtype}
+    if kv.kind == "mla":
+        regions = [{"name": region_name(n), "kind": "mla", "dim": kv.head_dim, **block}
+                   for n in kv.layers]
+        return EngineSpec.from_dict({"tp_size": attn_tp_size, "regions": regions})
+    heads = kv.head_num * attn_tp_size if total_kv_heads is None else total_kv_heads
+    if heads % attn_tp_size and attn_tp_size % heads:
+        raise SpecError(f"MHATokenToKVPool: {heads} KV heads over attention TP {attn_tp_size}: "
+                        "neither divides the other")
+    if kv.head_num != max(1, heads // attn_tp_size):
+        raise SpecError(f"MHATokenToKVPool: head_num {kv.head_num} is not this rank's share of "
+                        f"{heads} KV heads at attention TP {attn_tp_size} "
+                        f"({max(1, heads // attn_tp_size)}); pass total_kv_heads")
+    regions = [{"name": region_name(n), "kind": "attention", "num_kv_heads": heads,
+                "head_dim": kv.head_dim, "layout": "LBNHD",
+                "allocation": [f"{region_name(n)}.k", f"{region_name(n)}.v"], **block}
+               for n in kv.layers]
+    return EngineSpec.from_dict({"tp_size": attn_tp_size, "regions": regions})
+
+
+def sglang_buffers(pool: Any, spec: EngineSpec) -> dict[str, tuple[int, int]]:
+    """``{buffer name: (address, nbytes)}`` of one rank's ``pool`` for ``spec`` (made by
+    :func:`spec_from_sglang` from this pool's values): what an executor registers, the same
+    addresses as SGLang's ``kv_data_ptrs`` / ``kv_data_lens``."""
+    kv = SGLangKV.from_pool(pool)
+    tensors: dict[str, Any] = {}
+    for i, layer in enumerate(kv.layers):
+        name = region_name(layer)
+        if kv.kind == "mla":
+            tensors[name] = pool.kv_buffer[i]
+        else:
+            tensors[f"{name}.k"], tensors[f"{name}.v"] = pool.k_buffer[i], pool.v_buffer[i]
+    if set(tensors) != set(spec.buffers):
+        raise SpecError(f"the pool's buffers {sorted(tensors)} are not the spec's "
+                        f"{sorted(spec.buffers)}")
+    return {b: (int(tensors[b].data_ptr()), spec.rank_buffer_nbytes(b)) for b in spec.buffers}

@@ -1,0 +1,133 @@
+"""kvplan.adapters.sglang: specs from SGLang's pools as plain values, planned between
+heterogeneous attention-TP sizes and judged byte by byte by the oracle (no SGLang import)."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from kvplan import SpecError, pull_map
+from kvplan.adapters.sglang import SGLangKV, sglang_buffers, spec_from_sglang
+from tests.sglang_judge import judge, kvplan_rows
+
+SRC_PAGES, DST_PAGES = [[3, 1, 4]], [[2, 5, 1]]
+
+
+def mha(tp, heads, page_size, head_dim=8, layers=2):
+    kv = SGLangKV.mha(layer_num=layers, size=6 * page_size, page_size=page_size,
+                      dtype="bfloat16", head_num=max(1, heads // tp), head_dim=head_dim)
+    return spec_from_sglang(kv, attn_tp_size=tp, total_kv_heads=heads)
+
+
+def mla(tp, page_size):
+    kv = SGLangKV.mla(layer_num=2, size=6 * page_size, page_size=page_size, dtype="bfloat16",
+                      kv_lora_rank=8, qk_rope_head_dim=4)
+    return spec_from_sglang(kv, attn_tp_size=tp)
+
+
+TPS = [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mha_every_tp_pair_is_exact(heads, page_size):
+    for p, d in itertools.product(TPS, TPS):
+        if (heads % p and p % heads) or (heads % d and d % heads):
+            continue
+        src, dst = mha(p, heads, page_size), mha(d, heads, page_size)
+        got = judge(src, dst, SRC_PAGES, DST_PAGES, kvplan_rows(src, dst, SRC_PAGES, DST_PAGES))
+        assert got["verdict"] == "exact", (p, d, got)
+        assert got["writes"] == 1, (p, d, got)  # every destination byte once
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_mla_every_tp_pair_is_exact_and_read_once(page_size):
+    for p, d in itertools.product(TPS, TPS):
+        src, dst = mla(p, page_size), mla(d, page_size)
+        got = judge(src, dst, SRC_PAGES, DST_PAGES, kvplan_rows(src, dst, SRC_PAGES, DST_PAGES))
+        assert got["verdict"] == "exact" and got["writes"] == 1, (p, d, got)
+
+
+def test_spec_matches_sglangs_sizes():
+    kv = SGLangKV.mha(layer_num=3, size=128, page_size=16, dtype="bfloat16", head_num=2,
+                      head_dim=128, start_layer=4)
+    spec = spec_from_sglang(kv, attn_tp_size=4)
+    assert [r.name for r in spec.regions] == ["layers.4", "layers.5", "layers.6"]
+    assert spec.buffers[:2] == ("layers.4.k", "layers.4.v")
+    # SGLang's kv_item_len (k_buffer[i][0].nbytes * page_size) and kv_data_len
+    assert kv.item_len == 16 * 2 * 128 * 2
+    assert spec.rank_buffer_nbytes("layers.4.k") == (128 + 16) * 2 * 128 * 2
+    assert spec.regions[0].num_kv_heads == 8  # 2 per rank x 4
+    fp8 = SGLangKV.mla(layer_num=1, size=0, page_size=64, dtype="uint8", kv_lora_rank=512,
+                       qk_rope_head_dim=64)
+    assert spec_from_sglang(fp8, attn_tp_size=8).regions[0].dim == 576
+
+
+class _T:
+    """A tensor's face as the adapter reads it."""
+
+    def __init__(self, shape, dtype="torch.bfloat16", ptr=0):
+        self.shape, self.dtype, self._ptr = shape, dtype, ptr
+
+    def data_ptr(self):
+        return self._ptr
+
+
+def _pool(cls, **kw):
+    return type(cls, (SimpleNamespace,), {})(**kw)
+
+
+def test_from_pool_reads_buffers_and_addresses():
+    rows = 64 + 16
+    pool = _pool("MHATokenToKVPool", layer_num=2, size=64, page_size=16, head_num=1,
+                 head_dim=8, v_head_dim=8, start_layer=0, kv_cache_layout=None,
+                 k_buffer=[_T((rows, 1, 8), ptr=1000 * (i + 1)) for i in range(2)],
+                 v_buffer=[_T((rows, 1, 8), ptr=5000 * (i + 1)) for i in range(2)])
+    kv = SGLangKV.from_pool(pool)
+    spec = spec_from_sglang(kv, attn_tp_size=8, total_kv_heads=2)  # replicated heads
+    assert spec.regions[0].num_kv_heads == 2
+    assert sglang_buffers(pool, spec)["layers.1.v"] == (10000, rows * 8 * 2)
+    assert pull_map(spec_from_sglang(kv, attn_tp_size=8, total_kv_heads=2),
+                    mha(2, 2, 16), 1).peers == (4,)  # decode rank 1 holds head 1: p4..p7
+
+
+@pytest.mark.parametrize("obj, words", [
+    (_pool("MHATokenToKVPoolFP4"), "FP4"),
+    (_pool("HybridLinearKVPool"), "hybrid pool"),
+    (_pool("SWAKVPool"), "sliding-window"),
+    (_pool("MHATokenToKVPool", kv_cache_layout="vectorized_5d"), "vectorized_5d"),
+    (_pool("MHATokenToKVPool", layer_num=1, size=16, page_size=16, head_num=1, head_dim=192,
+           v_head_dim=128, k_buffer=[_T((32, 1, 192))], v_buffer=[_T((32, 1, 128))]),
+     "V heads of 128 values beside K heads of 192"),
+    (_pool("MHATokenToKVPool", layer_num=2, size=16, page_size=16, head_num=1, head_dim=8,
+           v_head_dim=8, k_buffer=[_T((32, 1, 8))] * 3, v_buffer=[_T((32, 1, 8))] * 3),
+     "3 k_buffer tensors for layer_num 2"),
+    (_pool("MHATokenToKVPool", layer_num=1, size=16, page_size=16, head_num=2, head_dim=8,
+           v_head_dim=8, k_buffer=[_T((32, 1, 8))], v_buffer=[_T((32, 1, 8))]),
+     "has shape (32, 1, 8)"),
+])
+def test_refusals_name_the_pool(obj, words):
+    with pytest.raises(SpecError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        SGLangKV.from_pool(obj)
+
+
+def test_head_counts_that_do_not_fit_are_refused():
+    kv = SGLangKV.mha(layer_num=1, size=16, page_size=16, dtype="bfloat16", head_num=1,
+                      head_dim=8)
+    with pytest.raises(SpecError, match="neither divides"):
+        spec_from_sglang(kv, attn_tp_size=4, total_kv_heads=3)
+    with pytest.raises(SpecError, match="head_num 1 is not this rank's share of 8"):
+        spec_from_sglang(kv, attn_tp_size=4, total_kv_heads=8)
+
+
+def test_the_judge_catches_a_moved_a_missing_and_an_outside_copy():
+    src, dst = mha(4, 8, 16), mha(2, 8, 16)
+    rows = kvplan_rows(src, dst, SRC_PAGES, DST_PAGES)
+    assert judge(src, dst, SRC_PAGES, DST_PAGES, rows)["verdict"] == "exact"
+    moved = [(*rows[0][:5], rows[0][5] + 2, rows[0][6]), *rows[1:]]
+    assert judge(src, dst, SRC_PAGES, DST_PAGES, moved)["verdict"] == "wrong"
+    assert judge(src, dst, SRC_PAGES, DST_PAGES, rows[1:])["verdict"] == "wrong"
+    outside = [(*rows[0][:5], 10**9, rows[0][6]), *rows[1:]]
+    assert "outside" in judge(src, dst, SRC_PAGES, DST_PAGES, outside)["detail"]
