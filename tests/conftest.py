@@ -7,8 +7,9 @@ of them driving real vLLM engines (tests/vllm_pool.py). pyproject.toml's ``addop
 ``-m "not engines"``; a later ``-m`` on the command line replaces it.
 
 Which tier a test is in is not written by hand: a test that asks for the ``vllm_python``
-fixture (directly, or through ``pool``) is marked ``engines`` at collection, so a new engine
-test cannot land in the fast tier by mistake.
+fixture (directly, or through ``pool``) or the ``sglang_python`` fixture (SGLang's own
+transfer code, run on CPU in its venv: tests/sglang_env.py) is marked ``engines`` at
+collection, so a new engine test cannot land in the fast tier by mistake.
 
 The engine tier starts each engine once for the whole session where memory allows
 (:class:`tests.vllm_pool.Pool` parks what a test does not name), and runs its tests grouped
@@ -32,19 +33,20 @@ GROUPS = ("", "llama", "nemo1", "nemo2", "gemma3", "mla", "eagle", "mlaeagle", "
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", f"{ENGINES}(model=None): needs the vLLM venv (the engine tier, run with "
-                   f"`-m {ENGINES}`); ``model`` groups the tests that start that model's "
+        "markers", f"{ENGINES}(model=None): needs the vLLM or SGLang venv (the engine tier, "
+                   f"run with `-m {ENGINES}`); ``model`` groups the tests that start that model's "
                    "engines (tests/conftest.py)")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that needs the vLLM venv, before ``-m`` selects (hence tryfirst); a
-    test that starts engines (the ``pool`` fixture) must name its model group."""
+    """Mark every test that needs the vLLM or the SGLang venv, before ``-m`` selects (hence
+    tryfirst); a test that starts engines (the ``pool`` fixture) must name its model group."""
     unnamed = []
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        if "vllm_python" in fixtures and item.get_closest_marker(ENGINES) is None:
+        if (("vllm_python" in fixtures or "sglang_python" in fixtures)
+                and item.get_closest_marker(ENGINES) is None):
             item.add_marker(ENGINES)
         if "pool" in fixtures and not _group(item):
             unnamed.append(item.nodeid)
@@ -91,7 +93,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     if deselected and markexpr == f"not {ENGINES}":
         terminalreporter.write_line(
             f"{deselected} engine-tier tests deselected: run them with "
-            f"`python -m pytest -m {ENGINES}` (real vLLM engines; README.md)")
+            f"`python -m pytest -m {ENGINES}` (real vLLM engines, SGLang's own transfer code; "
+            "README.md)")
     from tests import vllm_pool
 
     if vllm_pool.STARTS:
@@ -110,6 +113,18 @@ def vllm_python():
         return vllm_env.ensure()
     except vllm_env.EnvUnavailable as e:
         pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+
+
+@pytest.fixture(scope="session")
+def sglang_python():
+    """The SGLang venv's interpreter (built on first use, cached across runs); the test skips,
+    saying why, where it cannot be installed."""
+    from tests import sglang_env
+
+    try:
+        return sglang_env.ensure()
+    except sglang_env.EnvUnavailable as e:
+        pytest.skip(f"SGLang {sglang_env.SGLANG_VERSION} cannot be installed here: {e}")
 
 
 @pytest.fixture(scope="session")

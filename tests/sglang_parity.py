@@ -1,0 +1,336 @@
+"""Run SGLang's own KV transfer code over a grid of cases and print the byte copies it makes.
+
+Runs in the SGLang venv (tests/sglang_env.py), not the project's: ``python
+tests/sglang_parity.py < cases.json > results.json``. Each case (a JSON object, see
+tests/test_sglang_parity.py) is one prefill engine and one decode engine of the same model;
+for each of SGLang 0.5.23's two connections (Mooncake, NIXL) this script
+
+- builds every decode rank's manager without its constructor and asks SGLang's own
+  ``CommonKVManager._resolve_rank_mapping`` which prefill ranks serve it (``common/conn.py``;
+  for MLA only the target rank sends, the others are dummies, as ``_setup_bootstrap_infos``
+  marks them);
+- builds each of those prefill ranks' managers the same way, with ``kv_args`` as SGLang's
+  ``get_contiguous_buf_infos`` fills them (per layer a K and a V entry, ``kv_item_len`` the
+  bytes of one page; MLA one entry per layer) at made-up addresses, around a recording
+  transfer engine (Mooncake's ``batch_transfer_sync``) or agent (NIXL's ``prep_xfer_dlist`` /
+  ``make_prepped_xfer`` / ``transfer``, which refuses a descriptor outside registered memory
+  and pairs of different lengths, as NIXL does);
+- calls the method SGLang's transfer worker calls for that pair: ``send_kvcache`` at equal
+  attention TP or for MLA, ``send_kvcache_slice`` otherwise (Mooncake: ``mooncake/conn.py``;
+  NIXL: ``_prepare_payload_xfer`` then ``send_kvcache`` / ``send_kvcache_slice``,
+  ``nixl/conn.py``).
+
+Printed per case and connection: ``status`` ``"ran"`` with ``rows`` (``[src_rank, src_buffer,
+src_offset, dst_rank, dst_buffer, dst_offset, length]``, buffer names as kvplan's SGLang
+adapter names them), ``"refuses"`` (SGLang returned a failure code, ``error`` its log line)
+or ``"raises"`` (``error`` and ``where``: the innermost SGLang file:line). Judging the rows is
+the caller's business.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_stubs
+
+sglang_stubs.install()
+
+from sglang.srt.disaggregation.mooncake import conn as mooncake_conn  # noqa: E402
+from sglang.srt.disaggregation.nixl import conn as nixl_conn  # noqa: E402
+
+BACKENDS = ("mooncake", "nixl")
+# What a launched server publishes and this script does not launch: the memory namespace
+# (no unified memory) and vLLM-style ``warning_once`` on loggers.
+mooncake_conn.get_memory = lambda: SimpleNamespace(enable_unified_memory=False)
+if not hasattr(logging.Logger, "warning_once"):
+    logging.Logger.warning_once = logging.Logger.warning
+SITE = Path(mooncake_conn.__file__).resolve().parents[3]  # .../site-packages
+
+
+class Memory:
+    """Made-up addresses of every buffer of both engines; addresses back to buffers."""
+
+    def __init__(self, case: dict):
+        self.bufs: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
+        self.index: list[tuple[int, str, int, str, int]] = []  # (base, side, rank, name, size)
+        for side, tp, base in (("p", case["p"], 1 << 40), ("d", case["d"], 2 << 40)):
+            for r in range(tp):
+                out = []
+                for name, size in buffer_sizes(case, tp):
+                    out.append((name, base, size))
+                    self.index.append((base, side, r, name, size))
+                    base += (size + 8191) // 4096 * 4096  # a gap after every buffer
+                self.bufs[(side, r)] = out
+        self.index.sort()
+        self.bases = [x[0] for x in self.index]
+
+    def ptrs(self, side: str, rank: int) -> list[int]:
+        return [b for _, b, _ in self.bufs[(side, rank)]]
+
+    def sizes(self, side: str, rank: int) -> list[int]:
+        return [s for _, _, s in self.bufs[(side, rank)]]
+
+    def where(self, addr: int) -> tuple[str, int, str, int]:
+        """(side, rank, buffer, offset) of an address: the buffer starting at or below it."""
+        k = max(0, bisect.bisect_right(self.bases, addr) - 1)
+        base, side, rank, name, _ = self.index[k]
+        return side, rank, name, addr - base
+
+
+def buffer_sizes(case: dict, tp: int) -> list[tuple[str, int]]:
+    """One rank's buffers in SGLang's ``kv_data_ptrs`` order: every layer's K, then every
+    layer's V (MHA); every layer's latent (MLA)."""
+    rows = case["pages"] * case["page"]
+    if case["kind"] == "mla":
+        return [(f"layers.{i}", rows * case["head_dim"] * 2) for i in range(case["layers"])]
+    local = max(1, case["heads"] // tp)
+    size = rows * local * case["head_dim"] * 2
+    return ([(f"layers.{i}.k", size) for i in range(case["layers"])]
+            + [(f"layers.{i}.v", size) for i in range(case["layers"])])
+
+
+def item_len(case: dict, tp: int) -> int:
+    if case["kind"] == "mla":
+        return case["page"] * case["head_dim"] * 2
+    return case["page"] * max(1, case["heads"] // tp) * case["head_dim"] * 2
+
+
+def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
+    tp = case["p"]
+    n = len(mem.ptrs("p", rank))
+    return SimpleNamespace(
+        kv_data_ptrs=mem.ptrs("p", rank), kv_data_lens=mem.sizes("p", rank),
+        kv_item_lens=[item_len(case, tp)] * n, page_size=case["page"],
+        total_kv_head_num=case["heads"], kv_head_num=max(1, case["heads"] // tp),
+        engine_rank=rank, kv_layer_ids=None, prefill_start_layer=0, gpu_id=0,
+        swa_kv_cache_layout="nhd", mla_compression_ratios=None, num_draft_entries=0,
+        kv_data_mem_kinds=["VRAM"] * n)
+
+
+def senders(case: dict, cls: type) -> dict[int, list[int]]:
+    """Decode rank -> the prefill ranks that send it KV, by SGLang's own rank mapping."""
+    out = {}
+    mla = case["kind"] == "mla"
+    for t in range(case["d"]):
+        m = object.__new__(cls)
+        m.is_mla_backend, m.is_hybrid_mla_backend = mla, False
+        m.attn_tp_size, m.attn_cp_size, m.attn_cp_rank = case["d"], 1, 0
+        m.pp_size, m.pp_rank, m.enable_all_cp_ranks_for_transfer = 1, 0, False
+        m.kv_args = SimpleNamespace(engine_rank=t)
+        info = SimpleNamespace(attn_tp_size=case["p"], attn_cp_size=1, pp_size=1,
+                               enable_kv_cache_sharding=False,
+                               enable_dsa_cache_layer_split=False)
+        m._resolve_rank_mapping(info)
+        out[t] = [info.target_tp_rank] if mla else list(info.target_tp_ranks)
+    return out
+
+
+class Refused(Exception):
+    """SGLang reported a failure without raising."""
+
+
+class MooncakeRecorder:
+    """Mooncake's transfer engine, recording every copy."""
+
+    def __init__(self):
+        self.copies: list[tuple[int, int, int]] = []
+
+    def batch_transfer_sync(self, session_id, srcs, dsts, lengths):
+        self.copies += list(zip(map(int, srcs), map(int, dsts), map(int, lengths)))
+        return 0
+
+
+def _manager(cls, case, mem, rank):
+    m = object.__new__(cls)
+    m.kv_args = kv_args(case, mem, rank)
+    m.attn_tp_size, m.pp_size, m.pp_rank = case["p"], 1, 0
+    m.is_mla_backend = case["kind"] == "mla"
+    m.is_hybrid_mla_backend = False
+    return m
+
+
+def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
+    cls = mooncake_conn.MooncakeKVManager
+    eng = MooncakeRecorder()
+    src_pages = np.asarray(case["src_pages"], dtype=np.int32)
+    dst_pages = np.asarray(case["dst_pages"], dtype=np.int32)
+    dst_item = item_len(case, case["d"])
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        for t, ps in senders(case, cls).items():
+            for p in ps:
+                m = _manager(cls, case, mem, p)
+                m.engine = eng
+                m.state_strides_validated = set()
+                m.enable_custom_mem_pool, m.custom_mem_pool_type = False, None
+                m.max_transfer_batch_indices = (  # as the constructor reads it
+                    mooncake_conn.envs.SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES.get())
+                session = f"d{t}"
+                if m.is_mla_backend or case["p"] == case["d"]:
+                    ret = m.send_kvcache(session, src_pages, mem.ptrs("d", t), dst_pages, ex,
+                                         dst_layer_ids=None, dst_kv_item_len=dst_item,
+                                         dst_attn_tp_size=case["d"])
+                else:
+                    ret = m.send_kvcache_slice(session, src_pages, mem.ptrs("d", t),
+                                               dst_pages, t, case["d"], dst_item, ex, None)
+                if ret != 0:
+                    raise Refused(f"p{p} -> d{t}: {cls.__name__} returned {ret}")
+    return eng.copies
+
+
+class NixlRecorder:
+    """NIXL's agent: descriptor lists over registered memory, prepped transfers recorded."""
+
+    def __init__(self, mem: Memory, rank: int):
+        self.mem, self.rank = mem, rank
+        self.dlists: list[np.ndarray] = []
+        self.copies: list[tuple[int, int, int]] = []
+
+    def prep_xfer_dlist(self, peer_name, descs, mem_kind):
+        descs = np.asarray(descs, dtype=np.uint64)
+        if descs.ndim == 2 and descs.shape[1] == 5:  # strided runs
+            descs = nixl_conn.NixlKVManager._expand_stride_descs(descs)
+        side = "p" if peer_name == "" else "d"
+        rank = self.rank if side == "p" else int(peer_name[1:])
+        for addr, length, _ in descs.tolist():
+            s, r, name, off = self.mem.where(addr)
+            size = dict((n, z) for n, _, z in self.mem.bufs[(s, r)])[name]
+            if (s, r) != (side, rank) or off + length > size:
+                raise RuntimeError(f"NIXL_ERR_NOT_FOUND: descriptor {addr:#x}+{length} is not "
+                                   f"inside memory registered by {side}{rank}")
+        self.dlists.append(descs)
+        return len(self.dlists) - 1
+
+    def make_prepped_xfer(self, op, src_h, src_idx, dst_h, dst_idx, *a, **k):
+        s = self.dlists[src_h][np.asarray(src_idx, dtype=np.int64)]
+        d = self.dlists[dst_h][np.asarray(dst_idx, dtype=np.int64)]
+        if len(s) != len(d):
+            raise RuntimeError(f"NIXL_ERR_INVALID_PARAM: {len(s)} source and {len(d)} "
+                               "destination descriptors")
+        if (s[:, 1] != d[:, 1]).any():
+            raise RuntimeError("NIXL_ERR_INVALID_PARAM: source and destination descriptor "
+                               "lengths differ")
+        self.copies += [(int(a_), int(b_), int(n_)) for a_, b_, n_ in
+                        zip(s[:, 0].tolist(), d[:, 0].tolist(), s[:, 1].tolist())]
+        return 1
+
+    def transfer(self, handle, *a, **k):
+        return "DONE"
+
+
+def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
+    cls = nixl_conn.NixlKVManager
+    src_pages = np.asarray(case["src_pages"], dtype=np.int32)
+    dst_pages = np.asarray(case["dst_pages"], dtype=np.int32)
+    by_prefill: dict[int, list[int]] = {}
+    for t, ps in senders(case, cls).items():
+        for p in ps:
+            by_prefill.setdefault(p, []).append(t)
+    copies = []
+    for p, ts in sorted(by_prefill.items()):
+        m = _manager(cls, case, mem, p)
+        agent = NixlRecorder(mem, p)
+        m.agent, m.src_mem_kind, m._use_strided_descs = agent, "VRAM", True
+        m.prep_handles, m.prep_handle_slice_src, m.prep_handles_slice_dst = {}, None, {}
+        m._num_slots_src = case["pages"]
+        m.decode_kv_args_table = {}
+        for t in ts:  # registration: every decode peer first, as bootstrap does
+            n = len(mem.ptrs("d", t))
+            info = SimpleNamespace(
+                agent_name=f"d{t}", decode_tp_size=case["d"], decode_tp_rank=t,
+                dst_kv_ptrs=mem.ptrs("d", t), dst_kv_item_len=item_len(case, case["d"]),
+                dst_kv_item_lens=[item_len(case, case["d"])] * n,
+                dst_kv_mem_kinds=["VRAM"] * n, dst_num_slots=case["pages"], gpu_id=0,
+                dst_kv_layer_ids=None, requires_dcp_relayout=False, kv_xfer_segments=None,
+                dst_homogeneous_mem_kind=None)
+            m.decode_kv_args_table[info.agent_name] = info
+            m._prepare_payload_xfer(info)
+        for t in ts:
+            if m.is_mla_backend or case["p"] == case["d"]:
+                m.send_kvcache(f"d{t}", src_pages, mem.ptrs("d", t), dst_pages, 0,
+                               dst_mem_kind="VRAM")
+            else:
+                m.send_kvcache_slice(f"d{t}", src_pages, dst_pages)
+        copies += agent.copies
+    return copies
+
+
+def _where(exc: BaseException) -> str:
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "/sglang/" in frame.filename:
+            return f"{Path(frame.filename).relative_to(SITE)}:{frame.lineno}"
+    return ""
+
+
+class _Errors(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(f"{record.pathname.split('/sglang/')[-1]}:{record.lineno}: "
+                          f"{record.getMessage()}")
+
+
+def run(case: dict, backend: str) -> dict:
+    """One case on one connection: its copies, or how it failed."""
+    mem = Memory(case)
+    errors = _Errors()
+    logging.getLogger().addHandler(errors)
+    try:
+        copies = (run_mooncake if backend == "mooncake" else run_nixl)(case, mem)
+    except Refused as e:
+        return {"status": "refuses", "error": f"{e}; {' | '.join(errors.lines)}"[:400]}
+    except Exception as e:  # SGLang's own failures are what is being recorded
+        return {"status": "raises", "error": f"{type(e).__name__}: {e}"[:400],
+                "where": _where(e)}
+    finally:
+        logging.getLogger().removeHandler(errors)
+    rows = []
+    for src, dst, length in copies:
+        s_side, s_rank, s_name, s_off = mem.where(src)
+        d_side, d_rank, d_name, d_off = mem.where(dst)
+        rows.append([s_rank, s_name, s_off, d_rank, d_name, d_off, length]
+                    if (s_side, d_side) == ("p", "d") else
+                    [s_rank, s_name, -1, d_rank, d_name, -1, length])
+    return {"status": "ran", "rows": rows}
+
+
+def _break_slicing() -> None:
+    """``KVPLAN_SGLANG_PARITY_BREAK=1``: swap the source and destination head offsets of
+    ``compute_head_slice_params``, so that the test can see the judge call SGLang wrong."""
+    from sglang.srt.disaggregation.common import staging_buffer
+
+    real = staging_buffer.compute_head_slice_params
+
+    def broken(*a, **k):
+        src, n, dst, n2 = real(*a, **k)
+        return dst, n, src, n2
+
+    staging_buffer.compute_head_slice_params = broken
+
+
+def main() -> None:
+    if os.environ.get("KVPLAN_SGLANG_PARITY_BREAK") == "1":
+        _break_slicing()
+    logging.disable(logging.WARNING)  # SGLang's warnings off; its errors are recorded
+    cases = json.load(sys.stdin)
+    out = []
+    for case in cases:
+        for backend in BACKENDS:
+            out.append({"id": case["id"], "backend": backend, **run(case, backend)})
+    json.dump({"stubbed": sorted(sglang_stubs.STUBBED), "results": out}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

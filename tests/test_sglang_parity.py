@@ -1,0 +1,200 @@
+"""SGLang 0.5.23's own KV transfer code against kvplan's plans, byte by byte (engine tier).
+
+tests/sglang_parity.py runs SGLang's Mooncake and NIXL connections (their rank mapping and
+slicing, on CPU, in the SGLang venv) over :func:`cases` and prints the copies they make; here
+both those copies and kvplan's plans (specs from :mod:`kvplan.adapters.sglang`) are applied to
+the oracle's buffers (tests/oracle.py, through tests/sglang_judge.py) and judged: ``exact``,
+``wrong``, ``raises`` or ``refuses``. kvplan must be exact, writing each byte once, in every
+case; SGLang's verdicts must be the ones docs/sglang.md tabulates.
+
+``python tests/test_sglang_parity.py`` (in the project's venv) runs the same and rewrites the
+table in docs/sglang.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script
+    sys.path.insert(0, str(ROOT))
+
+from kvplan import SpecError  # noqa: E402
+from kvplan.adapters.sglang import SGLangKV, spec_from_sglang  # noqa: E402
+from tests.sglang_judge import judge, kvplan_rows  # noqa: E402
+
+DOC = ROOT / "docs" / "sglang.md"
+BEGIN, END = "<!-- parity-table: begin -->", "<!-- parity-table: end -->"
+TPS = (1, 2, 4, 8)
+PAGE_SIZES = (1, 16, 64)
+SRC_PAGES, DST_PAGES = [3, 1, 4], [2, 5, 1]
+BACKENDS = ("mooncake", "nixl")
+
+
+def cases() -> list[dict]:
+    """The grid: GQA/MHA with 1-16 KV heads at every pair of attention TP 1/2/4/8 where the
+    heads fit both sides, and MLA at every pair, each at page sizes 1, 16, 64; two layers,
+    six pages, K heads of 8 values (MLA latent 8 + 4), bfloat16."""
+    out = []
+    for page, (p, d) in itertools.product(PAGE_SIZES, itertools.product(TPS, TPS)):
+        for heads in range(1, 17):
+            if all(heads % t == 0 or t % heads == 0 for t in (p, d)):
+                out.append({"id": f"mha K{heads} P{p} D{d} page{page}", "kind": "mha",
+                            "heads": heads, "p": p, "d": d, "page": page, "head_dim": 8})
+        out.append({"id": f"mla P{p} D{d} page{page}", "kind": "mla", "heads": 1, "p": p,
+                    "d": d, "page": page, "head_dim": 12})
+    for c in out:
+        c.update(layers=2, pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES)
+    return out
+
+
+def spec(case: dict, tp: int):
+    """kvplan's spec of one side, from the pool's values through the adapter."""
+    size = (case["pages"] - 1) * case["page"]
+    if case["kind"] == "mla":
+        kv = SGLangKV.mla(layer_num=case["layers"], size=size, page_size=case["page"],
+                          dtype="bfloat16", kv_lora_rank=8, qk_rope_head_dim=4)
+    else:
+        kv = SGLangKV.mha(layer_num=case["layers"], size=size, page_size=case["page"],
+                          dtype="bfloat16", head_num=max(1, case["heads"] // tp),
+                          head_dim=case["head_dim"])
+    return spec_from_sglang(kv, attn_tp_size=tp, total_kv_heads=case["heads"])
+
+
+def verdict(case: dict, result: dict | None) -> dict:
+    """SGLang's verdict on one case from the driver's ``result``; kvplan's when None."""
+    if result is not None and result["status"] != "ran":
+        return {"verdict": result["status"], "detail": result.get("error", ""),
+                "where": result.get("where", "")}
+    try:
+        src, dst = spec(case, case["p"]), spec(case, case["d"])
+    except SpecError as e:
+        return {"verdict": "refuses", "detail": str(e)}
+    rows = (kvplan_rows(src, dst, [SRC_PAGES], [DST_PAGES]) if result is None
+            else [tuple(r) for r in result["rows"]])
+    return judge(src, dst, [SRC_PAGES], [DST_PAGES], rows)
+
+
+def run_sglang(python: Path, grid: list[dict] | None = None,
+               env: dict[str, str] | None = None) -> dict[tuple[str, str], dict]:
+    """The driver's results over ``grid`` (default :func:`cases`), keyed ``(case id,
+    backend)``."""
+    proc = subprocess.run([str(python), str(ROOT / "tests" / "sglang_parity.py")],
+                          input=json.dumps(cases() if grid is None else grid),
+                          capture_output=True, text=True, timeout=900, check=False,
+                          env=None if env is None else {**os.environ, **env})
+    if proc.returncode != 0:
+        raise AssertionError(f"the SGLang driver exited {proc.returncode}:\n"
+                             f"{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout)
+    return {(r["id"], r["backend"]): r for r in out["results"]}
+
+
+def judged(results: dict) -> list[dict]:
+    """One row per case: its id, each backend's verdict and kvplan's."""
+    rows = []
+    for c in cases():
+        row = {"id": c["id"], "kvplan": verdict(c, None)}
+        for b in BACKENDS:
+            row[b] = verdict(c, results[(c["id"], b)])
+        rows.append(row)
+    return rows
+
+
+def _cell(v: dict) -> str:
+    text = v["verdict"]
+    if v.get("writes", 1) > 1:
+        text += f" (x{v['writes']})"
+    if v.get("where"):
+        text += f" `{v['where']}`"
+    return text
+
+
+def table(rows: list[dict]) -> str:
+    """The docs' table: totals per connection, then every case that is not exact
+    everywhere, then (folded) every case."""
+    count = {k: collections.Counter(r[k]["verdict"] for r in rows)
+             for k in (*BACKENDS, "kvplan")}
+    kinds = ("exact", "wrong", "raises", "refuses")
+    lines = ["| | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+    names = {"mooncake": "SGLang Mooncake", "nixl": "SGLang NIXL", "kvplan": "kvplan"}
+    for k in (*BACKENDS, "kvplan"):
+        lines.append(f"| {names[k]} | " + " | ".join(str(count[k][v]) for v in kinds) + " |")
+    lines += ["", f"{len(rows)} cases. Where SGLang is not exact on either connection:", "",
+              "| case | Mooncake | NIXL | kvplan |", "|---|---|---|---|"]
+    bad = [r for r in rows if any(r[b]["verdict"] != "exact" for b in BACKENDS)]
+    lines += [f"| {r['id']} | " + " | ".join(_cell(r[k]) for k in (*BACKENDS, "kvplan"))
+              + " |" for r in bad]
+    lines += ["", "<details><summary>Every case</summary>", "",
+              "| case | Mooncake | NIXL | kvplan |", "|---|---|---|---|"]
+    lines += [f"| {r['id']} | " + " | ".join(_cell(r[k]) for k in (*BACKENDS, "kvplan"))
+              + " |" for r in rows]
+    lines += ["", "</details>"]
+    return "\n".join(lines)
+
+
+def documented() -> str:
+    text = DOC.read_text()
+    m = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    assert m, f"{DOC} has no {BEGIN} ... {END} block"
+    return m.group(1)
+
+
+@pytest.fixture(scope="module")
+def parity(sglang_python):
+    return judged(run_sglang(sglang_python))
+
+
+def test_kvplan_is_exact_everywhere_and_writes_each_byte_once(parity):
+    bad = [(r["id"], r["kvplan"]) for r in parity
+           if r["kvplan"]["verdict"] != "exact" or r["kvplan"]["writes"] != 1]
+    assert not bad, bad[:5]
+
+
+def test_kvplan_refuses_nothing_sglang_moves_exactly(parity):
+    moved = [r["id"] for r in parity if r["kvplan"]["verdict"] == "refuses"
+             and any(r[b]["verdict"] == "exact" for b in BACKENDS)]
+    assert not moved, moved[:5]
+
+
+def test_sglang_verdicts_are_the_documented_ones(parity):
+    got = table(parity)
+    assert got == documented(), (
+        "docs/sglang.md's parity table differs from this run; rewrite it with "
+        "`python tests/test_sglang_parity.py` and read what changed")
+
+
+def test_the_judge_calls_a_broken_sglang_wrong(sglang_python):
+    """The same driver with SGLang's head offsets swapped (``KVPLAN_SGLANG_PARITY_BREAK``):
+    its copies must be judged wrong, so an exact verdict above means the bytes were right."""
+    grid = [c for c in cases() if c["id"] in ("mha K8 P4 D2 page16", "mha K8 P2 D4 page1")]
+    got = run_sglang(sglang_python, grid, {"KVPLAN_SGLANG_PARITY_BREAK": "1"})
+    for c in grid:
+        for b in BACKENDS:
+            v = verdict(c, got[(c["id"], b)])["verdict"]
+            assert v in ("wrong", "raises"), (c["id"], b, v)
+    assert verdict(grid[0], got[(grid[0]["id"], "mooncake")])["verdict"] == "wrong"
+
+
+def main() -> None:
+    """Run the parity grid and rewrite the table in docs/sglang.md."""
+    from tests import sglang_env
+
+    got = table(judged(run_sglang(sglang_env.ensure())))
+    text = DOC.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    DOC.write_text(text[:start] + "\n" + got + "\n" + text[end:])
+    print(got.split("\n\n")[0])
+
+
+if __name__ == "__main__":
+    main()
