@@ -20,11 +20,13 @@ for each of SGLang 0.5.23's two connections (Mooncake, NIXL) this script
   NIXL: ``_prepare_payload_xfer`` then ``send_kvcache`` / ``send_kvcache_slice``,
   ``nixl/conn.py``).
 
-Printed per case and connection: ``status`` ``"ran"`` with ``rows`` (``[src_rank, src_buffer,
-src_offset, dst_rank, dst_buffer, dst_offset, length]``, buffer names as kvplan's SGLang
-adapter names them), ``"refuses"`` (SGLang returned a failure code, ``error`` its log line)
-or ``"raises"`` (``error`` and ``where``: the innermost SGLang file:line). Judging the rows is
-the caller's business.
+The pools are SGLang's own (``MHATokenToKVPool``, ``MLATokenToKVPool``, built on CPU, one per
+engine: its ranks' pools are alike); each result carries ``pools``, what kvplan's adapter
+reads of them (``face``). Printed per case and connection: ``status`` ``"ran"`` with
+``rows`` (``[src_rank, src_buffer, src_offset, dst_rank, dst_buffer, dst_offset, length]``,
+buffer names as kvplan's SGLang adapter names them), ``"refuses"`` (SGLang returned a
+failure code, ``error`` its log line) or ``"raises"`` (``error`` and ``where``: the innermost
+SGLang file:line). Judging the rows is the caller's business.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sglang_stubs
@@ -48,6 +51,7 @@ sglang_stubs.install()
 
 from sglang.srt.disaggregation.mooncake import conn as mooncake_conn  # noqa: E402
 from sglang.srt.disaggregation.nixl import conn as nixl_conn  # noqa: E402
+from sglang.srt.mem_cache import memory_pool  # noqa: E402
 
 BACKENDS = ("mooncake", "nixl")
 # What a launched server publishes and this script does not launch: the memory namespace
@@ -58,16 +62,62 @@ if not hasattr(logging.Logger, "warning_once"):
 SITE = Path(mooncake_conn.__file__).resolve().parents[3]  # .../site-packages
 
 
+def build_pool(case: dict, tp: int):
+    """SGLang's own pool of one rank of an engine at attention TP ``tp``, on CPU."""
+    size = (case["pages"] - 1) * case["page"]
+    common = {"size": size, "page_size": case["page"], "dtype": torch.bfloat16,
+              "layer_num": case["layers"], "device": "cpu", "enable_memory_saver": False}
+    if case["kind"] == "mla":
+        return memory_pool.MLATokenToKVPool(kv_lora_rank=case["head_dim"] - 4,
+                                            qk_rope_head_dim=4, **common)
+    return memory_pool.MHATokenToKVPool(head_num=max(1, case["heads"] // tp),
+                                        head_dim=case["head_dim"], **common)
+
+
+def buffer_names(pool) -> list[str]:
+    """The names kvplan's adapter gives the entries of ``get_contiguous_buf_infos``, after
+    checking that they are the pool's K buffers then its V buffers (MLA: its latents)."""
+    ptrs = pool.get_contiguous_buf_infos()[0]
+    layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+    if isinstance(pool, memory_pool.MLATokenToKVPool):
+        tensors, names = pool.kv_buffer, [f"layers.{i}" for i in layers]
+    else:
+        tensors = list(pool.k_buffer) + list(pool.v_buffer)
+        names = [f"layers.{i}.k" for i in layers] + [f"layers.{i}.v" for i in layers]
+    assert ptrs == [t.data_ptr() for t in tensors], "kv_data_ptrs are not K then V"
+    return names
+
+
+def face(pool) -> dict:
+    """What kvplan's adapter reads of a pool (``SGLangKV.from_pool``), as JSON."""
+    out = {"class": type(pool).__name__}
+    for a in ("layer_num", "size", "page_size", "head_num", "head_dim", "v_head_dim",
+              "start_layer", "kv_cache_layout", "use_hnd", "kv_lora_rank", "qk_rope_head_dim"):
+        if hasattr(pool, a):
+            out[a] = getattr(pool, a)
+    for a in ("k_buffer", "v_buffer", "kv_buffer"):
+        if getattr(pool, a, None) is not None:
+            out[a] = [{"shape": list(t.shape), "dtype": str(t.dtype), "ptr": t.data_ptr()}
+                      for t in getattr(pool, a)]
+    out["buf_infos"] = pool.get_contiguous_buf_infos()
+    return out
+
+
 class Memory:
-    """Made-up addresses of every buffer of both engines; addresses back to buffers."""
+    """Each engine's pool (one per side: its ranks' pools are alike) and made-up addresses of
+    every buffer of every rank, with gaps; addresses back to buffers."""
 
     def __init__(self, case: dict):
         self.bufs: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
         self.index: list[tuple[int, str, int, str, int]] = []  # (base, side, rank, name, size)
+        self.pools, self.item_lens = {}, {}
         for side, tp, base in (("p", case["p"], 1 << 40), ("d", case["d"], 2 << 40)):
+            pool = self.pools[side] = build_pool(case, tp)
+            _, lens, self.item_lens[side] = pool.get_contiguous_buf_infos()
+            names = buffer_names(pool)
             for r in range(tp):
                 out = []
-                for name, size in buffer_sizes(case, tp):
+                for name, size in zip(names, lens):
                     out.append((name, base, size))
                     self.index.append((base, side, r, name, size))
                     base += (size + 8191) // 4096 * 4096  # a gap after every buffer
@@ -88,31 +138,14 @@ class Memory:
         return side, rank, name, addr - base
 
 
-def buffer_sizes(case: dict, tp: int) -> list[tuple[str, int]]:
-    """One rank's buffers in SGLang's ``kv_data_ptrs`` order: every layer's K, then every
-    layer's V (MHA); every layer's latent (MLA)."""
-    rows = case["pages"] * case["page"]
-    if case["kind"] == "mla":
-        return [(f"layers.{i}", rows * case["head_dim"] * 2) for i in range(case["layers"])]
-    local = max(1, case["heads"] // tp)
-    size = rows * local * case["head_dim"] * 2
-    return ([(f"layers.{i}.k", size) for i in range(case["layers"])]
-            + [(f"layers.{i}.v", size) for i in range(case["layers"])])
-
-
-def item_len(case: dict, tp: int) -> int:
-    if case["kind"] == "mla":
-        return case["page"] * case["head_dim"] * 2
-    return case["page"] * max(1, case["heads"] // tp) * case["head_dim"] * 2
-
-
 def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
-    tp = case["p"]
+    """A prefill rank's ``KVArgs`` as SGLang fills them from its pool (at this rank's
+    made-up addresses)."""
     n = len(mem.ptrs("p", rank))
     return SimpleNamespace(
         kv_data_ptrs=mem.ptrs("p", rank), kv_data_lens=mem.sizes("p", rank),
-        kv_item_lens=[item_len(case, tp)] * n, page_size=case["page"],
-        total_kv_head_num=case["heads"], kv_head_num=max(1, case["heads"] // tp),
+        kv_item_lens=list(mem.item_lens["p"]), page_size=case["page"],
+        total_kv_head_num=case["heads"], kv_head_num=max(1, case["heads"] // case["p"]),
         engine_rank=rank, kv_layer_ids=None, prefill_start_layer=0, gpu_id=0,
         swa_kv_cache_layout="nhd", mla_compression_ratios=None, num_draft_entries=0,
         kv_data_mem_kinds=["VRAM"] * n)
@@ -165,7 +198,7 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
     eng = MooncakeRecorder()
     src_pages = np.asarray(case["src_pages"], dtype=np.int32)
     dst_pages = np.asarray(case["dst_pages"], dtype=np.int32)
-    dst_item = item_len(case, case["d"])
+    dst_item = mem.item_lens["d"][0]
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         for t, ps in senders(case, cls).items():
             for p in ps:
@@ -248,8 +281,8 @@ def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
             n = len(mem.ptrs("d", t))
             info = SimpleNamespace(
                 agent_name=f"d{t}", decode_tp_size=case["d"], decode_tp_rank=t,
-                dst_kv_ptrs=mem.ptrs("d", t), dst_kv_item_len=item_len(case, case["d"]),
-                dst_kv_item_lens=[item_len(case, case["d"])] * n,
+                dst_kv_ptrs=mem.ptrs("d", t), dst_kv_item_len=mem.item_lens["d"][0],
+                dst_kv_item_lens=list(mem.item_lens["d"]),
                 dst_kv_mem_kinds=["VRAM"] * n, dst_num_slots=case["pages"], gpu_id=0,
                 dst_kv_layer_ids=None, requires_dcp_relayout=False, kv_xfer_segments=None,
                 dst_homogeneous_mem_kind=None)
@@ -283,17 +316,23 @@ class _Errors(logging.Handler):
 
 
 def run(case: dict, backend: str) -> dict:
-    """One case on one connection: its copies, or how it failed."""
-    mem = Memory(case)
+    """One case on one connection: its copies, or how it failed, and the pools' faces."""
+    try:
+        mem = Memory(case)
+    except Exception as e:
+        return {"status": "raises", "error": f"building the pools: {type(e).__name__}: {e}",
+                "where": _where(e)}
+    pools = {side: face(pool) for side, pool in mem.pools.items()}
     errors = _Errors()
     logging.getLogger().addHandler(errors)
     try:
         copies = (run_mooncake if backend == "mooncake" else run_nixl)(case, mem)
     except Refused as e:
-        return {"status": "refuses", "error": f"{e}; {' | '.join(errors.lines)}"[:400]}
+        return {"status": "refuses", "error": f"{e}; {' | '.join(errors.lines)}"[:400],
+                "pools": pools}
     except Exception as e:  # SGLang's own failures are what is being recorded
         return {"status": "raises", "error": f"{type(e).__name__}: {e}"[:400],
-                "where": _where(e)}
+                "where": _where(e), "pools": pools}
     finally:
         logging.getLogger().removeHandler(errors)
     rows = []
@@ -303,7 +342,7 @@ def run(case: dict, backend: str) -> dict:
         rows.append([s_rank, s_name, s_off, d_rank, d_name, d_off, length]
                     if (s_side, d_side) == ("p", "d") else
                     [s_rank, s_name, -1, d_rank, d_name, -1, length])
-    return {"status": "ran", "rows": rows}
+    return {"status": "ran", "rows": rows, "pools": pools}
 
 
 def _break_slicing() -> None:

@@ -7,7 +7,7 @@ the oracle's buffers (tests/oracle.py, through tests/sglang_judge.py) and judged
 ``wrong``, ``raises`` or ``refuses``. kvplan must be exact, writing each byte once, in every
 case; SGLang's verdicts must be the ones docs/sglang.md tabulates.
 
-``python tests/test_sglang_parity.py`` (in the project's venv) runs the same and rewrites the
+``python `` (in the project's venv) runs the same and rewrites the
 table in docs/sglang.md.
 """
 
@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,7 +30,7 @@ if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
 from kvplan import SpecError  # noqa: E402
-from kvplan.adapters.sglang import SGLangKV, spec_from_sglang  # noqa: E402
+from kvplan.adapters.sglang import SGLangKV, sglang_buffers, spec_from_sglang  # noqa: E402
 from tests.sglang_judge import judge, kvplan_rows  # noqa: E402
 
 DOC = ROOT / "docs" / "sglang.md"
@@ -57,26 +58,46 @@ def cases() -> list[dict]:
     return out
 
 
-def spec(case: dict, tp: int):
-    """kvplan's spec of one side, from the pool's values through the adapter."""
-    size = (case["pages"] - 1) * case["page"]
-    if case["kind"] == "mla":
-        kv = SGLangKV.mla(layer_num=case["layers"], size=size, page_size=case["page"],
-                          dtype="bfloat16", kv_lora_rank=8, qk_rope_head_dim=4)
-    else:
-        kv = SGLangKV.mha(layer_num=case["layers"], size=size, page_size=case["page"],
-                          dtype="bfloat16", head_num=max(1, case["heads"] // tp),
-                          head_dim=case["head_dim"])
-    return spec_from_sglang(kv, attn_tp_size=tp, total_kv_heads=case["heads"])
+class _Tensor:
+    """A buffer of an SGLang pool as the driver described it: shape, dtype, address."""
+
+    def __init__(self, d: dict):
+        self.shape, self.dtype, self._ptr = tuple(d["shape"]), d["dtype"], d["ptr"]
+
+    def data_ptr(self) -> int:
+        return self._ptr
 
 
-def verdict(case: dict, result: dict | None) -> dict:
-    """SGLang's verdict on one case from the driver's ``result``; kvplan's when None."""
+def pool_object(face: dict):
+    """An object that reads like the SGLang pool the driver built (class name, attributes,
+    buffers), for :meth:`SGLangKV.from_pool`."""
+    attrs = {k: v for k, v in face.items() if k not in ("class", "buf_infos")}
+    for k in ("k_buffer", "v_buffer", "kv_buffer"):
+        if k in attrs:
+            attrs[k] = [_Tensor(t) for t in attrs[k]]
+    return type(face["class"], (SimpleNamespace,), {})(**attrs)
+
+
+def spec(case: dict, tp: int, face: dict):
+    """kvplan's spec of one side, read by the adapter from SGLang's own pool of that side;
+    the buffers it names are checked against SGLang's ``get_contiguous_buf_infos``."""
+    pool = pool_object(face)
+    out = spec_from_sglang(SGLangKV.from_pool(pool), attn_tp_size=tp,
+                           total_kv_heads=case["heads"])
+    ptrs, lens, _ = face["buf_infos"]
+    got = sglang_buffers(pool, out)
+    assert sorted(got.values()) == sorted(zip(ptrs, lens)), (case["id"], got, face)
+    return out
+
+
+def verdict(case: dict, result: dict | None, pools: dict) -> dict:
+    """SGLang's verdict on one case from the driver's ``result``; kvplan's when None.
+    ``pools`` are the faces of both sides' pools."""
     if result is not None and result["status"] != "ran":
         return {"verdict": result["status"], "detail": result.get("error", ""),
                 "where": result.get("where", "")}
     try:
-        src, dst = spec(case, case["p"]), spec(case, case["d"])
+        src, dst = spec(case, case["p"], pools["p"]), spec(case, case["d"], pools["d"])
     except SpecError as e:
         return {"verdict": "refuses", "detail": str(e)}
     rows = (kvplan_rows(src, dst, [SRC_PAGES], [DST_PAGES]) if result is None
@@ -103,9 +124,11 @@ def judged(results: dict) -> list[dict]:
     """One row per case: its id, each backend's verdict and kvplan's."""
     rows = []
     for c in cases():
-        row = {"id": c["id"], "kvplan": verdict(c, None)}
+        pools = next(results[(c["id"], b)]["pools"] for b in BACKENDS
+                     if "pools" in results[(c["id"], b)])
+        row = {"id": c["id"], "kvplan": verdict(c, None, pools)}
         for b in BACKENDS:
-            row[b] = verdict(c, results[(c["id"], b)])
+            row[b] = verdict(c, results[(c["id"], b)], pools)
         rows.append(row)
     return rows
 
@@ -170,7 +193,7 @@ def test_sglang_verdicts_are_the_documented_ones(parity):
     got = table(parity)
     assert got == documented(), (
         "docs/sglang.md's parity table differs from this run; rewrite it with "
-        "`python tests/test_sglang_parity.py` and read what changed")
+        "`python ` and read what changed")
 
 
 def test_the_judge_calls_a_broken_sglang_wrong(sglang_python):
@@ -180,9 +203,10 @@ def test_the_judge_calls_a_broken_sglang_wrong(sglang_python):
     got = run_sglang(sglang_python, grid, {"KVPLAN_SGLANG_PARITY_BREAK": "1"})
     for c in grid:
         for b in BACKENDS:
-            v = verdict(c, got[(c["id"], b)])["verdict"]
+            v = verdict(c, got[(c["id"], b)], got[(c["id"], b)]["pools"])["verdict"]
             assert v in ("wrong", "raises"), (c["id"], b, v)
-    assert verdict(grid[0], got[(grid[0]["id"], "mooncake")])["verdict"] == "wrong"
+    first = got[(grid[0]["id"], "mooncake")]
+    assert verdict(grid[0], first, first["pools"])["verdict"] == "wrong"
 
 
 def main() -> None:
