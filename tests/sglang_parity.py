@@ -111,7 +111,9 @@ class Memory:
         self.bufs: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
         self.index: list[tuple[int, str, int, str, int]] = []  # (base, side, rank, name, size)
         self.pools, self.item_lens = {}, {}
-        for side, tp, base in (("p", case["p"], 1 << 40), ("d", case["d"], 2 << 40)):
+        sides = [("p", case["p"]), *decodes(case)]
+        for k, (side, tp) in enumerate(sides):
+            base = (k + 1) << 40
             pool = self.pools[side] = build_pool(case, tp)
             _, lens, self.item_lens[side] = pool.get_contiguous_buf_infos()
             names = buffer_names(pool)
@@ -151,14 +153,21 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
         kv_data_mem_kinds=["VRAM"] * n)
 
 
-def senders(case: dict, cls: type) -> dict[int, list[int]]:
-    """Decode rank -> the prefill ranks that send it KV, by SGLang's own rank mapping."""
+def decodes(case: dict) -> list[tuple[str, int]]:
+    """The decode engines of a case: ``("d", TP)``, and ``("e", TP)`` when a second decode
+    engine (``d2``) pulls from the same prefill."""
+    return [("d", case["d"])] + ([("e", case["d2"])] if case.get("d2") else [])
+
+
+def senders(case: dict, cls: type, dtp: int) -> dict[int, list[int]]:
+    """Decode rank -> the prefill ranks that send it KV, by SGLang's own rank mapping, for a
+    decode engine of attention TP ``dtp``."""
     out = {}
     mla = case["kind"] == "mla"
-    for t in range(case["d"]):
+    for t in range(dtp):
         m = object.__new__(cls)
         m.is_mla_backend, m.is_hybrid_mla_backend = mla, False
-        m.attn_tp_size, m.attn_cp_size, m.attn_cp_rank = case["d"], 1, 0
+        m.attn_tp_size, m.attn_cp_size, m.attn_cp_rank = dtp, 1, 0
         m.pp_size, m.pp_rank, m.enable_all_cp_ranks_for_transfer = 1, 0, False
         m.kv_args = SimpleNamespace(engine_rank=t)
         info = SimpleNamespace(attn_tp_size=case["p"], attn_cp_size=1, pp_size=1,
@@ -167,6 +176,12 @@ def senders(case: dict, cls: type) -> dict[int, list[int]]:
         m._resolve_rank_mapping(info)
         out[t] = [info.target_tp_rank] if mla else list(info.target_tp_ranks)
     return out
+
+
+def _pairs(case: dict, cls: type) -> list[tuple[tuple[str, int], int, int]]:
+    """``((decode side, its TP), decode rank, prefill rank)`` of every sending pair."""
+    return [(d, t, p) for d in decodes(case) for t, ps in senders(case, cls, d[1]).items()
+            for p in ps]
 
 
 class Refused(Exception):
@@ -198,26 +213,25 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
     eng = MooncakeRecorder()
     src_pages = np.asarray(case["src_pages"], dtype=np.int32)
     dst_pages = np.asarray(case["dst_pages"], dtype=np.int32)
-    dst_item = mem.item_lens["d"][0]
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        for t, ps in senders(case, cls).items():
-            for p in ps:
-                m = _manager(cls, case, mem, p)
-                m.engine = eng
-                m.state_strides_validated = set()
-                m.enable_custom_mem_pool, m.custom_mem_pool_type = False, None
-                m.max_transfer_batch_indices = (  # as the constructor reads it
-                    mooncake_conn.envs.SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES.get())
-                session = f"d{t}"
-                if m.is_mla_backend or case["p"] == case["d"]:
-                    ret = m.send_kvcache(session, src_pages, mem.ptrs("d", t), dst_pages, ex,
-                                         dst_layer_ids=None, dst_kv_item_len=dst_item,
-                                         dst_attn_tp_size=case["d"])
-                else:
-                    ret = m.send_kvcache_slice(session, src_pages, mem.ptrs("d", t),
-                                               dst_pages, t, case["d"], dst_item, ex, None)
-                if ret != 0:
-                    raise Refused(f"p{p} -> d{t}: {cls.__name__} returned {ret}")
+        for (side, dtp), t, p in _pairs(case, cls):
+            dst_item = mem.item_lens[side][0]
+            m = _manager(cls, case, mem, p)
+            m.engine = eng
+            m.state_strides_validated = set()
+            m.enable_custom_mem_pool, m.custom_mem_pool_type = False, None
+            m.max_transfer_batch_indices = (  # as the constructor reads it
+                mooncake_conn.envs.SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES.get())
+            session = f"{side}{t}"
+            if m.is_mla_backend or case["p"] == dtp:
+                ret = m.send_kvcache(session, src_pages, mem.ptrs(side, t), dst_pages,
+                                     ex, dst_layer_ids=None, dst_kv_item_len=dst_item,
+                                     dst_attn_tp_size=dtp)
+            else:
+                ret = m.send_kvcache_slice(session, src_pages, mem.ptrs(side, t),
+                                           dst_pages, t, dtp, dst_item, ex, None)
+            if ret != 0:
+                raise Refused(f"p{p} -> {side}{t}: {cls.__name__} returned {ret}")
     return eng.copies
 
 
@@ -233,7 +247,7 @@ class NixlRecorder:
         descs = np.asarray(descs, dtype=np.uint64)
         if descs.ndim == 2 and descs.shape[1] == 5:  # strided runs
             descs = nixl_conn.NixlKVManager._expand_stride_descs(descs)
-        side = "p" if peer_name == "" else "d"
+        side = "p" if peer_name == "" else peer_name[0]
         rank = self.rank if side == "p" else int(peer_name[1:])
         for addr, length, _ in descs.tolist():
             s, r, name, off = self.mem.where(addr)
@@ -265,10 +279,9 @@ def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
     cls = nixl_conn.NixlKVManager
     src_pages = np.asarray(case["src_pages"], dtype=np.int32)
     dst_pages = np.asarray(case["dst_pages"], dtype=np.int32)
-    by_prefill: dict[int, list[int]] = {}
-    for t, ps in senders(case, cls).items():
-        for p in ps:
-            by_prefill.setdefault(p, []).append(t)
+    by_prefill: dict[int, list[tuple[str, int, int]]] = {}
+    for (side, dtp), t, p in _pairs(case, cls):
+        by_prefill.setdefault(p, []).append((side, dtp, t))
     copies = []
     for p, ts in sorted(by_prefill.items()):
         m = _manager(cls, case, mem, p)
@@ -277,23 +290,23 @@ def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
         m.prep_handles, m.prep_handle_slice_src, m.prep_handles_slice_dst = {}, None, {}
         m._num_slots_src = case["pages"]
         m.decode_kv_args_table = {}
-        for t in ts:  # registration: every decode peer first, as bootstrap does
-            n = len(mem.ptrs("d", t))
+        for side, dtp, t in ts:  # registration: every decode peer first, as bootstrap does
+            n = len(mem.ptrs(side, t))
             info = SimpleNamespace(
-                agent_name=f"d{t}", decode_tp_size=case["d"], decode_tp_rank=t,
-                dst_kv_ptrs=mem.ptrs("d", t), dst_kv_item_len=mem.item_lens["d"][0],
-                dst_kv_item_lens=list(mem.item_lens["d"]),
+                agent_name=f"{side}{t}", decode_tp_size=dtp, decode_tp_rank=t,
+                dst_kv_ptrs=mem.ptrs(side, t), dst_kv_item_len=mem.item_lens[side][0],
+                dst_kv_item_lens=list(mem.item_lens[side]),
                 dst_kv_mem_kinds=["VRAM"] * n, dst_num_slots=case["pages"], gpu_id=0,
                 dst_kv_layer_ids=None, requires_dcp_relayout=False, kv_xfer_segments=None,
                 dst_homogeneous_mem_kind=None)
             m.decode_kv_args_table[info.agent_name] = info
             m._prepare_payload_xfer(info)
-        for t in ts:
-            if m.is_mla_backend or case["p"] == case["d"]:
-                m.send_kvcache(f"d{t}", src_pages, mem.ptrs("d", t), dst_pages, 0,
+        for side, dtp, t in ts:
+            if m.is_mla_backend or case["p"] == dtp:
+                m.send_kvcache(f"{side}{t}", src_pages, mem.ptrs(side, t), dst_pages, 0,
                                dst_mem_kind="VRAM")
             else:
-                m.send_kvcache_slice(f"d{t}", src_pages, dst_pages)
+                m.send_kvcache_slice(f"{side}{t}", src_pages, dst_pages)
         copies += agent.copies
     return copies
 
@@ -335,14 +348,14 @@ def run(case: dict, backend: str) -> dict:
                 "where": _where(e), "pools": pools}
     finally:
         logging.getLogger().removeHandler(errors)
-    rows = []
+    rows: dict[str, list] = {side: [] for side, _ in decodes(case)}
     for src, dst, length in copies:
         s_side, s_rank, s_name, s_off = mem.where(src)
         d_side, d_rank, d_name, d_off = mem.where(dst)
-        rows.append([s_rank, s_name, s_off, d_rank, d_name, d_off, length]
-                    if (s_side, d_side) == ("p", "d") else
-                    [s_rank, s_name, -1, d_rank, d_name, -1, length])
-    return {"status": "ran", "rows": rows, "pools": pools}
+        if s_side != "p" or d_side not in rows:
+            raise AssertionError(f"a copy from {s_side} into {d_side}")  # a driver bug
+        rows[d_side].append([s_rank, s_name, s_off, d_rank, d_name, d_off, length])
+    return {"status": "ran", "rows": rows["d"], "rows2": rows.get("e"), "pools": pools}
 
 
 def _break_slicing() -> None:

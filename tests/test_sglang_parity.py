@@ -43,8 +43,9 @@ BACKENDS = ("mooncake", "nixl")
 
 def cases() -> list[dict]:
     """The grid: GQA/MHA with 1-16 KV heads at every pair of attention TP 1/2/4/8 where the
-    heads fit both sides, and MLA at every pair, each at page sizes 1, 16, 64; two layers,
-    six pages, K heads of 8 values (MLA latent 8 + 4), bfloat16."""
+    heads fit both sides, and MLA at every pair, each at page sizes 1, 16, 64; then one
+    prefill serving two decode engines of different TP sizes (``d2``); two layers, six
+    pages, K heads of 8 values (MLA latent 8 + 4), bfloat16."""
     out = []
     for page, (p, d) in itertools.product(PAGE_SIZES, itertools.product(TPS, TPS)):
         for heads in range(1, 17):
@@ -53,6 +54,12 @@ def cases() -> list[dict]:
                             "heads": heads, "p": p, "d": d, "page": page, "head_dim": 8})
         out.append({"id": f"mla P{p} D{d} page{page}", "kind": "mla", "heads": 1, "p": p,
                     "d": d, "page": page, "head_dim": 12})
+    # one prefill serving two decode engines of different TP sizes at once
+    for heads, p, d, d2 in itertools.product((8, 16), (1, 2), (2, 4), (4, 8)):
+        if d < d2:
+            out.append({"id": f"mha K{heads} P{p} D{d}+D{d2} page16", "kind": "mha",
+                        "heads": heads, "p": p, "d": d, "d2": d2, "page": 16,
+                        "head_dim": 8})
     for c in out:
         c.update(layers=2, pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES)
     return out
@@ -96,13 +103,22 @@ def verdict(case: dict, result: dict | None, pools: dict) -> dict:
     if result is not None and result["status"] != "ran":
         return {"verdict": result["status"], "detail": result.get("error", ""),
                 "where": result.get("where", "")}
-    try:
-        src, dst = spec(case, case["p"], pools["p"]), spec(case, case["d"], pools["d"])
-    except SpecError as e:
-        return {"verdict": "refuses", "detail": str(e)}
-    rows = (kvplan_rows(src, dst, [SRC_PAGES], [DST_PAGES]) if result is None
-            else [tuple(r) for r in result["rows"]])
-    return judge(src, dst, [SRC_PAGES], [DST_PAGES], rows)
+    engines = [("d", "rows")] + ([("e", "rows2")] if case.get("d2") else [])
+    out = {"verdict": "exact", "detail": "", "writes": 0, "bytes": 0}
+    for side, key in engines:  # each decode engine judged on its own bytes
+        try:
+            src = spec(case, case["p"], pools["p"])
+            dst = spec(case, case["d2" if side == "e" else "d"], pools[side])
+        except SpecError as e:
+            return {"verdict": "refuses", "detail": str(e)}
+        rows = (kvplan_rows(src, dst, [SRC_PAGES], [DST_PAGES]) if result is None
+                else [tuple(r) for r in result[key]])
+        got = judge(src, dst, [SRC_PAGES], [DST_PAGES], rows)
+        if got["verdict"] != "exact":
+            out.update(verdict=got["verdict"], detail=f"{side}: {got['detail']}")
+        out["writes"] = max(out["writes"], got["writes"])
+        out["bytes"] += got["bytes"]
+    return out
 
 
 def run_sglang(python: Path, grid: list[dict] | None = None,
@@ -207,6 +223,35 @@ def test_the_judge_calls_a_broken_sglang_wrong(sglang_python):
             assert v in ("wrong", "raises"), (c["id"], b, v)
     first = got[(grid[0]["id"], "mooncake")]
     assert verdict(grid[0], first, first["pools"])["verdict"] == "wrong"
+
+
+def test_nixl_refuses_what_the_recording_agent_refuses():
+    """The driver's NIXL stand-in refuses a descriptor outside registered memory and a pair of
+    descriptors of different lengths; real NIXL agents do too (fast tier: NIXL, no SGLang)."""
+    torch = pytest.importorskip("torch")
+    api = None
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            api = __import__(name, fromlist=["nixl_agent"])
+            break
+        except ImportError:
+            continue
+    if api is None:
+        pytest.skip("no NIXL build installed")
+    import kvplan_nixl  # noqa: F401  (sets UCX_MODULES before the first agent)
+
+    a = api.nixl_agent("sgl-a", api.nixl_agent_config(backends=["UCX"]))
+    b = api.nixl_agent("sgl-b", api.nixl_agent_config(backends=["UCX"]))
+    ta, tb = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    a.register_memory(a.get_reg_descs([ta]))
+    b.register_memory(b.get_reg_descs([tb]))
+    a.add_remote_agent(b.get_agent_metadata())
+    src = a.prep_xfer_dlist("", [(ta.data_ptr(), 512, 0)], "DRAM")
+    dst = a.prep_xfer_dlist("sgl-b", [(tb.data_ptr(), 256, 0)], "DRAM")
+    with pytest.raises(Exception, match="NIXL_ERR_INVALID_PARAM"):
+        a.make_prepped_xfer("WRITE", src, [0], dst, [0])
+    with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
+        a.prep_xfer_dlist("sgl-b", [(tb.data_ptr() + 4000, 256, 0)], "DRAM")
 
 
 def main() -> None:
