@@ -18,7 +18,10 @@ for each of SGLang 0.5.23's two connections (Mooncake, NIXL) this script
 - calls the method SGLang's transfer worker calls for that pair: ``send_kvcache`` at equal
   attention TP or for MLA, ``send_kvcache_slice`` otherwise (Mooncake: ``mooncake/conn.py``;
   NIXL: ``_prepare_payload_xfer`` then ``send_kvcache`` / ``send_kvcache_slice``,
-  ``nixl/conn.py``).
+  ``nixl/conn.py``); for Mamba2 state (``kind`` ``"mamba2"``: a ``MambaPool`` whose shape is
+  built as ``configs/nemotron_h.py`` builds it) ``maybe_send_extra``, which calls
+  ``_send_mamba_state`` at equal TP and ``_send_mamba_state_slice`` otherwise, with
+  ``kv_args``' state fields as SGLang fills them from the pool.
 
 The pools are SGLang's own (``MHATokenToKVPool``, ``MLATokenToKVPool``, built on CPU, one per
 engine: its ranks' pools are alike); each result carries ``pools``, what kvplan's adapter
@@ -49,6 +52,8 @@ import sglang_stubs
 
 sglang_stubs.install()
 
+from sglang.srt.configs import mamba_utils  # noqa: E402
+from sglang.srt.disaggregation.base.conn import StateType  # noqa: E402
 from sglang.srt.disaggregation.mooncake import conn as mooncake_conn  # noqa: E402
 from sglang.srt.disaggregation.nixl import conn as nixl_conn  # noqa: E402
 from sglang.srt.mem_cache import memory_pool  # noqa: E402
@@ -67,6 +72,19 @@ def build_pool(case: dict, tp: int):
     size = (case["pages"] - 1) * case["page"]
     common = {"size": size, "page_size": case["page"], "dtype": torch.bfloat16,
               "layer_num": case["layers"], "device": "cpu", "enable_memory_saver": False}
+    if case["kind"] == "mamba2":
+        m = case["mamba"]
+        shape = mamba_utils.Mamba2StateShape.create(
+            tp_world_size=tp, intermediate_size=m["heads"] * m["head_dim"],
+            n_groups=m["n_groups"], num_heads=m["heads"], head_dim=m["head_dim"],
+            state_size=m["state_size"], conv_kernel=m["conv_kernel"])  # as nemotron_h.py does
+        params = mamba_utils.Mamba2CacheParams(
+            shape=shape, layers=list(range(case["layers"])),
+            dtype=mamba_utils.Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+        return memory_pool.MambaPool(size=case["pages"] - 1, spec_state_size=0,
+                                     cache_params=params,
+                                     mamba_layer_ids=list(range(case["layers"])),
+                                     device="cpu")
     if case["kind"] == "mla":
         return memory_pool.MLATokenToKVPool(kv_lora_rank=case["head_dim"] - 4,
                                             qk_rope_head_dim=4, **common)
@@ -78,6 +96,13 @@ def buffer_names(pool) -> list[str]:
     """The names kvplan's adapter gives the entries of ``get_contiguous_buf_infos``, after
     checking that they are the pool's K buffers then its V buffers (MLA: its latents)."""
     ptrs = pool.get_contiguous_buf_infos()[0]
+    if isinstance(pool, memory_pool.MambaPool):
+        ids = pool.mamba_layer_ids
+        tensors = ([pool.mamba_cache.conv[0][i] for i in range(len(ids))]
+                   + [pool.mamba_cache.temporal[i] for i in range(len(ids))])
+        names = [f"layers.{n}.conv" for n in ids] + [f"layers.{n}.ssm" for n in ids]
+        assert ptrs == [t.data_ptr() for t in tensors], "state entries are not conv then ssm"
+        return names
     layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
     if isinstance(pool, memory_pool.MLATokenToKVPool):
         tensors, names = pool.kv_buffer, [f"layers.{i}" for i in layers]
@@ -100,6 +125,9 @@ def face(pool) -> dict:
             out[a] = [{"shape": list(t.shape), "dtype": str(t.dtype), "ptr": t.data_ptr()}
                       for t in getattr(pool, a)]
     out["buf_infos"] = pool.get_contiguous_buf_infos()
+    if isinstance(pool, memory_pool.MambaPool):
+        out["state_dim_per_tensor"] = pool.get_state_dim_per_tensor()
+        out["state_conv_shard_groups"] = pool.get_state_conv_shard_groups()
     return out
 
 
@@ -144,6 +172,16 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
     """A prefill rank's ``KVArgs`` as SGLang fills them from its pool (at this rank's
     made-up addresses)."""
     n = len(mem.ptrs("p", rank))
+    if case["kind"] == "mamba2":
+        pool = mem.pools["p"]
+        return SimpleNamespace(
+            engine_rank=rank, gpu_id=0, page_size=case["page"], kv_layer_ids=None,
+            prefill_start_layer=0, state_types=[StateType.MAMBA],
+            state_data_ptrs=[mem.ptrs("p", rank)], state_item_lens=[list(mem.item_lens["p"])],
+            state_dim_per_tensor=[pool.get_state_dim_per_tensor()],
+            state_conv_shard_groups=[pool.get_state_conv_shard_groups()],
+            state_slice_outer_counts=[pool.get_state_slice_outer_counts()],
+            state_layer_ids=[pool.get_state_layer_ids()])
     return SimpleNamespace(
         kv_data_ptrs=mem.ptrs("p", rank), kv_data_lens=mem.sizes("p", rank),
         kv_item_lens=list(mem.item_lens["p"]), page_size=case["page"],
@@ -218,6 +256,15 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
             dst_item = mem.item_lens[side][0]
             m = _manager(cls, case, mem, p)
             m.engine = eng
+            if case["kind"] == "mamba2":  # the state a request's slot holds
+                m.state_tp_size = case["p"]
+                req = SimpleNamespace(mooncake_session_id=f"{side}{t}",
+                                      dst_state_indices=[case["dst_slots"]])
+                ret = m.maybe_send_extra(req, [case["src_slots"]], ex, _state_peer(
+                    mem, side, dtp, t))
+                if ret != 0:
+                    raise Refused(f"p{p} -> {side}{t}: {cls.__name__} returned {ret}")
+                continue
             m.state_strides_validated = set()
             m.enable_custom_mem_pool, m.custom_mem_pool_type = False, None
             m.max_transfer_batch_indices = (  # as the constructor reads it
@@ -233,6 +280,15 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
             if ret != 0:
                 raise Refused(f"p{p} -> {side}{t}: {cls.__name__} returned {ret}")
     return eng.copies
+
+
+def _state_peer(mem: Memory, side: str, dtp: int, t: int) -> SimpleNamespace:
+    """What a decode rank registers about its state buffers."""
+    pool = mem.pools[side]
+    return SimpleNamespace(
+        dst_state_data_ptrs=[mem.ptrs(side, t)], dst_state_item_lens=[list(mem.item_lens[side])],
+        dst_state_dim_per_tensor=[pool.get_state_dim_per_tensor()],
+        dst_state_layer_ids=[pool.get_state_layer_ids()], dst_attn_tp_size=dtp, dst_tp_rank=t)
 
 
 class NixlRecorder:
@@ -258,9 +314,20 @@ class NixlRecorder:
         self.dlists.append(descs)
         return len(self.dlists) - 1
 
+    def get_xfer_descs(self, descs, mem_kind="VRAM"):
+        return np.asarray(descs, dtype=np.uint64).reshape(-1, 3)
+
+    def initialize_xfer(self, op, src_descs, dst_descs, peer_name, *a, **k):
+        s = self.dlists[self.prep_xfer_dlist("", src_descs, "VRAM")]
+        d = self.dlists[self.prep_xfer_dlist(peer_name, dst_descs, "VRAM")]
+        return self._record(s, d)
+
     def make_prepped_xfer(self, op, src_h, src_idx, dst_h, dst_idx, *a, **k):
         s = self.dlists[src_h][np.asarray(src_idx, dtype=np.int64)]
         d = self.dlists[dst_h][np.asarray(dst_idx, dtype=np.int64)]
+        return self._record(s, d)
+
+    def _record(self, s: np.ndarray, d: np.ndarray) -> int:
         if len(s) != len(d):
             raise RuntimeError(f"NIXL_ERR_INVALID_PARAM: {len(s)} source and {len(d)} "
                                "destination descriptors")
@@ -290,6 +357,18 @@ def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
         m.prep_handles, m.prep_handle_slice_src, m.prep_handles_slice_dst = {}, None, {}
         m._num_slots_src = case["pages"]
         m.decode_kv_args_table = {}
+        if case["kind"] == "mamba2":
+            m.state_tp_size, m._state_layout_rejections, m._prepared_state_plans = (
+                case["p"], {}, {})
+            for side, dtp, t in ts:
+                info = _state_peer(mem, side, dtp, t)
+                for _ in m.maybe_send_extra(
+                        f"{side}{t}", [case["src_slots"]], info.dst_state_data_ptrs,
+                        [case["dst_slots"]], 0, dtp, t, info.dst_state_item_lens,
+                        info.dst_state_dim_per_tensor, info.dst_state_layer_ids):
+                    pass
+            copies += agent.copies
+            continue
         for side, dtp, t in ts:  # registration: every decode peer first, as bootstrap does
             n = len(mem.ptrs(side, t))
             info = SimpleNamespace(

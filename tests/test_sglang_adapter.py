@@ -6,10 +6,17 @@ from __future__ import annotations
 import itertools
 from types import SimpleNamespace
 
+import attrs
 import pytest
 
 from kvplan import SpecError, pull_map
-from kvplan.adapters.sglang import SGLangKV, sglang_buffers, spec_from_sglang
+from kvplan.adapters.sglang import (
+    SGLangKV,
+    SGLangMamba2,
+    sglang_buffers,
+    spec_from_sglang,
+    spec_from_sglang_mamba2,
+)
 from tests.sglang_judge import judge, kvplan_rows
 
 SRC_PAGES, DST_PAGES = [[3, 1, 4]], [[2, 5, 1]]
@@ -131,3 +138,35 @@ def test_the_judge_catches_a_moved_a_missing_and_an_outside_copy():
     assert judge(src, dst, SRC_PAGES, DST_PAGES, rows[1:])["verdict"] == "wrong"
     outside = [(*rows[0][:5], 10**9, rows[0][6]), *rows[1:]]
     assert "outside" in judge(src, dst, SRC_PAGES, DST_PAGES, outside)["detail"]
+
+
+def mamba2(tp, groups):
+    m = SGLangMamba2(layers=(0, 1), slots=6, num_heads=8, head_dim=4, state_size=4,
+                     n_groups=groups, conv_kernel=4, conv_dtype="bfloat16",
+                     ssm_dtype="float32")
+    return spec_from_sglang_mamba2(m, attn_tp_size=tp)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_mamba2_state_every_tp_pair_is_exact(groups):
+    for p, d in itertools.product(TPS, TPS):
+        if any(groups % t and t % groups for t in (p, d)):
+            continue
+        src, dst = mamba2(p, groups), mamba2(d, groups)
+        got = judge(src, dst, [[2]], [[3]], kvplan_rows(src, dst, [[2]], [[3]]))
+        assert got["verdict"] == "exact" and got["writes"] == 1, (p, d, got)
+
+
+def test_mamba2_sizes_are_sglangs():
+    # MambaPool at attention TP 2 with one B/C group (padded to one per rank): conv state
+    # (8 * 4 + 2 * 2 * 4) / 2 = 24 channels x 3 taps x bf16, temporal 4 heads x 4 x 4 x fp32
+    m = SGLangMamba2(layers=(5,), slots=6, num_heads=8, head_dim=4, state_size=4,
+                     n_groups=1, conv_kernel=4, conv_dtype="bfloat16", ssm_dtype="float32")
+    assert m.item_lens(2) == (144, 256)
+    spec = spec_from_sglang_mamba2(m, attn_tp_size=2)
+    assert spec.buffers == ("layers.5.conv", "layers.5.ssm")
+    assert [spec.rank_buffer_nbytes(b) for b in spec.buffers] == [6 * 144, 6 * 256]
+    with pytest.raises(SpecError, match="n_groups 3 and attention TP 2"):
+        spec_from_sglang_mamba2(attrs.evolve(m, n_groups=3), attn_tp_size=2)
+    with pytest.raises(SpecError, match="8 Mamba heads do not divide over attention TP 16"):
+        spec_from_sglang_mamba2(m, attn_tp_size=16)

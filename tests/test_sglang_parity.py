@@ -30,7 +30,13 @@ if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
 from kvplan import SpecError  # noqa: E402
-from kvplan.adapters.sglang import SGLangKV, sglang_buffers, spec_from_sglang  # noqa: E402
+from kvplan.adapters.sglang import (  # noqa: E402
+    SGLangKV,
+    SGLangMamba2,
+    sglang_buffers,
+    spec_from_sglang,
+    spec_from_sglang_mamba2,
+)
 from tests.sglang_judge import judge, kvplan_rows  # noqa: E402
 
 DOC = ROOT / "docs" / "sglang.md"
@@ -38,6 +44,7 @@ BEGIN, END = "<!-- parity-table: begin -->", "<!-- parity-table: end -->"
 TPS = (1, 2, 4, 8)
 PAGE_SIZES = (1, 16, 64)
 SRC_PAGES, DST_PAGES = [3, 1, 4], [2, 5, 1]
+SRC_SLOTS, DST_SLOTS = [2], [3]  # a request's Mamba state slot on each side
 BACKENDS = ("mooncake", "nixl")
 
 
@@ -60,8 +67,16 @@ def cases() -> list[dict]:
             out.append({"id": f"mha K{heads} P{p} D{d}+D{d2} page16", "kind": "mha",
                         "heads": heads, "p": p, "d": d, "d2": d2, "page": 16,
                         "head_dim": 8})
+    # Mamba2 state (Nemotron-H's shapes, scaled down): 8 heads of 4, state 4, conv kernel 4,
+    # B/C groups 1 (replicated at TP > 1) or 8
+    for groups, (p, d) in itertools.product((1, 8), itertools.product(TPS, TPS)):
+        out.append({"id": f"mamba2 G{groups} P{p} D{d}", "kind": "mamba2", "heads": 1,
+                    "p": p, "d": d, "page": 1, "head_dim": 0,
+                    "mamba": {"heads": 8, "head_dim": 4, "state_size": 4,
+                              "n_groups": groups, "conv_kernel": 4}})
     for c in out:
-        c.update(layers=2, pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES)
+        c.update(layers=2, pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES,
+                 src_slots=SRC_SLOTS, dst_slots=DST_SLOTS)
     return out
 
 
@@ -87,7 +102,21 @@ def pool_object(face: dict):
 
 def spec(case: dict, tp: int, face: dict):
     """kvplan's spec of one side, read by the adapter from SGLang's own pool of that side;
-    the buffers it names are checked against SGLang's ``get_contiguous_buf_infos``."""
+    the buffers it names are checked against SGLang's ``get_contiguous_buf_infos``. Mamba2:
+    from the model's numbers, each state tensor's slot and buffer sizes checked against
+    SGLang's ``MambaPool``."""
+    if case["kind"] == "mamba2":
+        m = case["mamba"]
+        values = SGLangMamba2(layers=tuple(range(case["layers"])), slots=case["pages"],
+                              num_heads=m["heads"], head_dim=m["head_dim"],
+                              state_size=m["state_size"], n_groups=m["n_groups"],
+                              conv_kernel=m["conv_kernel"], conv_dtype="bfloat16",
+                              ssm_dtype="float32")
+        out = spec_from_sglang_mamba2(values, attn_tp_size=tp)
+        _, lens, items = face["buf_infos"]
+        assert [out.rank_buffer_nbytes(b) for b in out.buffers] == lens, (case["id"], lens)
+        assert [n // case["pages"] for n in lens] == items, (case["id"], items)
+        return out
     pool = pool_object(face)
     out = spec_from_sglang(SGLangKV.from_pool(pool), attn_tp_size=tp,
                            total_kv_heads=case["heads"])
@@ -111,9 +140,11 @@ def verdict(case: dict, result: dict | None, pools: dict) -> dict:
             dst = spec(case, case["d2" if side == "e" else "d"], pools[side])
         except SpecError as e:
             return {"verdict": "refuses", "detail": str(e)}
-        rows = (kvplan_rows(src, dst, [SRC_PAGES], [DST_PAGES]) if result is None
+        blocks = ([SRC_SLOTS], [DST_SLOTS]) if case["kind"] == "mamba2" else (
+            [SRC_PAGES], [DST_PAGES])
+        rows = (kvplan_rows(src, dst, *blocks) if result is None
                 else [tuple(r) for r in result[key]])
-        got = judge(src, dst, [SRC_PAGES], [DST_PAGES], rows)
+        got = judge(src, dst, *blocks, rows)
         if got["verdict"] != "exact":
             out.update(verdict=got["verdict"], detail=f"{side}: {got['detail']}")
         out["writes"] = max(out["writes"], got["writes"])

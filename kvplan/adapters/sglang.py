@@ -16,6 +16,15 @@ entry per buffer, ``item_len`` = the bytes of one page). What the pools allocate
   1, kv_lora_rank + qk_rope_head_dim]``, the same on every rank: one ``mla`` region per
   layer.
 
+- ``MambaPool`` (Mamba2 layers of hybrid models such as Nemotron-H): per layer a conv state
+  ``[size + 1, conv_dim / tp, conv_kernel - 1]`` and a temporal state ``[size + 1, heads /
+  tp, head_dim, state_size]``, one slot per request. A rank's conv channels are its share of
+  x (``heads * head_dim`` channels), then of B and of C (``n_groups`` groups of
+  ``state_size`` channels each; with fewer groups than ranks every rank holds the group its
+  heads need: replicated). :class:`SGLangMamba2` describes it; :func:`spec_from_sglang_mamba2`
+  makes a ``state`` region per layer and tensor (``layers.<n>.conv`` with parts ``x``, ``B``,
+  ``C``; ``layers.<n>.ssm`` with part ``ssm``).
+
 What an engine knows is read into a :class:`SGLangKV` value, either from a pool object
 (:meth:`SGLangKV.from_pool`, read only through attributes, ``.shape``, ``.dtype`` and
 ``.data_ptr()``, so neither torch nor SGLang is imported) or from plain numbers
@@ -29,8 +38,9 @@ sizes), byte for byte, including the cases those connections get wrong or refuse
 Refused with a :class:`~kvplan.SpecError` naming the pool (not described yet): a V head size
 different from K's (MiMo-V2 style; ``kvplan``'s attention regions have one head size),
 layouts other than NHD (``SGLANG_USE_HND_KVCACHE``, ``vectorized_5d``), the FP4 / MXFP8 pools
-and their scale buffers, ``PageMajorMHATokenToKVPool``, hybrid pools (``HybridLinearKVPool``,
-Mamba / GDN state pools, ``SWAKVPool``), draft buffers appended to a pool, DP attention's
+and their scale buffers, ``PageMajorMHATokenToKVPool``, hybrid pools as objects
+(``HybridLinearKVPool``, ``MambaPool``: Mamba2 is described from values instead; GDN, KDA and
+Mamba1 states; ``SWAKVPool``), draft buffers appended to a pool, DP attention's
 pools of several attention-TP groups (give this adapter one group's ``attn_tp_size``), and a
 head count neither dividing nor divided by the attention TP size.
 
@@ -57,7 +67,8 @@ REFUSED_POOLS: Mapping[str, str] = {
     "PageMajorMHATokenToKVPool": "page-major buffers",
     "NoOpMHATokenToKVPool": "a pool without KV buffers",
     "HybridLinearKVPool": "a hybrid pool (Mamba / GDN state beside attention)",
-    "MambaPool": "a recurrent-state pool",
+    "MambaPool": "a recurrent-state pool (Mamba2: describe it with SGLangMamba2 and "
+                 "spec_from_sglang_mamba2)",
     "SWAKVPool": "a sliding-window pool beside a full-attention pool",
 }
 
@@ -233,3 +244,83 @@ def sglang_buffers(pool: Any, spec: EngineSpec) -> dict[str, tuple[int, int]]:
         raise SpecError(f"the pool's buffers {sorted(tensors)} are not the spec's "
                         f"{sorted(spec.buffers)}")
     return {b: (int(tensors[b].data_ptr()), spec.rank_buffer_nbytes(b)) for b in spec.buffers}
+
+
+@attrs.frozen
+class SGLangMamba2:
+    """What one SGLang rank knows about the Mamba2 state of a hybrid model, as plain values:
+    the model's ``mamba_num_heads``, ``mamba_head_dim``, ``ssm_state_size``, ``n_groups``
+    and ``conv_kernel`` (its config: SGLang's ``Mamba2StateShape.create`` takes the same), the
+    global ids of the pool's Mamba layers, ``slots`` per state tensor (``size + 1``), and
+    the conv and temporal dtypes (``Mamba2StateDType``)."""
+
+    layers: tuple[int, ...]
+    slots: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    conv_dtype: str
+    ssm_dtype: str
+
+    def conv_dim(self, tp: int) -> int:
+        """Conv channels per rank at attention TP ``tp`` (SGLang's ``conv_state`` dim)."""
+        return (self.num_heads * self.head_dim + 2 * self._groups(tp) * self.state_size) // tp
+
+    def _groups(self, tp: int) -> int:
+        """B/C groups after SGLang pads them to shard with the heads
+        (``extra_groups_for_head_shards``): ``tp`` groups when there are fewer than ranks."""
+        return self.n_groups if self.n_groups % tp == 0 else tp
+
+    def item_lens(self, tp: int) -> tuple[int, int]:
+        """Bytes of one slot of the conv and of the temporal state on a rank (SGLang's state
+        ``item_lens``)."""
+        conv = self.conv_dim(tp) * (self.conv_kernel - 1) * DTYPE_SIZES[self.conv_dtype]
+        ssm = (self.num_heads // tp * self.head_dim * self.state_size
+               * DTYPE_SIZES[self.ssm_dtype])
+        return conv, ssm
+
+
+def spec_from_sglang_mamba2(m: SGLangMamba2, *, attn_tp_size: int, group: int = 0
+                            ) -> EngineSpec:
+    """The state regions of an SGLang engine's ``MambaPool`` (Mamba2), in KV-cache group
+    ``group`` (0 for a spec of the state alone; beside a hybrid model's attention regions the
+    state takes a group of its own): per layer ``layers.<n>.conv`` (parts ``x``, ``B``,
+    ``C``, each channel ``conv_kernel - 1`` values) and ``layers.<n>.ssm`` (part ``ssm``, one
+    head each), in SGLang's entry order (every layer's conv, then every layer's temporal
+    state).
+
+    Raises :class:`~kvplan.SpecError` for dtypes kvplan does not know, heads that do not
+    divide over ``attn_tp_size``, or a group count that neither divides nor is divided by it
+    (SGLang pads such groups unevenly; not described yet).
+    """
+    tp = attn_tp_size
+    for label in (m.conv_dtype, m.ssm_dtype):
+        if label not in DTYPE_SIZES:
+            raise SpecError(f"MambaPool: dtype {label!r} is not one of {', '.join(DTYPE_SIZES)}")
+    if tp < 1 or m.num_heads % tp:
+        raise SpecError(f"MambaPool: {m.num_heads} Mamba heads do not divide over attention "
+                        f"TP {tp}")
+    if m.n_groups % tp and tp % m.n_groups:
+        raise SpecError(f"MambaPool: n_groups {m.n_groups} and attention TP {tp}: neither "
+                        "divides the other (SGLang's padded groups are not described yet)")
+    taps, ec = m.conv_kernel - 1, DTYPE_SIZES[m.conv_dtype]
+    conv = [{"name": "x", "units": m.num_heads * m.head_dim, "unit_bytes": taps * ec},
+            {"name": "B", "units": m.n_groups, "unit_bytes": m.state_size * taps * ec},
+            {"name": "C", "units": m.n_groups, "unit_bytes": m.state_size * taps * ec}]
+    ssm = [{"name": "ssm", "units": m.num_heads,
+            "unit_bytes": m.head_dim * m.state_size * DTYPE_SIZES[m.ssm_dtype]}]
+    base = {"kind": "state", "group": group, "num_blocks": m.slots}
+    regions = ([{"name": f"{region_name(n)}.conv", "dtype": m.conv_dtype, "parts": conv,
+                 **base} for n in m.layers]
+               + [{"name": f"{region_name(n)}.ssm", "dtype": m.ssm_dtype, "parts": ssm,
+                   **base} for n in m.layers])
+    spec = EngineSpec.from_dict({"tp_size": tp, "regions": regions})
+    conv_len, ssm_len = m.item_lens(tp)
+    got = (spec.rank_buffer_nbytes(0) // m.slots, spec.rank_buffer_nbytes(len(m.layers))
+           // m.slots)
+    if got != (conv_len, ssm_len):
+        raise SpecError(f"MambaPool: kvplan's parts hold {got} bytes per slot, SGLang's "
+                        f"tensors {(conv_len, ssm_len)}")
+    return spec
