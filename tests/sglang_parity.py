@@ -18,8 +18,9 @@ for each of SGLang 0.5.23's two connections (Mooncake, NIXL) this script
 - calls the method SGLang's transfer worker calls for that pair: ``send_kvcache`` at equal
   attention TP or for MLA, ``send_kvcache_slice`` otherwise (Mooncake: ``mooncake/conn.py``;
   NIXL: ``_prepare_payload_xfer`` then ``send_kvcache`` / ``send_kvcache_slice``,
-  ``nixl/conn.py``); for Mamba2 state (``kind`` ``"mamba2"``: a ``MambaPool`` whose shape is
-  built as ``configs/nemotron_h.py`` builds it) ``maybe_send_extra``, which calls
+  ``nixl/conn.py``); for Mamba2 and GDN state (``kind`` ``"mamba2"`` / ``"gdn"``: a
+  ``MambaPool`` whose shape is built as ``configs/nemotron_h.py`` / ``configs/qwen3_next.py``
+  build it) ``maybe_send_extra``, which calls
   ``_send_mamba_state`` at equal TP and ``_send_mamba_state_slice`` otherwise, with
   ``kv_args``' state fields as SGLang fills them from the pool.
 
@@ -72,12 +73,17 @@ def build_pool(case: dict, tp: int):
     size = (case["pages"] - 1) * case["page"]
     common = {"size": size, "page_size": case["page"], "dtype": torch.bfloat16,
               "layer_num": case["layers"], "device": "cpu", "enable_memory_saver": False}
-    if case["kind"] == "mamba2":
+    if case["kind"] in ("mamba2", "gdn"):
         m = case["mamba"]
+        # as configs/nemotron_h.py builds it (Mamba2: no conv_shard_groups), or
+        # configs/qwen3_next.py (GDN: q | k | v sharded on their own)
+        key_dim, value_dim = m["n_groups"] * m["state_size"], m["heads"] * m["head_dim"]
         shape = mamba_utils.Mamba2StateShape.create(
             tp_world_size=tp, intermediate_size=m["heads"] * m["head_dim"],
             n_groups=m["n_groups"], num_heads=m["heads"], head_dim=m["head_dim"],
-            state_size=m["state_size"], conv_kernel=m["conv_kernel"])  # as nemotron_h.py does
+            state_size=m["state_size"], conv_kernel=m["conv_kernel"],
+            conv_shard_groups=([key_dim, key_dim, value_dim] if case["kind"] == "gdn"
+                               else None))
         params = mamba_utils.Mamba2CacheParams(
             shape=shape, layers=list(range(case["layers"])),
             dtype=mamba_utils.Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
@@ -172,7 +178,7 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
     """A prefill rank's ``KVArgs`` as SGLang fills them from its pool (at this rank's
     made-up addresses)."""
     n = len(mem.ptrs("p", rank))
-    if case["kind"] == "mamba2":
+    if case["kind"] in ("mamba2", "gdn"):
         pool = mem.pools["p"]
         return SimpleNamespace(
             engine_rank=rank, gpu_id=0, page_size=case["page"], kv_layer_ids=None,
@@ -256,7 +262,7 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
             dst_item = mem.item_lens[side][0]
             m = _manager(cls, case, mem, p)
             m.engine = eng
-            if case["kind"] == "mamba2":  # the state a request's slot holds
+            if case["kind"] in ("mamba2", "gdn"):  # the state a request's slot holds
                 m.state_tp_size = case["p"]
                 req = SimpleNamespace(mooncake_session_id=f"{side}{t}",
                                       dst_state_indices=[case["dst_slots"]])
@@ -357,7 +363,7 @@ def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
         m.prep_handles, m.prep_handle_slice_src, m.prep_handles_slice_dst = {}, None, {}
         m._num_slots_src = case["pages"]
         m.decode_kv_args_table = {}
-        if case["kind"] == "mamba2":
+        if case["kind"] in ("mamba2", "gdn"):
             m.state_tp_size, m._state_layout_rejections, m._prepared_state_plans = (
                 case["p"], {}, {})
             for side, dtp, t in ts:

@@ -140,19 +140,20 @@ def test_the_judge_catches_a_moved_a_missing_and_an_outside_copy():
     assert "outside" in judge(src, dst, SRC_PAGES, DST_PAGES, outside)["detail"]
 
 
-def mamba2(tp, groups):
+def mamba2(tp, groups, kind="mamba2"):
     m = SGLangMamba2(layers=(0, 1), slots=6, num_heads=8, head_dim=4, state_size=4,
                      n_groups=groups, conv_kernel=4, conv_dtype="bfloat16",
-                     ssm_dtype="float32")
+                     ssm_dtype="float32", kind=kind)
     return spec_from_sglang_mamba2(m, attn_tp_size=tp)
 
 
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
 @pytest.mark.parametrize("groups", [1, 2, 8])
-def test_mamba2_state_every_tp_pair_is_exact(groups):
+def test_mamba2_and_gdn_state_every_tp_pair_is_exact(groups, kind):
     for p, d in itertools.product(TPS, TPS):
         if any(groups % t and t % groups for t in (p, d)):
             continue
-        src, dst = mamba2(p, groups), mamba2(d, groups)
+        src, dst = mamba2(p, groups, kind), mamba2(d, groups, kind)
         got = judge(src, dst, [[2]], [[3]], kvplan_rows(src, dst, [[2]], [[3]]))
         assert got["verdict"] == "exact" and got["writes"] == 1, (p, d, got)
 
@@ -170,3 +171,8 @@ def test_mamba2_sizes_are_sglangs():
         spec_from_sglang_mamba2(attrs.evolve(m, n_groups=3), attn_tp_size=2)
     with pytest.raises(SpecError, match="8 Mamba heads do not divide over attention TP 16"):
         spec_from_sglang_mamba2(m, attn_tp_size=16)
+    gdn = spec_from_sglang_mamba2(attrs.evolve(m, kind="gdn", n_groups=2), attn_tp_size=4)
+    assert [p.name for p in gdn.regions[0].parts] == ["q", "k", "v"]
+    assert gdn.rank_buffer_nbytes(0) == 6 * 96  # (8 * 4 + 2 * 4 * 4) / 4 channels x 3 x bf16
+    with pytest.raises(SpecError, match="state kind 'kda'"):
+        spec_from_sglang_mamba2(attrs.evolve(m, kind="kda"), attn_tp_size=1)

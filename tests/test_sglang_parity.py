@@ -74,6 +74,13 @@ def cases() -> list[dict]:
                     "p": p, "d": d, "page": 1, "head_dim": 0,
                     "mamba": {"heads": 8, "head_dim": 4, "state_size": 4,
                               "n_groups": groups, "conv_kernel": 4}})
+    # Gated DeltaNet state (Qwen3-Next's shapes, scaled down): 8 value heads of 4, 2 or 8 key
+    # heads of 4 (2 key heads: replicated at TP 4 and 8), conv kernel 4
+    for k_heads, (p, d) in itertools.product((2, 8), itertools.product(TPS, TPS)):
+        out.append({"id": f"gdn Kh{k_heads} P{p} D{d}", "kind": "gdn", "heads": 1,
+                    "p": p, "d": d, "page": 1, "head_dim": 0,
+                    "mamba": {"heads": 8, "head_dim": 4, "state_size": 4,
+                              "n_groups": k_heads, "conv_kernel": 4}})
     for c in out:
         c.update(layers=2, pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES,
                  src_slots=SRC_SLOTS, dst_slots=DST_SLOTS)
@@ -105,13 +112,13 @@ def spec(case: dict, tp: int, face: dict):
     the buffers it names are checked against SGLang's ``get_contiguous_buf_infos``. Mamba2:
     from the model's numbers, each state tensor's slot and buffer sizes checked against
     SGLang's ``MambaPool``."""
-    if case["kind"] == "mamba2":
+    if case["kind"] in ("mamba2", "gdn"):
         m = case["mamba"]
         values = SGLangMamba2(layers=tuple(range(case["layers"])), slots=case["pages"],
                               num_heads=m["heads"], head_dim=m["head_dim"],
                               state_size=m["state_size"], n_groups=m["n_groups"],
                               conv_kernel=m["conv_kernel"], conv_dtype="bfloat16",
-                              ssm_dtype="float32")
+                              ssm_dtype="float32", kind=case["kind"])
         out = spec_from_sglang_mamba2(values, attn_tp_size=tp)
         _, lens, items = face["buf_infos"]
         assert [out.rank_buffer_nbytes(b) for b in out.buffers] == lens, (case["id"], lens)
@@ -140,7 +147,7 @@ def verdict(case: dict, result: dict | None, pools: dict) -> dict:
             dst = spec(case, case["d2" if side == "e" else "d"], pools[side])
         except SpecError as e:
             return {"verdict": "refuses", "detail": str(e)}
-        blocks = ([SRC_SLOTS], [DST_SLOTS]) if case["kind"] == "mamba2" else (
+        blocks = ([SRC_SLOTS], [DST_SLOTS]) if case["kind"] in ("mamba2", "gdn") else (
             [SRC_PAGES], [DST_PAGES])
         rows = (kvplan_rows(src, dst, *blocks) if result is None
                 else [tuple(r) for r in result[key]])

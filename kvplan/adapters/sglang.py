@@ -248,11 +248,16 @@ def sglang_buffers(pool: Any, spec: EngineSpec) -> dict[str, tuple[int, int]]:
 
 @attrs.frozen
 class SGLangMamba2:
-    """What one SGLang rank knows about the Mamba2 state of a hybrid model, as plain values:
-    the model's ``mamba_num_heads``, ``mamba_head_dim``, ``ssm_state_size``, ``n_groups``
-    and ``conv_kernel`` (its config: SGLang's ``Mamba2StateShape.create`` takes the same), the
-    global ids of the pool's Mamba layers, ``slots`` per state tensor (``size + 1``), and
-    the conv and temporal dtypes (``Mamba2StateDType``)."""
+    """What one SGLang rank knows about the Mamba2 (or Gated DeltaNet) state of a hybrid
+    model, as plain values: the numbers its config passes to SGLang's
+    ``Mamba2StateShape.create`` (Mamba2, Nemotron-H: ``mamba_num_heads``, ``mamba_head_dim``,
+    ``ssm_state_size``, ``n_groups``, ``conv_kernel``; GDN, Qwen3-Next, ``kind="gdn"``:
+    ``num_heads`` = ``linear_num_value_heads``, ``head_dim`` = ``linear_value_head_dim``,
+    ``state_size`` = ``linear_key_head_dim``, ``n_groups`` = ``linear_num_key_heads``), the
+    global ids of the pool's layers, ``slots`` per state tensor (``size + 1``), and the conv
+    and temporal dtypes (``Mamba2StateDType``). A Mamba2 rank's conv channels are ``[x | B |
+    C]``, a GDN rank's ``[q | k | v]`` (q and k ``n_groups`` heads of ``state_size``, v
+    ``num_heads`` of ``head_dim``), each part sharded on its own."""
 
     layers: tuple[int, ...]
     slots: int
@@ -263,6 +268,7 @@ class SGLangMamba2:
     conv_kernel: int
     conv_dtype: str
     ssm_dtype: str
+    kind: str = "mamba2"
 
     def conv_dim(self, tp: int) -> int:
         """Conv channels per rank at attention TP ``tp`` (SGLang's ``conv_state`` dim)."""
@@ -287,9 +293,9 @@ def spec_from_sglang_mamba2(m: SGLangMamba2, *, attn_tp_size: int, group: int = 
     """The state regions of an SGLang engine's ``MambaPool`` (Mamba2), in KV-cache group
     ``group`` (0 for a spec of the state alone; beside a hybrid model's attention regions the
     state takes a group of its own): per layer ``layers.<n>.conv`` (parts ``x``, ``B``,
-    ``C``, each channel ``conv_kernel - 1`` values) and ``layers.<n>.ssm`` (part ``ssm``, one
-    head each), in SGLang's entry order (every layer's conv, then every layer's temporal
-    state).
+    ``C``, or GDN's ``q``, ``k``, ``v``, each channel ``conv_kernel - 1`` values) and
+    ``layers.<n>.ssm`` (part ``ssm``, one head each), in SGLang's entry order (every layer's
+    conv, then every layer's temporal state).
 
     Raises :class:`~kvplan.SpecError` for dtypes kvplan does not know, heads that do not
     divide over ``attn_tp_size``, or a group count that neither divides nor is divided by it
@@ -306,9 +312,16 @@ def spec_from_sglang_mamba2(m: SGLangMamba2, *, attn_tp_size: int, group: int = 
         raise SpecError(f"MambaPool: n_groups {m.n_groups} and attention TP {tp}: neither "
                         "divides the other (SGLang's padded groups are not described yet)")
     taps, ec = m.conv_kernel - 1, DTYPE_SIZES[m.conv_dtype]
-    conv = [{"name": "x", "units": m.num_heads * m.head_dim, "unit_bytes": taps * ec},
-            {"name": "B", "units": m.n_groups, "unit_bytes": m.state_size * taps * ec},
-            {"name": "C", "units": m.n_groups, "unit_bytes": m.state_size * taps * ec}]
+    group_part = {"units": m.n_groups, "unit_bytes": m.state_size * taps * ec}
+    if m.kind == "mamba2":
+        conv = [{"name": "x", "units": m.num_heads * m.head_dim, "unit_bytes": taps * ec},
+                {"name": "B", **group_part}, {"name": "C", **group_part}]
+    elif m.kind == "gdn":
+        conv = [{"name": "q", **group_part}, {"name": "k", **group_part},
+                {"name": "v", "units": m.num_heads, "unit_bytes": m.head_dim * taps * ec}]
+    else:
+        raise SpecError(f"MambaPool: state kind {m.kind!r} is not described by kvplan's SGLang "
+                        "adapter (mamba2, gdn are)")
     ssm = [{"name": "ssm", "units": m.num_heads,
             "unit_bytes": m.head_dim * m.state_size * DTYPE_SIZES[m.ssm_dtype]}]
     base = {"kind": "state", "group": group, "num_blocks": m.slots}
