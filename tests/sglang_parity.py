@@ -178,6 +178,17 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
     """A prefill rank's ``KVArgs`` as SGLang fills them from its pool (at this rank's
     made-up addresses)."""
     n = len(mem.ptrs("p", rank))
+    if case["kind"] == "swa":  # the SWA layers' own MHA pool, handed over as SWA state
+        return SimpleNamespace(
+            engine_rank=rank, gpu_id=0, page_size=case["page"], kv_layer_ids=None,
+            prefill_start_layer=0, state_types=[StateType.SWA],
+            state_data_ptrs=[mem.ptrs("p", rank)], state_item_lens=[list(mem.item_lens["p"])],
+            state_dim_per_tensor=[[]], state_conv_shard_groups=[[]],
+            state_slice_outer_counts=[[]], state_layer_ids=[[]],
+            total_kv_head_num=case["full_heads"],
+            kv_head_num=max(1, case["full_heads"] // case["p"]), swa_kv_cache_layout="nhd",
+            kv_data_ptrs=[], kv_item_lens=[], kv_data_lens=[], num_draft_entries=0,
+            mla_compression_ratios=None)
     if case["kind"] in ("mamba2", "gdn"):
         pool = mem.pools["p"]
         return SimpleNamespace(
@@ -262,19 +273,20 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
             dst_item = mem.item_lens[side][0]
             m = _manager(cls, case, mem, p)
             m.engine = eng
-            if case["kind"] in ("mamba2", "gdn"):  # the state a request's slot holds
-                m.state_tp_size = case["p"]
-                req = SimpleNamespace(mooncake_session_id=f"{side}{t}",
-                                      dst_state_indices=[case["dst_slots"]])
-                ret = m.maybe_send_extra(req, [case["src_slots"]], ex, _state_peer(
-                    mem, side, dtp, t))
-                if ret != 0:
-                    raise Refused(f"p{p} -> {side}{t}: {cls.__name__} returned {ret}")
-                continue
             m.state_strides_validated = set()
             m.enable_custom_mem_pool, m.custom_mem_pool_type = False, None
             m.max_transfer_batch_indices = (  # as the constructor reads it
                 mooncake_conn.envs.SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES.get())
+            m.request_status = {}
+            if case["kind"] in STATE_KINDS:  # what maybe_send_extra moves
+                m.state_tp_size = case["p"]
+                req = SimpleNamespace(mooncake_session_id=f"{side}{t}", room=0,
+                                      dst_state_indices=[_indices(case, "dst")])
+                ret = m.maybe_send_extra(req, [_indices(case, "src")], ex, _state_peer(
+                    mem, side, dtp, t))
+                if ret != 0:
+                    raise Refused(f"p{p} -> {side}{t}: {cls.__name__} returned {ret}")
+                continue
             session = f"{side}{t}"
             if m.is_mla_backend or case["p"] == dtp:
                 ret = m.send_kvcache(session, src_pages, mem.ptrs(side, t), dst_pages,
@@ -288,13 +300,23 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
     return eng.copies
 
 
+STATE_KINDS = ("mamba2", "gdn", "swa")
+
+
+def _indices(case: dict, side: str) -> list[int]:
+    """A request's state indices: its slot (Mamba2, GDN) or its SWA pages."""
+    return case[f"{side}_pages" if case["kind"] == "swa" else f"{side}_slots"]
+
+
 def _state_peer(mem: Memory, side: str, dtp: int, t: int) -> SimpleNamespace:
     """What a decode rank registers about its state buffers."""
     pool = mem.pools[side]
+    mamba = isinstance(pool, memory_pool.MambaPool)
     return SimpleNamespace(
         dst_state_data_ptrs=[mem.ptrs(side, t)], dst_state_item_lens=[list(mem.item_lens[side])],
-        dst_state_dim_per_tensor=[pool.get_state_dim_per_tensor()],
-        dst_state_layer_ids=[pool.get_state_layer_ids()], dst_attn_tp_size=dtp, dst_tp_rank=t)
+        dst_state_dim_per_tensor=[pool.get_state_dim_per_tensor() if mamba else []],
+        dst_state_layer_ids=[pool.get_state_layer_ids() if mamba else []],
+        dst_attn_tp_size=dtp, dst_tp_rank=t)
 
 
 class NixlRecorder:
@@ -363,14 +385,14 @@ def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
         m.prep_handles, m.prep_handle_slice_src, m.prep_handles_slice_dst = {}, None, {}
         m._num_slots_src = case["pages"]
         m.decode_kv_args_table = {}
-        if case["kind"] in ("mamba2", "gdn"):
+        if case["kind"] in STATE_KINDS:
             m.state_tp_size, m._state_layout_rejections, m._prepared_state_plans = (
                 case["p"], {}, {})
             for side, dtp, t in ts:
                 info = _state_peer(mem, side, dtp, t)
                 for _ in m.maybe_send_extra(
-                        f"{side}{t}", [case["src_slots"]], info.dst_state_data_ptrs,
-                        [case["dst_slots"]], 0, dtp, t, info.dst_state_item_lens,
+                        f"{side}{t}", [_indices(case, "src")], info.dst_state_data_ptrs,
+                        [_indices(case, "dst")], 0, dtp, t, info.dst_state_item_lens,
                         info.dst_state_dim_per_tensor, info.dst_state_layer_ids):
                     pass
             copies += agent.copies

@@ -51,8 +51,9 @@ BACKENDS = ("mooncake", "nixl")
 def cases() -> list[dict]:
     """The grid: GQA/MHA with 1-16 KV heads at every pair of attention TP 1/2/4/8 where the
     heads fit both sides, and MLA at every pair, each at page sizes 1, 16, 64; then one
-    prefill serving two decode engines of different TP sizes (``d2``); two layers, six
-    pages, K heads of 8 values (MLA latent 8 + 4), bfloat16."""
+    prefill serving two decode engines of different TP sizes (``d2``); Mamba2 and GDN state;
+    sliding-window layers beside full attention of 8 heads. Two layers, six pages, K heads
+    of 8 values (MLA latent 8 + 4), bfloat16 (state: fp32 temporal)."""
     out = []
     for page, (p, d) in itertools.product(PAGE_SIZES, itertools.product(TPS, TPS)):
         for heads in range(1, 17):
@@ -81,6 +82,13 @@ def cases() -> list[dict]:
                     "p": p, "d": d, "page": 1, "head_dim": 0,
                     "mamba": {"heads": 8, "head_dim": 4, "state_size": 4,
                               "n_groups": k_heads, "conv_kernel": 4}})
+    # sliding-window layers: their own MHA pool (2, 4 or 8 KV heads) handed over as SWA state
+    # beside full attention of 8 KV heads, page 16
+    for swa, (p, d) in itertools.product((2, 4, 8), itertools.product(TPS, TPS)):
+        if all(swa % t == 0 or t % swa == 0 for t in (p, d)):
+            out.append({"id": f"swa K{swa} full K8 P{p} D{d} page16", "kind": "swa",
+                        "heads": swa, "full_heads": 8, "p": p, "d": d, "page": 16,
+                        "head_dim": 8})
     for c in out:
         c.update(layers=2, pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES,
                  src_slots=SRC_SLOTS, dst_slots=DST_SLOTS)
