@@ -68,11 +68,15 @@ if not hasattr(logging.Logger, "warning_once"):
 SITE = Path(mooncake_conn.__file__).resolve().parents[3]  # .../site-packages
 
 
-def build_pool(case: dict, tp: int):
-    """SGLang's own pool of one rank of an engine at attention TP ``tp``, on CPU."""
+def build_pool(case: dict, tp: int, stage: int = 0, pp: int = 1):
+    """SGLang's own pool of one rank of an engine at attention TP ``tp``, on CPU (of PP stage
+    ``stage`` of ``pp``: its share of the layers)."""
     size = (case["pages"] - 1) * case["page"]
+    per = case["layers"] // pp
     common = {"size": size, "page_size": case["page"], "dtype": torch.bfloat16,
-              "layer_num": case["layers"], "device": "cpu", "enable_memory_saver": False}
+              "layer_num": per, "device": "cpu", "enable_memory_saver": False}
+    if pp > 1:
+        common.update(start_layer=stage * per, end_layer=(stage + 1) * per)
     if case["kind"] in ("mamba2", "gdn"):
         m = case["mamba"]
         # as configs/nemotron_h.py builds it (Mamba2: no conv_shard_groups), or
@@ -144,20 +148,22 @@ class Memory:
     def __init__(self, case: dict):
         self.bufs: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
         self.index: list[tuple[int, str, int, str, int]] = []  # (base, side, rank, name, size)
-        self.pools, self.item_lens = {}, {}
-        sides = [("p", case["p"]), *decodes(case)]
-        for k, (side, tp) in enumerate(sides):
+        self.pools, self.stage_pools, self.item_lens = {}, {}, {}
+        sides = [("p", case["p"], case.get("p_pp", 1)), *decodes(case)]
+        for k, (side, tp, pp) in enumerate(sides):
             base = (k + 1) << 40
-            pool = self.pools[side] = build_pool(case, tp)
-            _, lens, self.item_lens[side] = pool.get_contiguous_buf_infos()
-            names = buffer_names(pool)
-            for r in range(tp):
-                out = []
-                for name, size in zip(names, lens):
-                    out.append((name, base, size))
-                    self.index.append((base, side, r, name, size))
-                    base += (size + 8191) // 4096 * 4096  # a gap after every buffer
-                self.bufs[(side, r)] = out
+            self.stage_pools[side] = [build_pool(case, tp, s, pp) for s in range(pp)]
+            self.pools[side] = self.stage_pools[side][0]
+            for stage, pool in enumerate(self.stage_pools[side]):
+                _, lens, self.item_lens[side] = pool.get_contiguous_buf_infos()
+                names = buffer_names(pool)
+                for r in range(stage * tp, (stage + 1) * tp):  # flat ranks of the stage
+                    out = []
+                    for name, size in zip(names, lens):
+                        out.append((name, base, size))
+                        self.index.append((base, side, r, name, size))
+                        base += (size + 8191) // 4096 * 4096  # a gap after every buffer
+                    self.bufs[(side, r)] = out
         self.index.sort()
         self.bases = [x[0] for x in self.index]
 
@@ -199,44 +205,50 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
             state_conv_shard_groups=[pool.get_state_conv_shard_groups()],
             state_slice_outer_counts=[pool.get_state_slice_outer_counts()],
             state_layer_ids=[pool.get_state_layer_ids()])
+    stage = rank // case["p"]
     return SimpleNamespace(
         kv_data_ptrs=mem.ptrs("p", rank), kv_data_lens=mem.sizes("p", rank),
         kv_item_lens=list(mem.item_lens["p"]), page_size=case["page"],
         total_kv_head_num=case["heads"], kv_head_num=max(1, case["heads"] // case["p"]),
-        engine_rank=rank, kv_layer_ids=None, prefill_start_layer=0, gpu_id=0,
+        engine_rank=rank % case["p"], kv_layer_ids=[], gpu_id=0,
+        prefill_start_layer=mem.stage_pools["p"][stage].start_layer,
         swa_kv_cache_layout="nhd", mla_compression_ratios=None, num_draft_entries=0,
         kv_data_mem_kinds=["VRAM"] * n)
 
 
-def decodes(case: dict) -> list[tuple[str, int]]:
-    """The decode engines of a case: ``("d", TP)``, and ``("e", TP)`` when a second decode
-    engine (``d2``) pulls from the same prefill."""
-    return [("d", case["d"])] + ([("e", case["d2"])] if case.get("d2") else [])
+def decodes(case: dict) -> list[tuple[str, int, int]]:
+    """The decode engines of a case: ``("d", TP, PP)``, and ``("e", TP, 1)`` when a second
+    decode engine (``d2``) pulls from the same prefill."""
+    return [("d", case["d"], case.get("d_pp", 1))] + (
+        [("e", case["d2"], 1)] if case.get("d2") else [])
 
 
-def senders(case: dict, cls: type, dtp: int) -> dict[int, list[int]]:
-    """Decode rank -> the prefill ranks that send it KV, by SGLang's own rank mapping, for a
-    decode engine of attention TP ``dtp``."""
+def senders(case: dict, cls: type, dtp: int, dpp: int) -> dict[int, list[int]]:
+    """Decode flat rank -> the prefill flat ranks that send it KV, by SGLang's own rank
+    mapping, for a decode engine of attention TP ``dtp`` and PP ``dpp``."""
     out = {}
     mla = case["kind"] == "mla"
-    for t in range(dtp):
+    p_tp, p_pp = case["p"], case.get("p_pp", 1)
+    for t in range(dtp * dpp):
         m = object.__new__(cls)
         m.is_mla_backend, m.is_hybrid_mla_backend = mla, False
         m.attn_tp_size, m.attn_cp_size, m.attn_cp_rank = dtp, 1, 0
-        m.pp_size, m.pp_rank, m.enable_all_cp_ranks_for_transfer = 1, 0, False
-        m.kv_args = SimpleNamespace(engine_rank=t)
-        info = SimpleNamespace(attn_tp_size=case["p"], attn_cp_size=1, pp_size=1,
+        m.pp_size, m.pp_rank, m.enable_all_cp_ranks_for_transfer = dpp, t // dtp, False
+        m.kv_args = SimpleNamespace(engine_rank=t % dtp)
+        info = SimpleNamespace(attn_tp_size=p_tp, attn_cp_size=1, pp_size=p_pp,
                                enable_kv_cache_sharding=False,
                                enable_dsa_cache_layer_split=False)
         m._resolve_rank_mapping(info)
-        out[t] = [info.target_tp_rank] if mla else list(info.target_tp_ranks)
+        tps = [info.target_tp_rank] if mla else list(info.target_tp_ranks)
+        out[t] = [pp * p_tp + r for pp in info.target_pp_ranks for r in tps]
     return out
 
 
 def _pairs(case: dict, cls: type) -> list[tuple[tuple[str, int], int, int]]:
-    """``((decode side, its TP), decode rank, prefill rank)`` of every sending pair."""
-    return [(d, t, p) for d in decodes(case) for t, ps in senders(case, cls, d[1]).items()
-            for p in ps]
+    """``((decode side, its TP), decode flat rank, prefill flat rank)`` of every sending
+    pair."""
+    return [((side, dtp), t, p) for side, dtp, dpp in decodes(case)
+            for t, ps in senders(case, cls, dtp, dpp).items() for p in ps]
 
 
 class Refused(Exception):
@@ -257,7 +269,7 @@ class MooncakeRecorder:
 def _manager(cls, case, mem, rank):
     m = object.__new__(cls)
     m.kv_args = kv_args(case, mem, rank)
-    m.attn_tp_size, m.pp_size, m.pp_rank = case["p"], 1, 0
+    m.attn_tp_size, m.pp_size, m.pp_rank = case["p"], case.get("p_pp", 1), rank // case["p"]
     m.is_mla_backend = case["kind"] == "mla"
     m.is_hybrid_mla_backend = False
     return m
@@ -294,7 +306,7 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
                                      dst_attn_tp_size=dtp)
             else:
                 ret = m.send_kvcache_slice(session, src_pages, mem.ptrs(side, t),
-                                           dst_pages, t, dtp, dst_item, ex, None)
+                                           dst_pages, t % dtp, dtp, dst_item, ex, None)
             if ret != 0:
                 raise Refused(f"p{p} -> {side}{t}: {cls.__name__} returned {ret}")
     return eng.copies
@@ -400,7 +412,7 @@ def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
         for side, dtp, t in ts:  # registration: every decode peer first, as bootstrap does
             n = len(mem.ptrs(side, t))
             info = SimpleNamespace(
-                agent_name=f"{side}{t}", decode_tp_size=dtp, decode_tp_rank=t,
+                agent_name=f"{side}{t}", decode_tp_size=dtp, decode_tp_rank=t % dtp,
                 dst_kv_ptrs=mem.ptrs(side, t), dst_kv_item_len=mem.item_lens[side][0],
                 dst_kv_item_lens=list(mem.item_lens[side]),
                 dst_kv_mem_kinds=["VRAM"] * n, dst_num_slots=case["pages"], gpu_id=0,
@@ -442,7 +454,8 @@ def run(case: dict, backend: str) -> dict:
     except Exception as e:
         return {"status": "raises", "error": f"building the pools: {type(e).__name__}: {e}",
                 "where": _where(e)}
-    pools = {side: face(pool) for side, pool in mem.pools.items()}
+    pools = {side: face(ps[0]) if len(ps) == 1 else [face(p) for p in ps]
+             for side, ps in mem.stage_pools.items()}
     errors = _Errors()
     logging.getLogger().addHandler(errors)
     try:
@@ -455,7 +468,7 @@ def run(case: dict, backend: str) -> dict:
                 "where": _where(e), "pools": pools}
     finally:
         logging.getLogger().removeHandler(errors)
-    rows: dict[str, list] = {side: [] for side, _ in decodes(case)}
+    rows: dict[str, list] = {side: [] for side, _, _ in decodes(case)}
     for src, dst, length in copies:
         s_side, s_rank, s_name, s_off = mem.where(src)
         d_side, d_rank, d_name, d_off = mem.where(dst)

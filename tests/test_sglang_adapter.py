@@ -176,3 +176,29 @@ def test_mamba2_sizes_are_sglangs():
     assert gdn.rank_buffer_nbytes(0) == 6 * 96  # (8 * 4 + 2 * 4 * 4) / 4 channels x 3 x bf16
     with pytest.raises(SpecError, match="state kind 'kda'"):
         spec_from_sglang_mamba2(attrs.evolve(m, kind="kda"), attn_tp_size=1)
+
+
+def mha_pp(tp, pp, heads=8, layers=4, page_size=16):
+    per = layers // pp
+    kvs = [SGLangKV.mha(layer_num=per, size=5 * page_size, page_size=page_size,
+                        dtype="bfloat16", head_num=max(1, heads // tp), head_dim=8,
+                        start_layer=s * per) for s in range(pp)]
+    return spec_from_sglang(kvs if pp > 1 else kvs[0], attn_tp_size=tp, total_kv_heads=heads)
+
+
+@pytest.mark.parametrize("p, p_pp, d, d_pp", [(2, 2, 4, 1), (4, 2, 1, 1), (1, 4, 2, 2),
+                                              (8, 2, 2, 2)])
+def test_pipeline_stages_are_exact(p, p_pp, d, d_pp):
+    src, dst = mha_pp(p, p_pp), mha_pp(d, d_pp)
+    assert src.pp_size == p_pp and src.num_ranks == p * p_pp
+    got = judge(src, dst, SRC_PAGES, DST_PAGES, kvplan_rows(src, dst, SRC_PAGES, DST_PAGES))
+    assert got["verdict"] == "exact" and got["writes"] == 1, got
+
+
+def test_pipeline_stages_must_be_consecutive_and_alike():
+    a = SGLangKV.mha(layer_num=2, size=16, page_size=16, dtype="bfloat16", head_num=1,
+                     head_dim=8)
+    with pytest.raises(SpecError, match="PP stage 1 starts at layer 3, stage 0 ends at layer 1"):
+        spec_from_sglang([a, attrs.evolve(a, layers=(3, 4))], attn_tp_size=1)
+    with pytest.raises(SpecError, match="PP stage 1's pool has page_size 32"):
+        spec_from_sglang([a, attrs.evolve(a, layers=(2, 3), page_size=32)], attn_tp_size=1)

@@ -52,8 +52,9 @@ def cases() -> list[dict]:
     """The grid: GQA/MHA with 1-16 KV heads at every pair of attention TP 1/2/4/8 where the
     heads fit both sides, and MLA at every pair, each at page sizes 1, 16, 64; then one
     prefill serving two decode engines of different TP sizes (``d2``); Mamba2 and GDN state;
-    sliding-window layers beside full attention of 8 heads. Two layers, six pages, K heads
-    of 8 values (MLA latent 8 + 4), bfloat16 (state: fp32 temporal)."""
+    a prefill of two PP stages (``p_pp``; four layers) into a decode of one or two
+    (``d_pp``); sliding-window layers beside full attention of 8 heads. Two layers, six
+    pages, K heads of 8 values (MLA latent 8 + 4), bfloat16 (state: fp32 temporal)."""
     out = []
     for page, (p, d) in itertools.product(PAGE_SIZES, itertools.product(TPS, TPS)):
         for heads in range(1, 17):
@@ -82,6 +83,12 @@ def cases() -> list[dict]:
                     "p": p, "d": d, "page": 1, "head_dim": 0,
                     "mamba": {"heads": 8, "head_dim": 4, "state_size": 4,
                               "n_groups": k_heads, "conv_kernel": 4}})
+    # pipeline parallelism: a prefill of 2 stages (4 layers, 2 each) into a decode of 1 or 2
+    for kind, p, d, d_pp in itertools.product(("mha", "mla"), (1, 2, 4), TPS, (1, 2)):
+        heads, head_dim = (8, 8) if kind == "mha" else (1, 12)
+        out.append({"id": f"{kind}{' K8' if kind == 'mha' else ''} P{p} PP2 D{d} PP{d_pp} "
+                          "page16", "kind": kind, "heads": heads, "p": p, "p_pp": 2, "d": d,
+                    "d_pp": d_pp, "page": 16, "head_dim": head_dim, "layers": 4})
     # sliding-window layers: their own MHA pool (2, 4 or 8 KV heads) handed over as SWA state
     # beside full attention of 8 KV heads, page 16
     for swa, (p, d) in itertools.product((2, 4, 8), itertools.product(TPS, TPS)):
@@ -90,8 +97,9 @@ def cases() -> list[dict]:
                         "heads": swa, "full_heads": 8, "p": p, "d": d, "page": 16,
                         "head_dim": 8})
     for c in out:
-        c.update(layers=2, pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES,
-                 src_slots=SRC_SLOTS, dst_slots=DST_SLOTS)
+        c.setdefault("layers", 2)
+        c.update(pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES, src_slots=SRC_SLOTS,
+                 dst_slots=DST_SLOTS)
     return out
 
 
@@ -132,12 +140,15 @@ def spec(case: dict, tp: int, face: dict):
         assert [out.rank_buffer_nbytes(b) for b in out.buffers] == lens, (case["id"], lens)
         assert [n // case["pages"] for n in lens] == items, (case["id"], items)
         return out
-    pool = pool_object(face)
-    out = spec_from_sglang(SGLangKV.from_pool(pool), attn_tp_size=tp,
+    faces = face if isinstance(face, list) else [face]  # one per PP stage
+    pools = [pool_object(f) for f in faces]
+    kvs = [SGLangKV.from_pool(p) for p in pools]
+    out = spec_from_sglang(kvs if len(kvs) > 1 else kvs[0], attn_tp_size=tp,
                            total_kv_heads=case["heads"])
-    ptrs, lens, _ = face["buf_infos"]
-    got = sglang_buffers(pool, out)
-    assert sorted(got.values()) == sorted(zip(ptrs, lens)), (case["id"], got, face)
+    for f, pool in zip(faces, pools):
+        ptrs, lens, _ = f["buf_infos"]
+        got = sglang_buffers(pool, out)
+        assert sorted(got.values()) == sorted(zip(ptrs, lens)), (case["id"], got, f)
     return out
 
 

@@ -191,9 +191,12 @@ def region_name(layer: int) -> str:
     return f"layers.{layer}"
 
 
-def spec_from_sglang(kv: SGLangKV, *, attn_tp_size: int, total_kv_heads: int | None = None
-                     ) -> EngineSpec:
-    """The :class:`~kvplan.EngineSpec` of an SGLang engine whose ranks hold pools like ``kv``.
+def spec_from_sglang(kv: SGLangKV | Sequence[SGLangKV], *, attn_tp_size: int,
+                     total_kv_heads: int | None = None) -> EngineSpec:
+    """The :class:`~kvplan.EngineSpec` of an SGLang engine whose ranks hold pools like ``kv``;
+    under pipeline parallelism, a sequence of one pool's values per PP stage, in stage order
+    (each stage's pool holds its own layers, ``start_layer`` on: SGLang's
+    ``prefill_start_layer``).
 
     ``attn_tp_size`` is the engine's attention TP size (``tp_size`` without DP attention;
     ``tp_size // dp_size`` with it: one attention-TP group), ``total_kv_heads`` the model's
@@ -203,35 +206,57 @@ def spec_from_sglang(kv: SGLangKV, *, attn_tp_size: int, total_kv_heads: int | N
     buffers ``<region>.k`` and ``<region>.v``, MLA layers one buffer named as the region.
 
     Raises :class:`~kvplan.SpecError` when ``head_num`` is not this engine's share of
-    ``total_kv_heads`` (SGLang's ``max(1, K // attn_tp_size)``) or the head count and TP size
-    divide neither way.
+    ``total_kv_heads`` (SGLang's ``max(1, K // attn_tp_size)``), the head count and TP size
+    divide neither way, or PP stages disagree on what a layer holds or do not hold
+    consecutive layers.
     """
+    stages = [kv] if isinstance(kv, SGLangKV) else list(kv)
+    if not stages:
+        raise SpecError("no pool values: pass one SGLangKV, or one per PP stage")
     if attn_tp_size < 1:
         raise SpecError(f"attn_tp_size must be at least 1, got {attn_tp_size}")
-    block = {"num_blocks": kv.pages, "block_size": kv.page_size, "dtype": kv.dtype}
-    if kv.kind == "mla":
-        regions = [{"name": region_name(n), "kind": "mla", "dim": kv.head_dim, **block}
-                   for n in kv.layers]
-        return EngineSpec.from_dict({"tp_size": attn_tp_size, "regions": regions})
-    heads = kv.head_num * attn_tp_size if total_kv_heads is None else total_kv_heads
-    if heads % attn_tp_size and attn_tp_size % heads:
-        raise SpecError(f"MHATokenToKVPool: {heads} KV heads over attention TP {attn_tp_size}: "
-                        "neither divides the other")
-    if kv.head_num != max(1, heads // attn_tp_size):
-        raise SpecError(f"MHATokenToKVPool: head_num {kv.head_num} is not this rank's share of "
-                        f"{heads} KV heads at attention TP {attn_tp_size} "
-                        f"({max(1, heads // attn_tp_size)}); pass total_kv_heads")
-    regions = [{"name": region_name(n), "kind": "attention", "num_kv_heads": heads,
-                "head_dim": kv.head_dim, "layout": "LBNHD",
-                "allocation": [f"{region_name(n)}.k", f"{region_name(n)}.v"], **block}
-               for n in kv.layers]
-    return EngineSpec.from_dict({"tp_size": attn_tp_size, "regions": regions})
+    first = stages[0]
+    for s, st in enumerate(stages[1:], 1):
+        for field in ("kind", "page_size", "dtype", "head_num", "head_dim", "v_head_dim"):
+            if getattr(st, field) != getattr(first, field):
+                raise SpecError(f"PP stage {s}'s pool has {field} {getattr(st, field)!r}, "
+                                f"stage 0's {getattr(first, field)!r}")
+        if st.layers[0] != stages[s - 1].layers[-1] + 1:
+            raise SpecError(f"PP stage {s} starts at layer {st.layers[0]}, stage {s - 1} ends "
+                            f"at layer {stages[s - 1].layers[-1]}: not consecutive")
+    heads = first.head_num * attn_tp_size if total_kv_heads is None else total_kv_heads
+    if first.kind == "mha":
+        if heads % attn_tp_size and attn_tp_size % heads:
+            raise SpecError(f"MHATokenToKVPool: {heads} KV heads over attention TP "
+                            f"{attn_tp_size}: neither divides the other")
+        if first.head_num != max(1, heads // attn_tp_size):
+            raise SpecError(f"MHATokenToKVPool: head_num {first.head_num} is not this rank's "
+                            f"share of {heads} KV heads at attention TP {attn_tp_size} "
+                            f"({max(1, heads // attn_tp_size)}); pass total_kv_heads")
+    regions = []
+    for s, st in enumerate(stages):
+        block = {"num_blocks": st.pages, "block_size": st.page_size, "dtype": st.dtype}
+        if len(stages) > 1:
+            block["stage"] = s
+        for n in st.layers:
+            if st.kind == "mla":
+                regions.append({"name": region_name(n), "kind": "mla", "dim": st.head_dim,
+                                **block})
+            else:
+                regions.append({"name": region_name(n), "kind": "attention",
+                                "num_kv_heads": heads, "head_dim": st.head_dim,
+                                "layout": "LBNHD",
+                                "allocation": [f"{region_name(n)}.k", f"{region_name(n)}.v"],
+                                **block})
+    return EngineSpec.from_dict({"tp_size": attn_tp_size, "pp_size": len(stages),
+                                 "regions": regions})
 
 
 def sglang_buffers(pool: Any, spec: EngineSpec) -> dict[str, tuple[int, int]]:
     """``{buffer name: (address, nbytes)}`` of one rank's ``pool`` for ``spec`` (made by
-    :func:`spec_from_sglang` from this pool's values): what an executor registers, the same
-    addresses as SGLang's ``kv_data_ptrs`` / ``kv_data_lens``."""
+    :func:`spec_from_sglang` from this pool's values; under PP, from every stage's: a rank
+    gets the buffers of its stage): what an executor registers, the same addresses as
+    SGLang's ``kv_data_ptrs`` / ``kv_data_lens``."""
     kv = SGLangKV.from_pool(pool)
     tensors: dict[str, Any] = {}
     for i, layer in enumerate(kv.layers):
@@ -240,10 +265,11 @@ def sglang_buffers(pool: Any, spec: EngineSpec) -> dict[str, tuple[int, int]]:
             tensors[name] = pool.kv_buffer[i]
         else:
             tensors[f"{name}.k"], tensors[f"{name}.v"] = pool.k_buffer[i], pool.v_buffer[i]
-    if set(tensors) != set(spec.buffers):
-        raise SpecError(f"the pool's buffers {sorted(tensors)} are not the spec's "
-                        f"{sorted(spec.buffers)}")
-    return {b: (int(tensors[b].data_ptr()), spec.rank_buffer_nbytes(b)) for b in spec.buffers}
+    if not set(tensors) <= set(spec.buffers):
+        raise SpecError(f"the pool's buffers {sorted(set(tensors) - set(spec.buffers))} are "
+                        "not the spec's")
+    return {b: (int(tensors[b].data_ptr()), spec.rank_buffer_nbytes(b))
+            for b in spec.buffers if b in tensors}
 
 
 @attrs.frozen
