@@ -25,6 +25,10 @@ entry per buffer, ``item_len`` = the bytes of one page). What the pools allocate
   makes a ``state`` region per layer and tensor (``layers.<n>.conv`` with parts ``x``, ``B``,
   ``C``; ``layers.<n>.ssm`` with part ``ssm``).
 
+Under pipeline parallelism each stage's pool holds its own layers (``start_layer`` on);
+:func:`spec_from_sglang` takes one :class:`SGLangKV` per stage and places each layer in its
+stage.
+
 What an engine knows is read into a :class:`SGLangKV` value, either from a pool object
 (:meth:`SGLangKV.from_pool`, read only through attributes, ``.shape``, ``.dtype`` and
 ``.data_ptr()``, so neither torch nor SGLang is imported) or from plain numbers
