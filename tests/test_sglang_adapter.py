@@ -15,6 +15,7 @@ from kvplan.adapters.sglang import (
     SGLangMamba2,
     sglang_buffers,
     spec_from_sglang,
+    spec_from_sglang_hybrid,
     spec_from_sglang_mamba2,
 )
 from tests.sglang_judge import judge, kvplan_rows
@@ -202,3 +203,23 @@ def test_pipeline_stages_must_be_consecutive_and_alike():
         spec_from_sglang([a, attrs.evolve(a, layers=(3, 4))], attn_tp_size=1)
     with pytest.raises(SpecError, match="PP stage 1's pool has page_size 32"):
         spec_from_sglang([a, attrs.evolve(a, layers=(2, 3), page_size=32)], attn_tp_size=1)
+
+
+def hybrid(tp):
+    kv = SGLangKV.mha(layer_num=2, size=5 * 16, page_size=16, dtype="bfloat16",
+                      head_num=max(1, 2 // tp), head_dim=8, start_layer=0)
+    state = SGLangMamba2(layers=(2, 3), slots=6, num_heads=8, head_dim=4, state_size=4,
+                         n_groups=1, conv_kernel=4, conv_dtype="bfloat16", ssm_dtype="float32")
+    return spec_from_sglang_hybrid(kv, state, attn_tp_size=tp, total_kv_heads=2)
+
+
+def test_hybrid_attention_and_state_in_one_spec_every_tp_pair():
+    spec = hybrid(2)
+    assert [r.group for r in spec.regions] == [0, 0, 1, 1, 1, 1]
+    assert spec.buffers[-1] == "layers.3.ssm"
+    src_blocks, dst_blocks = [*SRC_PAGES, [2]], [*DST_PAGES, [3]]
+    for p, d in itertools.product(TPS, TPS):
+        src, dst = hybrid(p), hybrid(d)
+        got = judge(src, dst, src_blocks, dst_blocks,
+                    kvplan_rows(src, dst, src_blocks, dst_blocks))
+        assert got["verdict"] == "exact" and got["writes"] == 1, (p, d, got)

@@ -9,7 +9,9 @@ objects through their attributes, so it never imports the engine (or torch).
 - :mod:`kvplan.adapters.vllm_nixl`: a stock vLLM NixlConnector prefill's spec and buffer
   addresses from the ``NixlAgentMetadata`` it publishes, ``prefill_from_nixl``.
 - :mod:`kvplan.adapters.sglang`: SGLang's token pools (``MHATokenToKVPool``,
-  ``MLATokenToKVPool``) read into ``SGLangKV`` values, ``spec_from_sglang``.
+  ``MLATokenToKVPool``) read into ``SGLangKV`` values, ``spec_from_sglang``; Mamba2 / GDN
+  state (``SGLangMamba2``, ``spec_from_sglang_mamba2``) and both in one spec
+  (``spec_from_sglang_hybrid``).
 
 Layer 5 (adapters, beside hf): imports the values below (spec, regions, layout, errors); no
 value imports an adapter back.

@@ -367,3 +367,23 @@ def spec_from_sglang_mamba2(m: SGLangMamba2, *, attn_tp_size: int, group: int = 
         raise SpecError(f"MambaPool: kvplan's parts hold {got} bytes per slot, SGLang's "
                         f"tensors {(conv_len, ssm_len)}")
     return spec
+
+
+def spec_from_sglang_hybrid(kv: SGLangKV | Sequence[SGLangKV], state: SGLangMamba2, *,
+                            attn_tp_size: int, total_kv_heads: int | None = None
+                            ) -> EngineSpec:
+    """One spec for a hybrid model's engine (Nemotron-H, Qwen3-Next): its attention layers
+    (:func:`spec_from_sglang` of ``kv``, KV-cache group 0: a request's page ids) and its
+    Mamba2 or GDN state (:func:`spec_from_sglang_mamba2` of ``state``, group 1: the request's
+    state slot). A plan then takes ``[pages, [slot]]`` per side. Pipeline stages are not
+    combined with state yet (a :class:`~kvplan.SpecError` says so)."""
+    attn = spec_from_sglang(kv, attn_tp_size=attn_tp_size, total_kv_heads=total_kv_heads)
+    if attn.pp_size > 1:
+        raise SpecError("a hybrid spec with pipeline stages is not described yet")
+    states = spec_from_sglang_mamba2(state, attn_tp_size=attn_tp_size, group=0)
+    names = {r.name for r in attn.regions} & {r.name for r in states.regions}
+    if names:
+        raise SpecError(f"attention and state regions share names {sorted(names)}")
+    regions = attn.to_dict()["regions"] + [{**r, "group": 1}
+                                           for r in states.to_dict()["regions"]]
+    return EngineSpec.from_dict({"tp_size": attn_tp_size, "regions": regions})
