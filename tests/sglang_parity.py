@@ -77,6 +77,18 @@ def build_pool(case: dict, tp: int, stage: int = 0, pp: int = 1):
               "layer_num": per, "device": "cpu", "enable_memory_saver": False}
     if pp > 1:
         common.update(start_layer=stage * per, end_layer=(stage + 1) * per)
+    if case["kind"] == "kda":  # as configs/kimi_linear.py builds it
+        m = case["mamba"]
+        shape = mamba_utils.KimiLinearStateShape.create(
+            tp_world_size=tp, num_heads=m["heads"], head_dim=m["head_dim"],
+            conv_kernel_size=m["conv_kernel"])
+        params = mamba_utils.KimiLinearCacheParams(
+            shape=shape, layers=list(range(case["layers"])),
+            dtype=mamba_utils.Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+        return memory_pool.MambaPool(size=case["pages"] - 1, spec_state_size=0,
+                                     cache_params=params,
+                                     mamba_layer_ids=list(range(case["layers"])),
+                                     device="cpu")
     if case["kind"] in ("mamba2", "gdn"):
         m = case["mamba"]
         # as configs/nemotron_h.py builds it (Mamba2: no conv_shard_groups), or
@@ -195,7 +207,7 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
             kv_head_num=max(1, case["full_heads"] // case["p"]), swa_kv_cache_layout="nhd",
             kv_data_ptrs=[], kv_item_lens=[], kv_data_lens=[], num_draft_entries=0,
             mla_compression_ratios=None)
-    if case["kind"] in ("mamba2", "gdn"):
+    if case["kind"] in ("mamba2", "gdn", "kda"):
         pool = mem.pools["p"]
         return SimpleNamespace(
             engine_rank=rank, gpu_id=0, page_size=case["page"], kv_layer_ids=None,
@@ -312,7 +324,7 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
     return eng.copies
 
 
-STATE_KINDS = ("mamba2", "gdn", "swa")
+STATE_KINDS = ("mamba2", "gdn", "kda", "swa")
 
 
 def _indices(case: dict, side: str) -> list[int]:

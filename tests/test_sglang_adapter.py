@@ -148,7 +148,7 @@ def mamba2(tp, groups, kind="mamba2"):
     return spec_from_sglang_mamba2(m, attn_tp_size=tp)
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+@pytest.mark.parametrize("kind", ["mamba2", "gdn", "kda"])
 @pytest.mark.parametrize("groups", [1, 2, 8])
 def test_mamba2_and_gdn_state_every_tp_pair_is_exact(groups, kind):
     for p, d in itertools.product(TPS, TPS):
@@ -175,8 +175,8 @@ def test_mamba2_sizes_are_sglangs():
     gdn = spec_from_sglang_mamba2(attrs.evolve(m, kind="gdn", n_groups=2), attn_tp_size=4)
     assert [p.name for p in gdn.regions[0].parts] == ["q", "k", "v"]
     assert gdn.rank_buffer_nbytes(0) == 6 * 96  # (8 * 4 + 2 * 4 * 4) / 4 channels x 3 x bf16
-    with pytest.raises(SpecError, match="state kind 'kda'"):
-        spec_from_sglang_mamba2(attrs.evolve(m, kind="kda"), attn_tp_size=1)
+    with pytest.raises(SpecError, match="state kind 'mamba1'"):
+        spec_from_sglang_mamba2(attrs.evolve(m, kind="mamba1"), attn_tp_size=1)
 
 
 def mha_pp(tp, pp, heads=8, layers=4, page_size=16):

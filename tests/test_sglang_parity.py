@@ -46,6 +46,7 @@ PAGE_SIZES = (1, 16, 64)
 SRC_PAGES, DST_PAGES = [3, 1, 4], [2, 5, 1]
 SRC_SLOTS, DST_SLOTS = [2], [3]  # a request's Mamba state slot on each side
 BACKENDS = ("mooncake", "nixl")
+STATE = ("mamba2", "gdn", "kda")  # kinds whose request holds one state slot
 
 
 def cases() -> list[dict]:
@@ -83,6 +84,12 @@ def cases() -> list[dict]:
                     "p": p, "d": d, "page": 1, "head_dim": 0,
                     "mamba": {"heads": 8, "head_dim": 4, "state_size": 4,
                               "n_groups": k_heads, "conv_kernel": 4}})
+    # KDA state (Kimi-Linear's shapes, scaled down): 8 heads of 4, conv kernel 4
+    for p, d in itertools.product(TPS, TPS):
+        out.append({"id": f"kda P{p} D{d}", "kind": "kda", "heads": 1, "p": p, "d": d,
+                    "page": 1, "head_dim": 0,
+                    "mamba": {"heads": 8, "head_dim": 4, "state_size": 4, "n_groups": 1,
+                              "conv_kernel": 4}})
     # pipeline parallelism: a prefill of 2 stages (4 layers, 2 each) into a decode of 1 or 2
     for kind, p, d, d_pp in itertools.product(("mha", "mla"), (1, 2, 4), TPS, (1, 2)):
         heads, head_dim = (8, 8) if kind == "mha" else (1, 12)
@@ -128,7 +135,7 @@ def spec(case: dict, tp: int, face: dict):
     the buffers it names are checked against SGLang's ``get_contiguous_buf_infos``. Mamba2:
     from the model's numbers, each state tensor's slot and buffer sizes checked against
     SGLang's ``MambaPool``."""
-    if case["kind"] in ("mamba2", "gdn"):
+    if case["kind"] in STATE:
         m = case["mamba"]
         values = SGLangMamba2(layers=tuple(range(case["layers"])), slots=case["pages"],
                               num_heads=m["heads"], head_dim=m["head_dim"],
@@ -166,7 +173,7 @@ def verdict(case: dict, result: dict | None, pools: dict) -> dict:
             dst = spec(case, case["d2" if side == "e" else "d"], pools[side])
         except SpecError as e:
             return {"verdict": "refuses", "detail": str(e)}
-        blocks = ([SRC_SLOTS], [DST_SLOTS]) if case["kind"] in ("mamba2", "gdn") else (
+        blocks = ([SRC_SLOTS], [DST_SLOTS]) if case["kind"] in STATE else (
             [SRC_PAGES], [DST_PAGES])
         rows = (kvplan_rows(src, dst, *blocks) if result is None
                 else [tuple(r) for r in result[key]])

@@ -43,8 +43,8 @@ Refused with a :class:`~kvplan.SpecError` naming the pool (not described yet): a
 different from K's (MiMo-V2 style; ``kvplan``'s attention regions have one head size),
 layouts other than NHD (``SGLANG_USE_HND_KVCACHE``, ``vectorized_5d``), the FP4 / MXFP8 pools
 and their scale buffers, ``PageMajorMHATokenToKVPool``, hybrid pools as objects
-(``HybridLinearKVPool``, ``MambaPool``: Mamba2 is described from values instead; GDN, KDA and
-Mamba1 states; ``SWAKVPool``), draft buffers appended to a pool, DP attention's
+(``HybridLinearKVPool``, ``MambaPool``: Mamba2, GDN and KDA are described from values
+instead; Mamba1 states; ``SWAKVPool``), draft buffers appended to a pool, DP attention's
 pools of several attention-TP groups (give this adapter one group's ``attn_tp_size``), and a
 head count neither dividing nor divided by the attention TP size.
 
@@ -71,8 +71,8 @@ REFUSED_POOLS: Mapping[str, str] = {
     "PageMajorMHATokenToKVPool": "page-major buffers",
     "NoOpMHATokenToKVPool": "a pool without KV buffers",
     "HybridLinearKVPool": "a hybrid pool (Mamba / GDN state beside attention)",
-    "MambaPool": "a recurrent-state pool (Mamba2: describe it with SGLangMamba2 and "
-                 "spec_from_sglang_mamba2)",
+    "MambaPool": "a recurrent-state pool (Mamba2, GDN, KDA: describe it with SGLangMamba2 "
+                 "and spec_from_sglang_mamba2)",
     "SWAKVPool": "a sliding-window pool beside a full-attention pool",
 }
 
@@ -287,7 +287,11 @@ class SGLangMamba2:
     global ids of the pool's layers, ``slots`` per state tensor (``size + 1``), and the conv
     and temporal dtypes (``Mamba2StateDType``). A Mamba2 rank's conv channels are ``[x | B |
     C]``, a GDN rank's ``[q | k | v]`` (q and k ``n_groups`` heads of ``state_size``, v
-    ``num_heads`` of ``head_dim``), each part sharded on its own."""
+    ``num_heads`` of ``head_dim``), each part sharded on its own. KDA (Kimi-Linear,
+    ``kind="kda"``: ``KimiLinearStateShape``, ``num_heads`` heads of ``head_dim`` for q, k
+    and v; ``state_size`` and ``n_groups`` unused) keeps its conv state taps-major,
+    ``[conv_kernel - 1, channels]``, every tap a row ``q | k | v``, and a temporal state of
+    ``(heads, head_dim, head_dim)``."""
 
     layers: tuple[int, ...]
     slots: int
@@ -302,6 +306,8 @@ class SGLangMamba2:
 
     def conv_dim(self, tp: int) -> int:
         """Conv channels per rank at attention TP ``tp`` (SGLang's ``conv_state`` dim)."""
+        if self.kind == "kda":  # q, k and v of num_heads heads each
+            return 3 * self.num_heads * self.head_dim // tp
         return (self.num_heads * self.head_dim + 2 * self._groups(tp) * self.state_size) // tp
 
     def _groups(self, tp: int) -> int:
@@ -313,7 +319,8 @@ class SGLangMamba2:
         """Bytes of one slot of the conv and of the temporal state on a rank (SGLang's state
         ``item_lens``)."""
         conv = self.conv_dim(tp) * (self.conv_kernel - 1) * DTYPE_SIZES[self.conv_dtype]
-        ssm = (self.num_heads // tp * self.head_dim * self.state_size
+        ssm = (self.num_heads // tp * self.head_dim
+               * (self.head_dim if self.kind == "kda" else self.state_size)
                * DTYPE_SIZES[self.ssm_dtype])
         return conv, ssm
 
@@ -349,11 +356,15 @@ def spec_from_sglang_mamba2(m: SGLangMamba2, *, attn_tp_size: int, group: int = 
     elif m.kind == "gdn":
         conv = [{"name": "q", **group_part}, {"name": "k", **group_part},
                 {"name": "v", "units": m.num_heads, "unit_bytes": m.head_dim * taps * ec}]
+    elif m.kind == "kda":  # [conv_kernel - 1, channels]: every tap a row q | k | v
+        head = {"units": m.num_heads, "unit_bytes": m.head_dim * ec}
+        conv = [{"name": f"{sub}.{j}", **head} for j in range(taps) for sub in "qkv"]
     else:
         raise SpecError(f"MambaPool: state kind {m.kind!r} is not described by kvplan's SGLang "
-                        "adapter (mamba2, gdn are)")
+                        "adapter (mamba2, gdn, kda are)")
     ssm = [{"name": "ssm", "units": m.num_heads,
-            "unit_bytes": m.head_dim * m.state_size * DTYPE_SIZES[m.ssm_dtype]}]
+            "unit_bytes": m.head_dim * (m.head_dim if m.kind == "kda" else m.state_size)
+            * DTYPE_SIZES[m.ssm_dtype]}]
     base = {"kind": "state", "group": group, "num_blocks": m.slots}
     regions = ([{"name": f"{region_name(n)}.conv", "dtype": m.conv_dtype, "parts": conv,
                  **base} for n in m.layers]
