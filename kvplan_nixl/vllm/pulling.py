@@ -106,11 +106,11 @@ class Pulls:
             else:
                 del self.inflight[req_id]
                 w.stats.record("num_failed_transfers")
-                # the prefill may have died or restarted: the next request handshakes again
-                # (connecting a live peer again is a no-op) instead of reading a dead one
-                w.hs.forget(p.load.engine)
-                w.engines.pop(p.load.engine, None)
-                w.fail(p.load, str(p.t.error()), p.peers)
+                # the prefill may have died or restarted in place: connected afresh and read
+                # once more if it answers with new agents (kvplan_nixl.vllm.restarts), else
+                # failed; either way the next request handshakes again
+                if not w.restarts.connect_again(p.load, str(p.t.error()), p.peers):
+                    w.fail(p.load, str(p.t.error()), p.peers)
 
     def _nixl(self, req_id: str, p: Pull, now: float) -> None:
         """A pull from a NixlConnector prefill (module docstring): heartbeats while in flight;
@@ -122,12 +122,15 @@ class Pulls:
                 _tell(w, load, p.peers, f"HB:{load.remote_req}")
             return
         del self.inflight[req_id]
+        if not p.t.ok:
+            w.stats.record("num_failed_transfers")
+            # it may have restarted in place: connected afresh, its new ranks read once more
+            # and told then (kvplan_nixl.vllm.restarts); else failed, and told now
+            if w.restarts.connect_again(load, str(p.t.error()), p.peers):
+                return
         for r in p.peers:  # done or failed: this rank reads them no more
             _tell(w, load, [r], f"{load.remote_req}:{p.counts[r]}")
         if not p.t.ok:
-            w.stats.record("num_failed_transfers")
-            w.nixl.forget(load.engine)  # it may have restarted: handshake again next time
-            w.engines.pop(load.engine, None)
             w.fail(load, str(p.t.error()), p.peers)
             return
         w.recv_done.add(req_id)
