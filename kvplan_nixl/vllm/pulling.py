@@ -122,15 +122,14 @@ class Pulls:
                 _tell(w, load, p.peers, f"HB:{load.remote_req}")
             return
         del self.inflight[req_id]
-        if not p.t.ok:
-            w.stats.record("num_failed_transfers")
-            # it may have restarted in place: connected afresh, its new ranks read once more
-            # and told then (kvplan_nixl.vllm.restarts); else failed, and told now
-            if w.restarts.connect_again(load, str(p.t.error()), p.peers):
-                return
         for r in p.peers:  # done or failed: this rank reads them no more
             _tell(w, load, [r], f"{load.remote_req}:{p.counts[r]}")
         if not p.t.ok:
+            w.stats.record("num_failed_transfers")
+            # it may have restarted in place: forgotten, so that the next request connects
+            # afresh; this one fails (a stock prefill confirms nothing: the new instance may
+            # not hold its blocks, kvplan_nixl.vllm.restarts)
+            w.restarts.connect_again(load, str(p.t.error()), p.peers)
             w.fail(load, str(p.t.error()), p.peers)
             return
         w.recv_done.add(req_id)

@@ -9,6 +9,13 @@ one cannot), from the next post or read with them failing. Either way the engine
 and the request that found it gone is handshaken again and posted once more, but only if the
 fresh handshake connected other agents than those the failed attempt read through: the same
 agents answering means the prefill did not restart, and the failure stands.
+
+Only a KvplanConnector prefill's request is posted again: its CONFIRM proves the new instance
+holds the request (an old instance's generation is refused at once), so a request whose
+prefill leg ran on the instance that died is never used. A stock NixlConnector prefill
+confirms nothing, and the decode cannot tell whether the new instance holds the block ids the
+request names: its request fails (``kv_load_failure_policy``), and only the engine is
+forgotten, so that the next request connects afresh.
 """
 
 from __future__ import annotations
@@ -76,18 +83,19 @@ class Restarts:
         """``load``'s post or read failed (``why``; ``peers``: the prefill ranks it read):
         forget its engine and, the first time for this load, wait for a fresh handshake, then
         post again (:meth:`settle`); True then. False (the caller fails it): it failed this
-        way before, or it is a push."""
+        way before, it is a push, or its prefill is a stock one (the module docstring)."""
         w = self.w
         agents = self.agents(load.engine) if peers else ()
         self.forget(load.engine)
-        if load.push or load.req_id in self.again:
+        if load.push or load.peer != "kvplan" or load.req_id in self.again:
             self.again.pop(load.req_id, None)
             return False
         self.again[load.req_id] = Again(why, peers, agents)
         w.waiting[load.req_id] = (load, deadline or time.monotonic() + w.timeout)
-        logger.warning("kvplan: pull req=%s from %s failed (%s); connecting the prefill "
-                       "afresh and trying once more (it may have restarted in place)",
-                       load.req_id, load.engine, why)
+        # (not the "pull req=... from ... failed" line: the request has not failed yet)
+        logger.warning("kvplan: pull req=%s from %s: %s; connecting the prefill afresh and "
+                       "posting once more (it may have restarted in place)", load.req_id,
+                       load.engine, why)
         return True
 
     def settle(self, load: Load, st: HandshakeState,
