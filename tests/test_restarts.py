@@ -282,6 +282,15 @@ for seed, stop in ((1, "close"), (2, "kill"), (3, "close")):
         ok, took = pull(w, ld)
         assert ok and read_back(kv, ld, seed, 1), (req, log.lines[-3:])
         times[req] = took
+    if seed == 3:  # block ids the live prefill lacks: handshaken afresh, the same agents
+        before = len(log.lines)
+        q.send("hold r-bad")
+        gen = int(q.wait("gen r-bad").split()[2])
+        ok, _ = pull(w, load("bad", "prefill-k", K, [999], [20], peer="kvplan",
+                             generation=gen))
+        why = "\n".join(log.lines[before:])
+        assert not ok and "out of range" in why and "the same prefill agents: not a " \
+            "restart" in why and "kv_load_failure_policy" in why, why
     if stop == "close":
         q.send("close")
         q.wait("closed")
@@ -296,8 +305,9 @@ again = [m for m in log.lines if "connecting the prefill afresh and posting once
 went = [m for m in log.lines if "went (peer closed its endpoint)" in m]
 # the killed kvplan prefill: found by the first request, which connected afresh and read;
 # the one closed gracefully: told, no request failed; the stock one's two first requests
-assert len(again) == 1 and "k30" in again[0] and len(went) == 2, (again, went)
-assert len([m for m in log.lines if "kv_load_failure_policy" in m]) == 2, log.lines
+assert [m.split()[2] for m in again] == ["req=k30", "req=bad"] and len(went) == 2, (again,
+                                                                                   went)
+assert len([m for m in log.lines if "kv_load_failure_policy" in m]) == 3, log.lines
 print("times", {k: round(v, 3) for k, v in times.items()})
 w.close()
 print("ok")

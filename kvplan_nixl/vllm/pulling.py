@@ -109,7 +109,7 @@ class Pulls:
                 # the prefill may have died or restarted in place: connected afresh and read
                 # once more if it answers with new agents (kvplan_nixl.vllm.restarts), else
                 # failed; either way the next request handshakes again
-                if not w.restarts.connect_again(p.load, str(p.t.error()), p.peers):
+                if not w.restarts.connect_again(p.load, p.t.error(), p.peers):
                     w.fail(p.load, str(p.t.error()), p.peers)
 
     def _nixl(self, req_id: str, p: Pull, now: float) -> None:
@@ -129,7 +129,7 @@ class Pulls:
             # it may have restarted in place: forgotten, so that the next request connects
             # afresh; this one fails (a stock prefill confirms nothing: the new instance may
             # not hold its blocks, kvplan_nixl.vllm.restarts)
-            w.restarts.connect_again(load, str(p.t.error()), p.peers)
+            w.restarts.connect_again(load, p.t.error(), p.peers)
             w.fail(load, str(p.t.error()), p.peers)
             return
         w.recv_done.add(req_id)

@@ -39,7 +39,7 @@ logger = init_logger("vllm.kvplan_nixl")
 @dataclass(frozen=True)
 class Again:
     """A load's failed attempt: ``why`` it failed, the prefill ``peers`` (ranks) it read and
-    the ``agents`` they were read through (empty: it posted nothing, its peer had gone)."""
+    the engine's ``agents`` it failed with (empty: its peer had gone)."""
 
     why: str
     peers: tuple[int, ...] = ()
@@ -54,7 +54,8 @@ class Again:
 class Restarts:
     """One decode rank's prefills restarted in place (see the module docstring): what it
     forgets when a peer goes, and the loads connecting afresh after a failed attempt
-    (``again``, by request id; once each). Called under the rank's lock."""
+    (``again``, by request id, kept until the request is reported: once each). Called under
+    the rank's lock."""
 
     def __init__(self, rank: Rank) -> None:
         self.w = rank
@@ -78,16 +79,20 @@ class Restarts:
         if self.w.writes is not None:  # a push-mode decode: its prefill's handshake with it
             self.w.writes.hs.forget(engine)
 
-    def connect_again(self, load: Load, why: str, peers: tuple[int, ...],
+    def connect_again(self, load: Load, error: BaseException, peers: tuple[int, ...],
                       deadline: float | None = None) -> bool:
-        """``load``'s post or read failed (``why``; ``peers``: the prefill ranks it read):
+        """``load``'s post or read failed (``error``; ``peers``: the prefill ranks it read):
         forget its engine and, the first time for this load, wait for a fresh handshake, then
         post again (:meth:`settle`); True then. False (the caller fails it): it failed this
-        way before, it is a push, or its prefill is a stock one (the module docstring)."""
+        way before, it is a push, its prefill is a stock one (the module docstring), or it
+        ran out of time (a restarted prefill refuses at once; a slow or stopped one would
+        only cost the request another handshake's wait)."""
         w = self.w
-        agents = self.agents(load.engine) if peers else ()
+        why = f"{type(error).__name__}: {error}"
+        agents = self.agents(load.engine)  # what it failed with (none: its peer had gone)
         self.forget(load.engine)
-        if load.push or load.peer != "kvplan" or load.req_id in self.again:
+        if load.push or load.peer != "kvplan" or load.req_id in self.again \
+                or isinstance(error, TimeoutError):
             self.again.pop(load.req_id, None)
             return False
         self.again[load.req_id] = Again(why, peers, agents)
@@ -103,14 +108,21 @@ class Restarts:
         """``load``'s handshake ended (``st``): None to post it, or why it fails and the
         prefill ranks whose holds to end. A load connecting afresh fails if the handshake
         did, or if it found the agents its failed attempt read through (no restart)."""
-        again = self.again.pop(load.req_id, None)
+        again = self.again.get(load.req_id)
         was, peers = (f"{again.why}; then ", again.peers) if again is not None else ("", ())
         if st.failed:
+            self.again.pop(load.req_id, None)
             return f"{was}handshake failed: {st.reason}{dialled}", peers
         if again is not None and not again.replaced(self.agents(load.engine)):
+            self.again.pop(load.req_id, None)
             return (f"{again.why} (a fresh handshake found the same prefill agents: not a "
                     "restart)", peers)
-        return None
+        return None  # posted (again): its entry stays until it is reported, so never twice
+
+    def reported(self, req_ids: set[str]) -> None:
+        """These requests were reported to vLLM (loaded or failed): forget their attempts."""
+        for r in req_ids & self.again.keys():
+            del self.again[r]
 
     def agents(self, engine: str) -> tuple[str, ...]:
         """The NIXL agents ``engine``'s connected ranks are read through."""

@@ -299,6 +299,7 @@ class Worker:
                 self._count("num_confirmations_refused", "refused", counts["refused"])
                 self._count("num_side_channel_dropped", "dropped",
                             counts["dropped"] + self.ep.ignored_notices)
+            self.restarts.reported(self.recv_done)
             out = KVConnectorTransferResults(finished_sending=sending,
                                              finished_recving=self.recv_done,
                                              failed_recving=self.recv_failed)
@@ -371,9 +372,8 @@ def _poll_waiting(w: Worker, now: float) -> None:
             w.post(load, deadline)
         # its peer went, or its blocks are not the map's: it may have restarted in place
         except (NotConnectedError, NixlError, kvplan.RequestError) as e:
-            why = f"{type(e).__name__}: {e}"
-            if not w.restarts.connect_again(load, why, (), deadline):
-                w.fail(load, why)
+            if not w.restarts.connect_again(load, e, (), deadline):
+                w.fail(load, f"{type(e).__name__}: {e}")
         except Exception as e:  # a refused pair, bad params
             w.fail(load, f"{type(e).__name__}: {e}")
 
