@@ -60,6 +60,7 @@ class Fake:
         self.fetched: list[tuple[str, int]] = []
         self.fail: set[tuple[str, int]] = set()
         self.connected: list[tuple[str, int]] = []
+        self.hook = None  # called by each connect, with the engine
 
     def fetch(self, host, port, *, timeout, identity):
         self.fetched.append((host, port))
@@ -69,6 +70,8 @@ class Fake:
 
     def connect(self, engine, rank, blob):
         self.connected.append((engine, rank))
+        if self.hook is not None:
+            self.hook(engine)
         return ()
 
 
@@ -119,6 +122,22 @@ def test_a_failed_handshake_binds_nothing_and_signed_peers_are_not_bound():
             hs.start("p", HOST, port)
             wait_for(hs, ("p", HOST, port), READY)
         assert hs.pinned("p") is None
+
+
+def test_a_handshake_forgotten_midway_leaves_no_claim():
+    fake = Fake()
+    with table(fake, pin=True) as hs:
+        fake.hook = hs.forget  # its peer went meanwhile
+        hs.start("p", HOST, 5000)
+        end = time.monotonic() + 5
+        while hs.pinned("p") is not None or not fake.fetched:
+            assert time.monotonic() < end, hs.pinned("p")
+            time.sleep(0.005)
+        assert hs.state("p", HOST, 5000) is None  # forgotten: the job's end changed nothing
+        fake.hook = None
+        hs.start("p", HOST, 6000)
+        wait_for(hs, ("p", HOST, 6000), READY)
+        assert hs.pinned("p").address == f"{HOST}:6000"
 
 
 def test_admit_refuses_before_anything_is_dialled():

@@ -378,17 +378,19 @@ class Handshakes:
 
     def _set(self, key: Key, epoch: int, event: str, s: HandshakeState) -> None:
         """The job of ``epoch`` ended with ``event`` (DONE or ERROR): its state ``s``, if the
-        transition applies and the key is still the job's; the engine's pin held (DONE) or a
-        claim of it released (ERROR)."""
+        transition applies and the key is still the job's; then the engine's pin is held (DONE,
+        with ``pin``). Otherwise (failed, or forgotten meanwhile) a claim it made is released,
+        unless a newer job for the key runs."""
+        engine, host, port = key
         with self._mu:
             cur = self._states.get(key)
-            if self._epochs.get(key) != epoch or cur is None \
-                    or step(cur.kind, event) != s.kind:
-                return
-            self._states[key] = s
-            pin = self._pins.get(key[0])
-            if pin is not None and (pin.host, pin.port) == key[1:]:
-                if event == DONE:
-                    self._pins[key[0]] = Pin(pin.host, pin.port, held=True)
-                elif not pin.held:
-                    del self._pins[key[0]]
+            live = self._epochs.get(key) == epoch and cur is not None \
+                and step(cur.kind, event) == s.kind
+            if live:
+                self._states[key] = s
+            pin = self._pins.get(engine)
+            if live and event == DONE and self.pin:
+                self._pins[engine] = Pin(host, port, held=True)
+            elif pin is not None and not pin.held and (pin.host, pin.port) == (host, port) \
+                    and self._epochs.get(key) in (None, epoch):
+                del self._pins[engine]
