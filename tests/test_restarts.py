@@ -352,6 +352,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from kvplan_nixl.vllm.nixl_peer import fetch_nixl_metadata
 from tests.restart_peer import HASH
 
+from kvplan_nixl.vllm.settings import Settings
+
+def allowed(v):
+    return Settings("d", "h", 5700, 1, extra={"stock_prefills": v}).stock_prefills()
+
+assert allowed(None) is None and allowed("a:1, p@[::1]:2") == ((None, "a", 1), ("p", "::1", 2))
+for bad in ("a", "a:0", "a:70000", "@a:1", [5], {"a": 1}):
+    try:
+        allowed(bad)
+        raise AssertionError(bad)
+    except ValueError as e:
+        assert "kv_connector_extra_config['stock_prefills']" in str(e), e
+
 w, kv = worker("decode", port())
 X = port()
 p = Prefill("stock", X, "prefill-0", 2, 7, 16)

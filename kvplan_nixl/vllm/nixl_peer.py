@@ -59,6 +59,8 @@ from kvplan_nixl.serving.sidechannel import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvplan_nixl.vllm.rank import Rank
     from kvplan_nixl.vllm.scheduler import Load
 
@@ -155,7 +157,8 @@ class NixlPrefills:
         return ()
 
 
-def admit(allowed: tuple[tuple[str | None, str, int], ...] | None):
+def admit(allowed: tuple[tuple[str | None, str, int], ...] | None
+          ) -> Callable[[str, str, int], str | None] | None:
     """Handshakes' ``admit`` for ``stock_prefills`` (``allowed``, as
     :meth:`~kvplan_nixl.vllm.settings.Settings.stock_prefills` reads it; None: no check):
     why a request may not make the decode dial ``engine`` at ``host:port``, or None."""
