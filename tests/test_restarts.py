@@ -433,3 +433,44 @@ print("ok")
 
 def test_a_request_cannot_rebind_or_impersonate_a_stock_prefill(vllm_python):
     _in_vllm_venv(vllm_python, IDENTITY)
+
+
+#: Push mode: a prefill's Worker connects a decode to write into it (``Writes``' handshakes);
+#: the decode closes gracefully and starts again on its port under its engine id (a new
+#: agent): the prefill forgets it at its close notice and connects the new one afresh.
+PUSH = DRIVER_SETUP + r"""
+wp, _ = worker("prefill-p", port())
+D = port()
+wd, _ = worker("decode-p", D)
+
+def connected():
+    st = wp.writes.hs.start("decode-p", "127.0.0.1", D)
+    end = time.monotonic() + 10
+    while not (st := wp.writes.hs.state("decode-p", "127.0.0.1", D)).ready:
+        assert time.monotonic() < end and not st.failed, st
+        time.sleep(0.01)
+    with wp.lock:
+        return [p.agent for p in wp.ep.peers() if p.engine == "decode-p"]
+
+first = connected()
+end = time.monotonic() + 10
+while not wd.ep.handles()["remote_agents"]:  # the prefill's hello taken: it is told at close
+    assert time.monotonic() < end
+    time.sleep(0.01)
+wd.close()  # its close notice reaches the prefill
+end = time.monotonic() + 10
+while wp.writes.hs.state("decode-p", "127.0.0.1", D) is not None:
+    assert time.monotonic() < end, log.lines[-3:]
+    time.sleep(0.01)
+assert any("engine decode-p rank 0 went" in m for m in log.lines), log.lines
+wd, _ = worker("decode-p", D)  # restarted in place
+second = connected()
+assert len(first) == len(second) == 1 and first != second, (first, second)
+for x in (wp, wd):
+    x.close()
+print("ok")
+"""
+
+
+def test_a_push_decode_restarted_in_place_is_connected_afresh(vllm_python):
+    _in_vllm_venv(vllm_python, PUSH)
