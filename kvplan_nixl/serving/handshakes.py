@@ -55,7 +55,12 @@ from dataclasses import dataclass
 from kvplan_nixl import metadata as md
 from kvplan_nixl.errors import ArgumentError, ClosedError, MetadataError, ParamsError
 from kvplan_nixl.serving.host_pools import HostPool
-from kvplan_nixl.serving.sidechannel import SideChannelTimeout, fetch_metadata, server_identity
+from kvplan_nixl.serving.sidechannel import (
+    SideChannelClosed,
+    SideChannelTimeout,
+    fetch_metadata,
+    server_identity,
+)
 
 __all__ = ["FAILED", "MAX_STATES", "PENDING", "READY", "TRANSITIONS", "AddressConflict",
            "AddressRefused", "HandshakeState", "Handshakes", "Pin", "identity", "step"]
@@ -185,10 +190,13 @@ class Handshakes:
     ``queued`` handshakes waiting at most (a quarter of them for one host).
     ``retry_after_s``: a failed handshake is tried again by a :meth:`start` this long after
     it failed (a restarted prefill comes back); before that, :meth:`start` returns the failure.
-    ``attempts``: fetches of one rank's metadata that time out before the handshake fails. A
-    side channel that answers nothing within ``timeout`` is most often a prefill process
-    starved for a moment (a loaded host), not a dead one; each retry is reported to ``warn``
-    (loud, never silent), and a silent address costs ``attempts`` timeouts of one thread.
+    ``attempts``: fetches of one rank's metadata that time out, or that the server closes
+    before answering, before the handshake fails. A side channel that answers nothing within
+    ``timeout`` is most often a prefill process starved for a moment (a loaded host), not a
+    dead one; a server closes a connection whose request came after its own deadline (this
+    process starved: seen in CI with a TP 2 decode on two busy cores) or over its connection
+    cap. Each retry is reported to ``warn`` (loud, never silent), and a silent address costs
+    ``attempts`` timeouts of one thread; a refused connection (nothing listens) is not retried.
     ``pin``: bind each engine id to the address first connected (see the module docstring).
     ``admit(engine, host, port)``: why that address may not be dialled, or None (it may).
     """
@@ -362,15 +370,15 @@ class Handshakes:
 
     def _fetch_rank(self, engine: str, rank: int, host: str, port: int,
                     ident: str | None) -> bytes:
-        """One rank's metadata, fetched again after a timeout, ``attempts`` tries in all."""
+        """One rank's metadata, fetched again after a timeout or an early close, ``attempts``
+        tries in all."""
         attempt = 1
         while True:
             try:
                 return self._fetch(host, port, timeout=self.timeout, identity=ident)
-            except SideChannelTimeout as e:
+            except (SideChannelTimeout, SideChannelClosed) as e:
                 if attempt >= self.attempts or self._stop.is_set():
-                    raise SideChannelTimeout(f"{e} (try {attempt} of {self.attempts})",
-                                             host, port) from e
+                    raise type(e)(f"{e} (try {attempt} of {self.attempts})", host, port) from e
                 attempt += 1
                 if self._warn is not None:
                     self._warn(f"handshake with engine {engine!r} rank {rank}: {e}; trying "
