@@ -28,11 +28,19 @@ Only ranks the prefill has may be asked for (``tp_size``, ``pp_size``: the prefi
 ``kv_transfer_params``): vLLM 0.32's listener looks the rank up unguarded, and a rank it does
 not have raises ``KeyError`` in its thread, which ends it: the prefill answers no handshake
 after that. So a rank out of range is refused here, before anything is sent.
+
+An answer is capped before it is read: the socket's ``ZMQ_MAXMSGSIZE`` is :data:`MAX_ANSWER`
+(the project's own side channel's metadata cap, ``MAX_METADATA``), so libzmq refuses a larger
+frame from its length header, before allocating it, and drops the connection; the fetch sees
+that (a socket monitor: disconnected, and no reconnect scheduled, as after a protocol error;
+a listener that closed the connection is dialled again) and raises :class:`NixlAnswerTooLarge`
+at once instead of waiting out its deadline.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -45,12 +53,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path
+from zmq.utils.monitor import recv_monitor_message
 
 import kvplan
 from kvplan.adapters.vllm_nixl import prefill_from_nixl
 from kvplan_nixl.errors import ArgumentError
 from kvplan_nixl.serving.handshakes import Handshakes, HandshakeState
 from kvplan_nixl.serving.sidechannel import (
+    MAX_METADATA,
     SideChannelError,
     SideChannelProtocolError,
     SideChannelTimeout,
@@ -61,10 +71,18 @@ if TYPE_CHECKING:
     from kvplan_nixl.vllm.rank import Rank
     from kvplan_nixl.vllm.scheduler import Load
 
-__all__ = ["NixlHashMismatch", "NixlPrefills", "compat_hash", "fetch_nixl_metadata",
-           "stock_backend"]
+__all__ = ["MAX_ANSWER", "NixlAnswerTooLarge", "NixlHashMismatch", "NixlPrefills",
+           "compat_hash", "fetch_nixl_metadata", "stock_backend"]
 
 logger = init_logger("vllm.kvplan_nixl")
+
+#: Largest frame a stock prefill's handshake answer may carry (bytes): the project's own side
+#: channel's metadata cap (20 MiB). vLLM's own metadata is a few KiB per rank (a region is
+#: three ints); a model of thousands of layers stays far below it.
+MAX_ANSWER = MAX_METADATA
+#: Seconds after a dropped connection within which libzmq schedules its reconnect when the
+#: peer closed it (it does so at once); none by then: the drop was a refused frame.
+_RETRY_S = 0.2
 
 
 class NixlPrefills:
@@ -173,6 +191,18 @@ class NixlHashMismatch(SideChannelError):
                          "cache dtype, vLLM version or transfer mode)", host, port)
 
 
+class NixlAnswerTooLarge(SideChannelProtocolError):
+    """The listener at ``host:port`` answered a frame above ``limit`` bytes (:data:`MAX_ANSWER`),
+    or bytes that are not ZMTP: libzmq refused it from its length header, unread
+    (``ZMQ_MAXMSGSIZE``), and dropped the connection. Nothing of it was kept."""
+
+    def __init__(self, host: str, port: int, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"NixlConnector prefill at {host}:{port}: its handshake answer was "
+                         f"refused unread: a frame above the {limit} byte cap "
+                         f"({limit >> 20} MiB, MAX_ANSWER), or not ZMTP", host, port)
+
+
 def compat_hash(vllm_config: Any, backend_name: str) -> str:
     """The compatibility hash a NixlConnector pull decode with ``vllm_config`` and attention
     backend ``backend_name`` expects, by vLLM's own ``compute_nixl_compatibility_hash``."""
@@ -191,6 +221,7 @@ def fetch_nixl_metadata(host: str, port: int, tp_rank: int, *, tp_size: int,
     the one the metadata names. The whole exchange runs under ``timeout_s``.
 
     Raises :class:`~kvplan_nixl.serving.sidechannel.SideChannelTimeout` (no answer in time),
+    :class:`NixlAnswerTooLarge` (a frame above :data:`MAX_ANSWER`, refused unread),
     :class:`NixlHashMismatch`, :class:`~kvplan_nixl.serving.sidechannel.SideChannelProtocolError`
     (an answer that is not a NixlConnector handshake of this version, or another engine's),
     each naming ``host:port``.
@@ -220,21 +251,41 @@ def fetch_nixl_metadata(host: str, port: int, tp_rank: int, *, tp_size: int,
 
 
 def _ask(host: str, port: int, msg: bytes, timeout_s: float) -> list[bytes]:
-    """One REQ/REP exchange under ``timeout_s``; the socket never lingers after."""
+    """One REQ/REP exchange under ``timeout_s``, its answer's frames capped at
+    :data:`MAX_ANSWER` before they are read; the socket never lingers after."""
     ms = max(1, int(timeout_s * 1000))
+    deadline = time.monotonic() + timeout_s
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.REQ)
         # LINGER 0: an unanswered request must not keep the process alive at exit
-        for opt, val in ((zmq.LINGER, 0), (zmq.SNDTIMEO, ms), (zmq.RCVTIMEO, ms)):
+        for opt, val in ((zmq.LINGER, 0), (zmq.SNDTIMEO, ms), (zmq.MAXMSGSIZE, MAX_ANSWER)):
             sock.setsockopt(opt, val)
+        # a frame above MAXMSGSIZE is a protocol error: libzmq drops the connection and, unlike
+        # after a peer's close, schedules no reconnect (no CONNECT_RETRIED follows)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         sock.connect(make_zmq_path("tcp", host, port))
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         try:
             sock.send(msg)
-            return sock.recv_multipart()
+            dropped: float | None = None  # when the connection dropped with no retry after
+            while (left := deadline - time.monotonic()) > 0:
+                if dropped is not None:
+                    left = min(left, dropped + _RETRY_S - time.monotonic())
+                ready = dict(poller.poll(max(1, int(left * 1000))))
+                if sock in ready:
+                    return sock.recv_multipart(zmq.NOBLOCK)
+                while mon.poll(0):
+                    event = recv_monitor_message(mon)["event"]
+                    dropped = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+                if dropped is not None and time.monotonic() >= dropped + _RETRY_S:
+                    raise NixlAnswerTooLarge(host, port, MAX_ANSWER)
         except zmq.Again:
-            raise SideChannelTimeout(f"NixlConnector prefill at {host}:{port}: no handshake "
-                                     f"answer in {timeout_s:g} s", host, port) from None
+            pass
+        raise SideChannelTimeout(f"NixlConnector prefill at {host}:{port}: no handshake "
+                                 f"answer in {timeout_s:g} s", host, port)
     finally:
         ctx.destroy(linger=0)
 

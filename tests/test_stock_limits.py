@@ -1,0 +1,139 @@
+"""The mixed fleet as a trust boundary (issue 45, items 3 to 9): what a request's params, a
+stock NixlConnector prefill's listener and its metadata may cost a KvplanConnector decode, the
+request ids its notifications can carry, and what a staged OPEN may cost a prefill.
+
+The params rules are checked where the connector's scheduler admits a request
+(:func:`kvplan_nixl.serving.transfer_params.check_decode`, and in the vLLM venv through
+:class:`kvplan_nixl.vllm.scheduler.Scheduler` with vLLM's own ``Request``); the listener's cap
+with :func:`kvplan_nixl.vllm.nixl_peer.fetch_nixl_metadata` against a real ZMQ listener in its
+own process; the metadata's ranges with :func:`kvplan.adapters.vllm_nixl.prefill_from_nixl`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplan_nixl import ParamsError
+from kvplan_nixl.serving.transfer_params import check_decode
+
+#: a decode request's params as vLLM 0.32's NixlConnector prefill hands them
+STOCK = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4, 5]],
+         "remote_engine_id": "stock-p", "remote_request_id": "cmpl-2-0-abcdef12",
+         "remote_host": "10.0.0.8", "remote_port": 5600, "tp_size": 1, "dcp_size": 1,
+         "pp_size": 1, "remote_num_tokens": 70, "transfer_mode": "pull"}
+#: the same from a KvplanConnector prefill (it hands its lists' offsets)
+OURS = dict(STOCK, transfer_mode="kvplan", remote_block_offsets=[0], remote_generation=5)
+
+
+# -- item 3: sizes a request names are bounded by the decode's max_model_len ------------------
+
+def test_offsets_and_token_counts_are_bounded_by_max_model_len():
+    """``remote_block_offsets`` (the decode pads each list to it: 16 bytes a position) and
+    ``remote_num_tokens`` (a stock prefill's window offsets are derived from it) above the
+    decode's ``max_model_len`` are refused by name, with the bound; at it, taken."""
+    at = check_decode("d", dict(OURS, remote_block_offsets=[4096], remote_num_tokens=4096),
+                      1, max_model_len=4096)
+    assert at.first == (4096,) and at.tokens == 4096
+    for params, field in ((dict(OURS, remote_block_offsets=[2**31 - 1]), "remote_block_offsets"),
+                          (dict(OURS, remote_block_offsets=[4097]), "remote_block_offsets"),
+                          (dict(STOCK, remote_num_tokens=2**31 - 1), "remote_num_tokens"),
+                          (dict(STOCK, remote_num_tokens=4097), "remote_num_tokens"),
+                          (dict(OURS, remote_num_tokens=4097), "remote_num_tokens")):
+        with pytest.raises(ParamsError, match="4096") as e:
+            check_decode("d", params, 1, max_model_len=4096)
+        assert e.value.field == field and "max_model_len" in str(e.value), e.value
+    # without a max_model_len (a caller that has none) the wire format's bound holds
+    assert check_decode("d", dict(OURS, remote_block_offsets=[2**31 - 1]), 1).first == \
+        (2**31 - 1,)
+
+
+# -- item 5: request ids a stock prefill's notifications cannot carry -------------------------
+
+@pytest.mark.parametrize("rid", ["a,b", "HB:cmpl-1", "kvs1 OPEN 9", ",", "HB:"])
+def test_stock_request_ids_the_notifications_cannot_carry_are_refused(rid):
+    """vLLM 0.32's prefill splits a heartbeat's ids at ',' and reads any ``HB:...`` as a
+    heartbeat; ``kvs1 `` is the staged executor's prefix, which an endpoint will not send.
+    Such an id of a stock prefill's request is refused at admission, naming the field."""
+    with pytest.raises(ParamsError, match="NixlConnector prefill's request id") as e:
+        check_decode("d", dict(STOCK, remote_request_id=rid), 1)
+    assert e.value.field == "remote_request_id" and e.value.value == rid
+    # a kvplan prefill's ids travel on its own side channel (quoted): not refused
+    assert check_decode("d", dict(OURS, remote_request_id=rid), 1).remote_req == rid
+
+
+def test_stock_request_ids_vllm_reads_back_exactly_are_taken():
+    for rid in ("cmpl-2-0-abcdef12", "a:b:c", "x HB:y", "chat-1-kvs1", "hb:lower"):
+        assert check_decode("d", dict(STOCK, remote_request_id=rid), 1).remote_req == rid
+
+
+# -- items 3 and 5 through the connector's scheduler, vLLM's own Request (in the vLLM venv) ---
+
+SCHEDULER = r"""
+from types import SimpleNamespace
+import torch
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                        SlidingWindowSpec)
+from vllm.v1.request import Request
+from kvplan_nixl.vllm import KvplanConnector
+
+cfg = VllmConfig(kv_transfer_config=KVTransferConfig(
+    kv_connector="KvplanConnector", kv_connector_module_path="kvplan_nixl.vllm",
+    kv_role="kv_both", kv_buffer_device="cpu", engine_id="dec"))
+cfg.model_config = SimpleNamespace(max_model_len=4096)  # what the facade reads of the model
+full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16,
+                           sliding_window=32)
+kcfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                     kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], full),
+                                      KVCacheGroupSpec(["layers.1.attn"], window)])
+c = KvplanConnector(cfg, KVConnectorRole.SCHEDULER, kcfg)
+STOCK = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3], [2, 3]],
+         "remote_engine_id": "stock-p", "remote_request_id": "cmpl-1", "remote_host": "10.0.0.8",
+         "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 40, "transfer_mode": "pull"}
+OURS = dict(STOCK, transfer_mode="kvplan", remote_block_offsets=[0, 1])
+blocks = KVCacheBlocks(([KVCacheBlock(block_id=i) for i in (5, 6, 7)],
+                        [KVCacheBlock(block_id=i) for i in (8, 9, 10)]))
+
+def load(i, params):  # vLLM's order: admission, match, allocation, this step's metadata
+    r = Request(f"r{i}", list(range(2, 42)), SamplingParams(
+        max_tokens=4, extra_args={"kv_transfer_params": params}), None)
+    c.on_new_request(r)
+    assert c.get_num_new_matched_tokens(r, 0) == (40, True)
+    c.update_state_after_alloc(r, blocks, 40)
+    (ld,) = c.build_connector_meta(SimpleNamespace(scheduled_new_reqs=())).loads
+    return ld
+
+refused = {}
+for i, (params, field) in enumerate([
+        (dict(STOCK, remote_num_tokens=2**31 - 1), "remote_num_tokens"),  # 2 GiB of window
+        (dict(OURS, remote_block_offsets=[0, 2**31 - 1]), "remote_block_offsets"),  # 32 GiB
+        (dict(STOCK, remote_request_id="a,b"), "remote_request_id"),
+        (dict(STOCK, remote_request_id="HB:x"), "remote_request_id"),
+        (dict(STOCK, remote_request_id="kvs1 x"), "remote_request_id")]):
+    ld = load(i, params)
+    assert f"kv_transfer_params[{field!r}]" in ld.refused and ld.parked, (field, ld)
+    assert ld.host == "" and ld.remote_ids == [], ld  # nothing of it reaches the workers
+    refused[field] = ld.refused
+assert "4096" in refused["remote_num_tokens"] and "max_model_len" in refused["remote_num_tokens"]
+assert "4096" in refused["remote_block_offsets"]
+# at the bound: taken; the window's derived offset stays within max_model_len's blocks
+ld = load(10, dict(STOCK, remote_num_tokens=4096))
+assert not ld.refused and ld.remote_first == [0, 4096 // 16 - 2], ld
+ld = load(11, dict(OURS, remote_block_offsets=[0, 4096]))
+assert not ld.refused and ld.remote_first == [0, 4096], ld
+print("ok")
+"""
+
+
+def test_the_connectors_scheduler_bounds_and_refuses_them_at_admission(vllm_python):
+    """Items 3 and 5 at the connector's scheduler (its facade, as vLLM calls it): the request
+    is refused at admission naming the field and, for a size, ``max_model_len`` and its value;
+    its load fails at once into the policy, carrying no block list, offset or address."""
+    from tests.test_vllm_serving import _in_vllm_venv
+
+    _in_vllm_venv(vllm_python, SCHEDULER)
