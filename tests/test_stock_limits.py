@@ -11,6 +11,7 @@ own process; the metadata's ranges with :func:`kvplan.adapters.vllm_nixl.prefill
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvplan_nixl import ParamsError
@@ -137,3 +138,100 @@ def test_the_connectors_scheduler_bounds_and_refuses_them_at_admission(vllm_pyth
     from tests.test_vllm_serving import _in_vllm_venv
 
     _in_vllm_venv(vllm_python, SCHEDULER)
+
+
+# -- item 6: a stock prefill's metadata, range-checked as kvplan's own -----------------------
+
+def _stock(tp: int = 1, **kw):
+    """A stock prefill's per-rank metadata (as vLLM's register_kv_caches builds it) and the
+    decode's spec of the same model (2 layers, 2 KV heads, blocks of 4, CPU_ATTN)."""
+    from kvplan.adapters.vllm import spec_from_vllm
+    from tests.test_vllm_adapter import fake_engine
+    from tests.test_vllm_nixl_metadata import nixl_metadata
+
+    model = {"layout": "LBHNC", "heads": 2, "block": 4, "num_blocks": 6, **kw}
+    prefill = [fake_engine(tp=tp, **model) for _ in range(tp)]
+    dec = fake_engine(tp=1, **{**model, "num_blocks": 9})
+    dspec = spec_from_vllm(dec[0], dec[1], tp_size=1, backend="CPU_ATTN", total_num_kv_heads=2)
+    metas = [nixl_metadata(kv, cfg, raw.size, layout="LBHNC", backend="CPU_ATTN")
+             for kv, cfg, raw in prefill]
+    return dspec, metas, prefill
+
+
+BAD_METADATA = [
+    ("num_blocks", 0, "num_blocks 0: must be an int 1 to"),
+    ("num_blocks", -3, "num_blocks -3: must be an int 1 to"),
+    ("block_size", 0, "block_size 0: must be an int 1 to 65536"),
+    ("block_size", -4, "block_size -4"), ("block_size", "4", "block_size '4'"),
+    ("physical_blocks_per_logical_kv_block", 0, "physical_blocks_per_logical_kv_block 0"),
+    ("device_id", -1, "device_id -1"), ("dcp_size", 0, "dcp_size 0"),
+    ("kv_caches_base_addr", [2**63 + 4096, 2**63 + 8192], r"kv_caches_base_addr\[0\]"),
+    ("kv_caches_base_addr", [0, 64], r"kv_caches_base_addr\[0\] 0"),
+    ("kv_caches_base_addr", "x", "kv_caches_base_addr must be a list"),
+    ("block_lens", [0, 0], r"block_lens\[0\] 0"), ("block_strides", [1.5, 2], "block_strides"),
+    ("region_num_blocks", [-1, 6], r"region_num_blocks\[0\] -1"),
+    ("region_group_ids", [-2, 0], r"region_group_ids\[0\] -2"),
+    ("ssm_sizes", (0,), "ssm_sizes"), ("ssm_sizes", (-1, 0), "ssm_sizes"),
+    ("engine_id", 7, "engine_id 7: must be a string"),
+    ("kv_cache_layout", ["LBHNC"], "kv_cache_layout"),
+    ("region_names", [1, 2], "region_names must be a list"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "words"), BAD_METADATA,
+                         ids=[f"{f}={str(v)[:10]}" for f, v, _ in BAD_METADATA])
+def test_metadata_numbers_out_of_range_are_refused_naming_the_field(field, value, words):
+    """Sizes <= 0 once raised ``RuntimeError: generator raised StopIteration``, an address past
+    2**63 an ``OverflowError`` in ``connect_foreign``; each is now a NixlMetadataError naming
+    the rank, the field and the value."""
+    from kvplan.adapters.vllm_nixl import NixlMetadataError, prefill_from_nixl
+
+    dspec, (meta,), _ = _stock()
+    with pytest.raises(NixlMetadataError, match=words) as e:
+        prefill_from_nixl(dspec, [dict(meta, **{field: value})], backend="CPU_ATTN")
+    assert "prefill rank 0" in str(e.value)
+
+
+def test_a_buffer_ending_past_2_63_is_refused_before_nixl_sees_it():
+    """The buffer's base is in range but its end is not: refused by the adapter (naming
+    kv_caches_base_addr) and, given to ``connect_foreign`` directly, by the endpoint (a
+    BufferSizeError naming the buffer), never an OverflowError."""
+    from kvplan.adapters.vllm_nixl import NixlMetadataError, prefill_from_nixl
+    from kvplan_nixl import BufferSizeError, Endpoint
+    from kvplan_nixl._nixl import make_agent
+
+    dspec, (meta,), _ = _stock()
+    good = prefill_from_nixl(dspec, [meta], backend="CPU_ATTN")
+    (name, (base, size)), = good.buffers[0].items()
+    top = (1 << 63) - size + 1  # every region starts below 2**63, the buffer ends past it
+    moved = dict(meta, kv_caches_base_addr=[a - base + top for a in meta["kv_caches_base_addr"]])
+    with pytest.raises(NixlMetadataError, match=r"kv_caches_base_addr .* \(0, 2\*\*63\)"):
+        prefill_from_nixl(dspec, [moved], backend="CPU_ATTN")
+    agent = make_agent("stock-past-63", ("UCX",), False)
+    buf = np.zeros(dspec.rank_buffer_nbytes(0), np.uint8)
+    with Endpoint("decode", dspec, 0, {dspec.buffers[0]: buf}) as ep, \
+            pytest.raises(BufferSizeError, match="past 2\\*\\*63"):
+        ep.connect_foreign("stock", 0, good.spec, {name: (top, size)},
+                           agent.get_agent_metadata())
+
+
+# -- item 7: the request's tp_size against the prefill's own rank 0 --------------------------
+
+def test_a_claimed_tp_size_is_checked_against_rank_0s_block_lengths():
+    """A TP 1 prefill's rank 0 publishes both KV heads per block; claimed TP 2 (a rank 1 the
+    prefill lacks, which kills vLLM's listener if asked for) is refused from rank 0 alone,
+    naming tp_size, the region and both block lengths. A TP 2 prefill's rank 0, claimed TP 1,
+    likewise; each at its own size is taken."""
+    from kvplan.adapters.vllm_nixl import NixlMetadataError, check_first_rank
+
+    dspec, (meta1,), _ = _stock(tp=1)
+    check_first_rank(dspec, meta1, 1, backend="CPU_ATTN")
+    with pytest.raises(NixlMetadataError, match=r"tp_size 2 \(the request's\).*block_lens "
+                       r"\d+, this model at TP 2 has \d+"):
+        check_first_rank(dspec, meta1, 2, backend="CPU_ATTN")
+    _, metas2, _ = _stock(tp=2)
+    check_first_rank(dspec, metas2[0], 2, backend="CPU_ATTN")
+    with pytest.raises(NixlMetadataError, match="tp_size 1"):
+        check_first_rank(dspec, metas2[0], 1, backend="CPU_ATTN")
+    with pytest.raises(NixlMetadataError, match="tp_size 0"):
+        check_first_rank(dspec, meta1, 0, backend="CPU_ATTN")

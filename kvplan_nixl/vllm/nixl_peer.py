@@ -56,7 +56,7 @@ from vllm.utils.network_utils import make_zmq_path
 from zmq.utils.monitor import recv_monitor_message
 
 import kvplan
-from kvplan.adapters.vllm_nixl import prefill_from_nixl
+from kvplan.adapters.vllm_nixl import check_first_rank, prefill_from_nixl
 from kvplan_nixl.errors import ArgumentError
 from kvplan_nixl.serving.handshakes import Handshakes, HandshakeState
 from kvplan_nixl.serving.sidechannel import (
@@ -90,8 +90,10 @@ class NixlPrefills:
     :class:`~kvplan_nixl.serving.handshakes.Handshakes` of their own (its pool, timeouts,
     retries and per-address state, keyed by what the request names).
 
-    A handshake asks the prefill's one side channel for rank 0's metadata, then for every
-    other rank's (``tp_size`` of the request that started it): the prefill's spec needs all of
+    A handshake asks the prefill's one side channel for rank 0's metadata, checks the
+    ``tp_size`` of the request that started it against it
+    (:func:`kvplan.adapters.vllm_nixl.check_first_rank`: a rank's block lengths are its share
+    of the model's heads), then asks for every other rank's: the prefill's spec needs all of
     them (:func:`kvplan.adapters.vllm_nixl.prefill_from_nixl` checks they agree and match
     this engine's model exactly, or refuses naming what). Then the ranks this rank reads
     (every rank, on rank 0: it tells the ranks nobody reads that they may free) are connected
@@ -132,6 +134,9 @@ class NixlPrefills:
         tp = self.tp[engine, host, port]
         meta = fetch_nixl_metadata(host, port, int(rank), tp_size=tp, expected_hash=self.hash,
                                    engine_id=engine, timeout_s=timeout)
+        if rank == "0":  # the request's tp_size, against rank 0's own block lengths: before
+            # any other rank is asked for (vLLM's listener dies on a rank it lacks)
+            check_first_rank(self.w.ep.spec, meta, tp, backend=self.backend)
         return msgspec.msgpack.encode((int(rank), tp, meta))
 
     def _connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:
