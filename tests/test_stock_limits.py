@@ -235,3 +235,214 @@ def test_a_claimed_tp_size_is_checked_against_rank_0s_block_lengths():
         check_first_rank(dspec, metas2[0], 1, backend="CPU_ATTN")
     with pytest.raises(NixlMetadataError, match="tp_size 0"):
         check_first_rank(dspec, meta1, 0, backend="CPU_ATTN")
+
+
+# -- items 4 and 7 against vLLM 0.32's own listener (in the vLLM venv) ------------------------
+
+#: vLLM 0.32's handshake listener (``_nixl_handshake_listener``, run as its scheduler runs it),
+#: in a process of its own: a genuine TP 1 prefill's rank 0 on one port, and the same listener
+#: serving a 256 MiB answer on another. argv: the two ports, the hash, the metadata's JSON.
+LISTENERS = r"""
+import json, sys, threading
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
+    NixlBaseConnectorScheduler)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata, NixlHandshakePayload)
+genuine, big, digest = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+meta = json.loads(sys.argv[4])
+meta["agent_metadata"] = b"not read: this check fails before any rank is connected"
+enc = msgspec.msgpack.Encoder()
+payload = NixlHandshakePayload(compatibility_hash=digest,
+                               agent_metadata_bytes=enc.encode(NixlAgentMetadata(**meta)))
+for port, data in ((genuine, {(0, 0): enc.encode(payload)}), (big, {(0, 0): b"x" * (256 << 20)})):
+    ready = threading.Event()
+    threading.Thread(target=NixlBaseConnectorScheduler._nixl_handshake_listener, daemon=True,
+                     args=(data, ready, threading.Event(), "127.0.0.1", port)).start()
+    ready.wait()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+FETCH_LIMITS = r"""
+import json, resource, subprocess, sys, threading, time
+from types import SimpleNamespace
+from kvplan import EngineSpec
+from kvplan_nixl.serving.sidechannel import SideChannelTimeout
+from kvplan_nixl.vllm.nixl_peer import (MAX_ANSWER, NixlAnswerTooLarge, NixlPrefills,
+                                        fetch_nixl_metadata)
+
+genuine, big, idle, dspec, meta = json.loads(sys.argv[1])
+listeners = subprocess.Popen([sys.executable, "-c", LISTENERS, str(genuine), str(big), "h" * 64,
+                              json.dumps(meta)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+assert listeners.stdout.readline().strip() == "ready"
+got = fetch_nixl_metadata("127.0.0.1", genuine, 0, tp_size=1, expected_hash="h" * 64)
+assert got["engine_id"] == meta["engine_id"] and got["block_lens"] == meta["block_lens"], got
+
+# item 4: a 256 MiB answer is refused from its length, at once, holding none of it
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.monotonic()
+try:
+    fetch_nixl_metadata("127.0.0.1", big, 0, tp_size=1, expected_hash="h" * 64, timeout_s=20)
+except NixlAnswerTooLarge as e:
+    took, why, limit = time.monotonic() - t0, str(e), e.limit
+else:
+    raise AssertionError("a 256 MiB answer was taken")
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
+assert limit == MAX_ANSWER == 20 * 2**20 + 50 and "20 MiB" in why and f":{big}" in why, why
+assert took < 5 and grew < 32 << 10, (took, grew)
+# a listener that answers nothing is still a timeout, not a refused frame
+try:
+    fetch_nixl_metadata("127.0.0.1", idle, 0, tp_size=1, expected_hash="h" * 64, timeout_s=0.5)
+except SideChannelTimeout as e:
+    assert not isinstance(e, NixlAnswerTooLarge) and "no handshake answer in 0.5 s" in str(e)
+
+# item 7: a request claiming tp_size 2 for this TP 1 prefill, through the connector's own
+# NixlPrefills: refused from rank 0's block lengths, rank 1 never asked for
+w = SimpleNamespace(lock=threading.Lock(), hs_timeout=5.0, lease=30.0, rank=0, cuda=False,
+                    ep=SimpleNamespace(spec=EngineSpec.from_dict(dspec)))
+prefills = NixlPrefills(w, "h" * 64, "CPU_ATTN")
+load = SimpleNamespace(engine=meta["engine_id"], host="127.0.0.1", port=genuine, remote_tp=2)
+st = prefills.start(load)
+deadline = time.monotonic() + 30
+while st.pending:
+    assert time.monotonic() < deadline, st
+    time.sleep(0.01)
+    st = prefills.state(load)
+assert st.failed and "NixlMetadataError: tp_size 2 (the request's)" in st.reason, st
+prefills.close()
+# vLLM's listener still serves: asked for rank 1, its thread would have died (KeyError)
+again = fetch_nixl_metadata("127.0.0.1", genuine, 0, tp_size=1, expected_hash="h" * 64,
+                            timeout_s=5)
+assert again == got
+listeners.stdin.close()
+listeners.wait(30)
+print(f"refused 256 MiB in {took:.3f} s, maxrss +{grew} KiB; ok")
+"""
+
+
+def test_stock_listener_answers_are_capped_and_tp_size_checked_first(vllm_python):
+    """Item 4: vLLM's own listener serving a 256 MiB frame makes the fetch raise
+    NixlAnswerTooLarge (naming the 20 MiB cap) at once, its memory not grown by the frame
+    (before: 511 MiB held, then refused). Item 7: a request's tp_size 2 for a TP 1 prefill
+    fails its handshake on rank 0's metadata, and the listener, never asked for rank 1, still
+    answers."""
+    import json
+    import os
+    import subprocess
+
+    from tests.vllm_pool import REPO, free_base_port
+
+    dspec, (meta,), _ = _stock(num_blocks=9)  # a prefill with the decode's block count
+    meta = dict(meta, engine_id="stock-p", agent_metadata=None)
+    base = free_base_port(3)  # the genuine listener, the 256 MiB one, one nobody serves
+    script = f"LISTENERS = {LISTENERS!r}\n" + FETCH_LIMITS
+    r = subprocess.run([str(vllm_python), "-c", script,
+                        json.dumps([base, base + 1, base + 2, dspec.to_dict(), meta])],
+                       capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    print(r.stdout.strip().splitlines()[-1])
+
+
+# -- item 8: a stock prefill's read refused before posting is told <id>:n ---------------------
+
+UNPOSTED = r"""
+import time
+from types import SimpleNamespace
+from kvplan import RequestError
+from kvplan.adapters.vllm import TransferGroups
+from kvplan_nixl import Endpoint
+from kvplan_nixl._nixl import make_agent
+from kvplan_nixl.vllm.pulling import Pulls
+from tests import oracle
+from tests.nixl_util import attn, spec
+
+class Bare:  # one rank of a stock prefill, to NIXL: an agent, its memory, its notifications
+    def __init__(self, name, buf):
+        self.buf, self.got = buf, []
+        self.agent = make_agent(name, ("UCX",), False)
+        self.descs = self.agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+        self.agent.register_memory(self.descs)
+    def progress(self):
+        for msgs in self.agent.get_new_notifs().values():
+            self.got += [bytes(m) for m in msgs]
+        return 0
+
+class Stats:
+    def __init__(self):
+        self.counts = {}
+    def record(self, key, n=1):
+        self.counts[key] = self.counts.get(key, 0) + n
+    def record_transfer(self, *a):
+        self.record("transfers")
+
+def drain(bares, want, timeout=10.0):  # the decode's agent progressed as its Worker's loop does
+    end = time.monotonic() + timeout
+    while any(len(b.got) < want for b in bares) and time.monotonic() < end:
+        ep.notifications()
+        for b in bares:
+            b.progress()
+        time.sleep(1e-3)
+
+src, dst = spec(2, attn(heads=4)), spec(1, attn(heads=4))  # stock TP 2 -> decode TP 1
+sbufs = oracle.source_buffers(src.to_dict(), seed=3)
+dbufs = oracle.destination_buffers(dst.to_dict(), seed=4)
+bares = [Bare(f"stock-agent-{r}", sbufs[(r, 0)]) for r in range(2)]
+ep = Endpoint("decode", dst, 0, {"layers.0.attn": dbufs[(0, 0)]})
+for r, b in enumerate(bares):
+    ep.connect_foreign("stock", r, src, {"layers.0.attn": (b.buf.ctypes.data, b.buf.nbytes)},
+                       b.agent.get_agent_metadata())
+groups = TransferGroups(index=(0,), kinds=("full",), block_sizes=(16,), windows=(None,),
+                        scratch=(0,))
+w = SimpleNamespace(rank=0, ep=ep, groups=groups, whole=False, timeout=10.0, heartbeat=20.0,
+                    nixl_heartbeat=5.0, stats=Stats(), failed=[], recv_done=set(), engines={},
+                    nixl=SimpleNamespace(forget=lambda engine: None))
+w.fail = lambda load, why, peers=(): w.failed.append(why)
+pulls, tmap, counts = Pulls(w), ep.map("stock"), [1, 1]  # decode rank 0 reads both ranks
+
+def load(req, ids):
+    return SimpleNamespace(req_id="d-" + req, remote_req=req, engine="stock", host="127.0.0.1",
+                           port=5600, remote_tp=2, remote_ids=[ids], remote_first=[0],
+                           local_ids=[[7, 8, 9]], start=0, end=48, parked=True, generation=0,
+                           push=False, key="", refused="", peer="nixl")
+
+# the prefill handed a block id it does not have: the plan is refused before posting
+try:
+    pulls.post(load("cmpl-bad", [1, 2, 99]), tmap, counts)
+except RequestError as e:
+    why = str(e)
+else:
+    raise AssertionError("posted")
+assert "block id 99" in why and not pulls.inflight, why
+drain(bares, 1)
+assert [b.got for b in bares] == [[b"cmpl-bad:1"], [b"cmpl-bad:1"]], [b.got for b in bares]
+# a genuine read still posts, completes and is told once per rank, as before
+pulls.post(load("cmpl-ok", [1, 2, 3]), tmap, counts)
+end = time.monotonic() + 30
+while "d-cmpl-ok" not in w.recv_done:
+    assert time.monotonic() < end and not w.failed, (w.failed, pulls.inflight)
+    for b in bares:
+        b.progress()
+    ep.notifications()
+    pulls.progress(time.monotonic())
+    time.sleep(1e-3)
+drain(bares, 3)
+for b in bares:
+    assert b.got[0] == b"cmpl-bad:1" and b.got.count(b"cmpl-ok:1") == 1, b.got
+    assert set(b.got[1:]) <= {b"HB:cmpl-ok", b"cmpl-ok:1"}, b.got
+ep.close()
+print("ok")
+"""
+
+
+def test_a_stock_read_refused_before_posting_frees_the_prefills_blocks(vllm_python):
+    """Item 8, at the connector's pull path (``Pulls.post``, what the decode Worker calls once
+    the handshake is done) with real NIXL agents as the stock prefill's two ranks: a plan
+    refused at posting (a block id the prefill lacks) still tells each rank ``<id>:1``, the
+    notification after which vLLM's prefill frees the request's blocks (before: nothing, so
+    they waited for its lease); a genuine read after it is told once, as before."""
+    from tests.test_vllm_serving import _in_vllm_venv
+
+    _in_vllm_venv(vllm_python, UNPOSTED)
