@@ -446,3 +446,106 @@ def test_a_stock_read_refused_before_posting_frees_the_prefills_blocks(vllm_pyth
     from tests.test_vllm_serving import _in_vllm_venv
 
     _in_vllm_venv(vllm_python, UNPOSTED)
+
+
+# -- item 9: a staged OPEN's claimed size is refuted before any planning -----------------------
+
+def _absent(draw, lists):
+    """Some positions of each list replaced by ABSENT (a window's or a state's null blocks)."""
+    from hypothesis import strategies as st
+
+    from kvplan import ABSENT
+
+    return [[ABSENT if draw(st.integers(0, 4)) == 0 else b for b in g] for g in lists]
+
+
+def test_plan_nbytes_is_every_plans_bytes_per_peer():
+    """:func:`kvplan.request.plan_nbytes` (what the staged server refutes an OPEN with before
+    planning) equals the plan's bytes per peer rank for generated pairs: any layouts, K/V
+    buffers, allocations, block sizes, TP, windows and state, token ranges inside blocks,
+    ``dst_from="start"`` and null blocks on either side; and raises where planning raises."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import kvplan.strategies as ks
+    from kvplan import EngineSpec, KVPlanError, pull_map, push_map
+    from kvplan.request import plan_nbytes
+
+    @st.composite
+    def cases(draw):
+        src_d, dst_d = draw(ks.layout_spec_pairs())
+        sb, db, tokens, dst_from = draw(ks.token_requests(src_d, dst_d))
+        if draw(st.booleans()):
+            tokens, dst_from = None, "zero"
+        if draw(st.booleans()):
+            sb, db = _absent(draw, sb), _absent(draw, db)
+        return src_d, dst_d, sb, db, tokens, dst_from, draw(st.booleans())
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(cases())
+    def check(case):
+        src_d, dst_d, sb, db, tokens, dst_from, pull = case
+        src, dst = EngineSpec.from_dict(src_d), EngineSpec.from_dict(dst_d)
+        for r in range((dst if pull else src).num_ranks):
+            tmap = pull_map(src, dst, r) if pull else push_map(src, dst, r)
+            try:
+                plan = tmap.plan(sb, db, tokens=tokens, dst_from=dst_from)
+            except KVPlanError as e:
+                with pytest.raises(type(e)):
+                    plan_nbytes(tmap, sb, db, tokens, dst_from)
+                continue
+            rows = plan.copies()
+            side = rows["src_rank"] if pull else rows["dst_rank"]
+            want = {int(p): int(rows["length"][side == p].sum()) for p in tmap.peers}
+            got = plan_nbytes(tmap, sb, db, tokens, dst_from)
+            assert got == want, (got, want)
+
+    check()
+
+
+def test_a_staged_open_claiming_the_wrong_size_is_refused_before_planning(monkeypatch):
+    """A connected decode's OPEN of 2 x 512 block ids claiming one byte fewer than their plan
+    moves (within what the blocks hold, so the older cheap check passes it) is refused with a
+    FAIL naming both sizes, and neither planned nor staged on the server; a genuine staged
+    pull after it is served and lands the oracle's bytes."""
+    import time
+
+    from kvplan import Mode, TransferMap
+    from kvplan_nixl.staged import protocol as proto
+    from kvplan_nixl.staged import server as staged_server
+    from tests.nixl_util import attn, spec
+    from tests.test_nixl_staged import SLOT, staged_pair
+
+    src = spec(2, attn(heads=4, nb=512), attn("layers.1.attn", heads=4, nb=512, layout="NHD"))
+    dst = spec(1, attn(heads=4, nb=512), attn("layers.1.attn", heads=4, nb=512))
+    rng = np.random.default_rng(5)
+    sb, db = [rng.permutation(512).tolist()], [rng.permutation(512).tolist()]
+    with staged_pair(src, dst) as pr:
+        d, p0 = pr.d[0], pr.p[0]
+        st = pr.stagers[p0]
+        rows = d.map("prefill").plan(sb, db).copies()
+        nbytes = int(rows["length"][rows["src_rank"] == 0].sum())
+        (msg,) = proto.open_messages("41", Mode.PULL, SLOT, 0, {0: nbytes - 1},
+                                     [np.asarray(sb[0])], [np.asarray(db[0])], b"").values()
+        planned, staged = [], []
+        real_plan, real_stage = TransferMap.plan, staged_server.stage
+        monkeypatch.setattr(TransferMap, "plan",
+                            lambda self, *a, **k: planned.append(1) or real_plan(self, *a, **k))
+        monkeypatch.setattr(staged_server, "stage",
+                            lambda *a, **k: staged.append(1) or real_stage(*a, **k))
+        sent = []
+        monkeypatch.setattr(st.channel, "send", lambda agent, m: sent.append(m) or True)
+        t0 = time.process_time()
+        st.channel.inbox.append((d.agent_name, msg))
+        st.poll()
+        took = time.process_time() - t0
+        assert planned == [] and staged == [], "the refused OPEN was planned"
+        assert [m for m in sent if m.startswith(b"kvs1 FAIL 41 ")] == [
+            f"kvs1 FAIL 41 refused: plans disagree: initiator {nbytes - 1} bytes, this side "
+            f"{nbytes} bytes for rank 0 (counted before planning)".encode()], sent
+        assert st.handles()["serving"] == 0
+        monkeypatch.undo()
+        t = pr.stagers[d].read(d.map("prefill").plan(sb, db), "prefill", timeout=30)
+        t.wait(30, progress=list(pr.stagers.values()))
+        pr.check(sb, db)
+    print(f"refused in {took * 1e3:.1f} ms of CPU")
