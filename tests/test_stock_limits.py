@@ -241,7 +241,8 @@ def test_a_claimed_tp_size_is_checked_against_rank_0s_block_lengths():
 
 #: vLLM 0.32's handshake listener (``_nixl_handshake_listener``, run as its scheduler runs it),
 #: in a process of its own: a genuine TP 1 prefill's rank 0 on one port, and the same listener
-#: serving a 256 MiB answer on another. argv: the two ports, the hash, the metadata's JSON.
+#: serving a 256 MiB answer on another; on a third a ROUTER answering 20 frames of 19 MiB
+#: (each below a ZMQ socket's per-frame cap). argv: the ports, the hash, the metadata's JSON.
 LISTENERS = r"""
 import json, sys, threading
 import msgspec
@@ -249,8 +250,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
     NixlBaseConnectorScheduler)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata, NixlHandshakePayload)
-genuine, big, digest = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-meta = json.loads(sys.argv[4])
+genuine, big, many, digest = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+meta = json.loads(sys.argv[5])
 meta["agent_metadata"] = b"not read: this check fails before any rank is connected"
 enc = msgspec.msgpack.Encoder()
 payload = NixlHandshakePayload(compatibility_hash=digest,
@@ -260,6 +261,15 @@ for port, data in ((genuine, {(0, 0): enc.encode(payload)}), (big, {(0, 0): b"x"
     threading.Thread(target=NixlBaseConnectorScheduler._nixl_handshake_listener, daemon=True,
                      args=(data, ready, threading.Event(), "127.0.0.1", port)).start()
     ready.wait()
+import zmq
+router = zmq.Context().socket(zmq.ROUTER)
+router.bind(f"tcp://127.0.0.1:{many}")
+def frames():
+    part = b"x" * (19 << 20)
+    while True:
+        ident, _, _ = router.recv_multipart()
+        router.send_multipart([ident, b""] + [part] * 20)
+threading.Thread(target=frames, daemon=True).start()
 print("ready", flush=True)
 sys.stdin.read()
 """
@@ -272,10 +282,10 @@ from kvplan_nixl.serving.sidechannel import SideChannelTimeout
 from kvplan_nixl.vllm.nixl_peer import (MAX_ANSWER, NixlAnswerTooLarge, NixlPrefills,
                                         fetch_nixl_metadata)
 
-genuine, big, idle, dspec, meta = json.loads(sys.argv[1])
-listeners = subprocess.Popen([sys.executable, "-c", LISTENERS, str(genuine), str(big), "h" * 64,
-                              json.dumps(meta)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+genuine, big, idle, many, dspec, meta = json.loads(sys.argv[1])
+listeners = subprocess.Popen([sys.executable, "-c", LISTENERS, str(genuine), str(big), str(many),
+                              "h" * 64, json.dumps(meta)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
 assert listeners.stdout.readline().strip() == "ready"
 got = fetch_nixl_metadata("127.0.0.1", genuine, 0, tp_size=1, expected_hash="h" * 64)
 assert got["engine_id"] == meta["engine_id"] and got["block_lens"] == meta["block_lens"], got
@@ -292,6 +302,16 @@ else:
 grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
 assert limit == MAX_ANSWER == 20 * 2**20 + 50 and "20 MiB" in why and f":{big}" in why, why
 assert took < 5 and grew < 32 << 10, (took, grew)
+# 20 frames of 19 MiB: bounded in all (a ZMQ socket's MAXMSGSIZE bounds one frame: 400 MiB)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    fetch_nixl_metadata("127.0.0.1", many, 0, tp_size=1, expected_hash="h" * 64, timeout_s=20)
+except NixlAnswerTooLarge as e:
+    pass
+else:
+    raise AssertionError("380 MiB in 20 frames were taken")
+many_grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+assert many_grew < 48 << 10, many_grew
 # a listener that answers nothing is still a timeout, not a refused frame
 try:
     fetch_nixl_metadata("127.0.0.1", idle, 0, tp_size=1, expected_hash="h" * 64, timeout_s=0.5)
@@ -318,16 +338,17 @@ again = fetch_nixl_metadata("127.0.0.1", genuine, 0, tp_size=1, expected_hash="h
 assert again == got
 listeners.stdin.close()
 listeners.wait(30)
-print(f"refused 256 MiB in {took:.3f} s, maxrss +{grew} KiB; ok")
+print(f"refused 256 MiB in {took:.3f} s, maxrss +{grew} KiB; 20 x 19 MiB: +{many_grew} KiB; ok")
 """
 
 
 def test_stock_listener_answers_are_capped_and_tp_size_checked_first(vllm_python):
     """Item 4: vLLM's own listener serving a 256 MiB frame makes the fetch raise
     NixlAnswerTooLarge (naming the 20 MiB cap) at once, its memory not grown by the frame
-    (before: 511 MiB held, then refused). Item 7: a request's tp_size 2 for a TP 1 prefill
-    fails its handshake on rank 0's metadata, and the listener, never asked for rank 1, still
-    answers."""
+    (before: 511 MiB held, then refused); 20 frames of 19 MiB likewise, at most one frame
+    held (a ZMQ socket with MAXMSGSIZE held all 400 MiB). Item 7: a request's tp_size 2 for
+    a TP 1 prefill fails its handshake on rank 0's metadata, and the listener, never asked for
+    rank 1, still answers."""
     import json
     import os
     import subprocess
@@ -336,10 +357,10 @@ def test_stock_listener_answers_are_capped_and_tp_size_checked_first(vllm_python
 
     dspec, (meta,), _ = _stock(num_blocks=9)  # a prefill with the decode's block count
     meta = dict(meta, engine_id="stock-p", agent_metadata=None)
-    base = free_base_port(3)  # the genuine listener, the 256 MiB one, one nobody serves
+    base = free_base_port(4)  # the genuine listener, the 256 MiB one, one nobody serves, frames
     script = f"LISTENERS = {LISTENERS!r}\n" + FETCH_LIMITS
     r = subprocess.run([str(vllm_python), "-c", script,
-                        json.dumps([base, base + 1, base + 2, dspec.to_dict(), meta])],
+                        json.dumps([base, base + 1, base + 2, base + 3, dspec.to_dict(), meta])],
                        capture_output=True, text=True, timeout=300, cwd=REPO,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

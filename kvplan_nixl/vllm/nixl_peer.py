@@ -1,7 +1,7 @@
 """A decode rank of ``KvplanConnector`` and the prefills that run vLLM 0.32's own
 NixlConnector: their handshake, fetched the way NixlConnector's decode fetches it
 (:func:`fetch_nixl_metadata`), and their ranks connected as foreign peers from it
-(:class:`NixlPrefills`). Runs in vLLM's environment: imports vllm, zmq, msgspec.
+(:class:`NixlPrefills`). Runs in vLLM's environment: imports vllm and msgspec.
 
 vLLM 0.32's NixlConnector serves every prefill rank's handshake from one ZMQ ``ROUTER`` in its
 scheduler process (``_nixl_handshake_listener`` in ``nixl/base_scheduler.py``), on **one port
@@ -29,22 +29,24 @@ Only ranks the prefill has may be asked for (``tp_size``, ``pp_size``: the prefi
 not have raises ``KeyError`` in its thread, which ends it: the prefill answers no handshake
 after that. So a rank out of range is refused here, before anything is sent.
 
-An answer is capped before it is read: the socket's ``ZMQ_MAXMSGSIZE`` is :data:`MAX_ANSWER`
-(the project's own side channel's metadata cap, ``MAX_METADATA``), so libzmq refuses a larger
-frame from its length header, before allocating it, and drops the connection; the fetch sees
-that (a socket monitor: disconnected, and no reconnect scheduled, as after a protocol error;
-a listener that closed the connection is dialled again) and raises :class:`NixlAnswerTooLarge`
-at once instead of waiting out its deadline.
+An answer is capped before it is read: the exchange speaks ZMTP 3.0 itself (a REQ socket's
+greeting, NULL mechanism and frames, over a plain TCP socket) so that every frame's length is
+read before its body and the answer is bounded in all, :data:`MAX_ANSWER` bytes (the project's
+own side channel's metadata cap, ``MAX_METADATA``) and a few frames: a larger one raises
+:class:`NixlAnswerTooLarge` at once, holding none of it. (A ``zmq`` REQ socket's
+``ZMQ_MAXMSGSIZE`` bounds each frame alone: a listener answering 20 frames of 19 MiB made it
+hold 400 MiB.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     GET_META_MSG,
     NixlAgentMetadata,
@@ -52,8 +54,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     compute_nixl_compatibility_hash,
 )
 from vllm.logger import init_logger
-from vllm.utils.network_utils import make_zmq_path
-from zmq.utils.monitor import recv_monitor_message
 
 import kvplan
 from kvplan.adapters.vllm_nixl import check_first_rank, prefill_from_nixl
@@ -80,9 +80,6 @@ logger = init_logger("vllm.kvplan_nixl")
 #: channel's metadata cap (20 MiB). vLLM's own metadata is a few KiB per rank (a region is
 #: three ints); a model of thousands of layers stays far below it.
 MAX_ANSWER = MAX_METADATA
-#: Seconds after a dropped connection within which libzmq schedules its reconnect when the
-#: peer closed it (it does so at once); none by then: the drop was a refused frame.
-_RETRY_S = 0.2
 
 
 class NixlPrefills:
@@ -197,15 +194,15 @@ class NixlHashMismatch(SideChannelError):
 
 
 class NixlAnswerTooLarge(SideChannelProtocolError):
-    """The listener at ``host:port`` answered a frame above ``limit`` bytes (:data:`MAX_ANSWER`),
-    or bytes that are not ZMTP: libzmq refused it from its length header, unread
-    (``ZMQ_MAXMSGSIZE``), and dropped the connection. Nothing of it was kept."""
+    """The listener at ``host:port`` answered more than ``limit`` bytes (:data:`MAX_ANSWER`)
+    or more frames than a handshake has: refused from the frame headers, before the bodies
+    were read. Nothing of it was kept."""
 
     def __init__(self, host: str, port: int, limit: int) -> None:
         self.limit = limit
         super().__init__(f"NixlConnector prefill at {host}:{port}: its handshake answer was "
-                         f"refused unread: a frame above the {limit} byte cap "
-                         f"({limit >> 20} MiB, MAX_ANSWER), or not ZMTP", host, port)
+                         f"refused unread: above the {limit} byte cap ({limit >> 20} MiB, "
+                         "MAX_ANSWER) or more frames than a handshake has", host, port)
 
 
 def compat_hash(vllm_config: Any, backend_name: str) -> str:
@@ -256,43 +253,138 @@ def fetch_nixl_metadata(host: str, port: int, tp_rank: int, *, tp_size: int,
 
 
 def _ask(host: str, port: int, msg: bytes, timeout_s: float) -> list[bytes]:
-    """One REQ/REP exchange under ``timeout_s``, its answer's frames capped at
-    :data:`MAX_ANSWER` before they are read; the socket never lingers after."""
-    ms = max(1, int(timeout_s * 1000))
+    """One REQ exchange with vLLM's ROUTER listener under ``timeout_s``, spoken as ZMTP 3.0
+    (NULL mechanism) over a plain TCP socket, so that the answer is read frame by frame and
+    bounded as it arrives: at most :data:`MAX_ANSWER` bytes and :data:`_MAX_FRAMES` frames in
+    all (libzmq's ``ZMQ_MAXMSGSIZE`` bounds one frame, not how many a message has)."""
     deadline = time.monotonic() + timeout_s
-    ctx = zmq.Context()
     try:
-        sock = ctx.socket(zmq.REQ)
-        # LINGER 0: an unanswered request must not keep the process alive at exit
-        for opt, val in ((zmq.LINGER, 0), (zmq.SNDTIMEO, ms), (zmq.MAXMSGSIZE, MAX_ANSWER)):
-            sock.setsockopt(opt, val)
-        # a frame above MAXMSGSIZE is a protocol error: libzmq drops the connection and, unlike
-        # after a peer's close, schedules no reconnect (no CONNECT_RETRIED follows)
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        sock.connect(make_zmq_path("tcp", host, port))
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(mon, zmq.POLLIN)
+        # an IPv6 address in brackets, as a request's remote_host may give it
+        addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as e:
+        raise SideChannelError(f"NixlConnector prefill at {host}:{port}: {e}", host,
+                               port) from None
+    zmtp = _Zmtp(host, port, deadline, timeout_s)
+    try:
+        with zmtp.connect(addr):
+            zmtp.send(_GREETING)
+            greeting = zmtp.exact(64)
+            if greeting[:1] != b"\xff" or greeting[9:10] != b"\x7f" or greeting[10] < 3 \
+                    or greeting[12:16] != b"NULL":
+                raise SideChannelProtocolError(f"NixlConnector prefill at {host}:{port}: not "
+                                               "a ZMTP 3 listener (NULL mechanism)", host, port)
+            zmtp.send(_frame(_READY, command=True))
+            if not zmtp.frame(command=True)[0].startswith(b"\x05READY"):
+                raise SideChannelProtocolError(f"NixlConnector prefill at {host}:{port}: no "
+                                               "ZMTP READY", host, port)
+            zmtp.send(_frame(b"", more=True) + _frame(msg))  # REQ: an empty delimiter first
+            frames, more = [], True
+            while more:
+                data, more = zmtp.frame()
+                frames.append(data)
+    except SideChannelError:
+        raise
+    except OSError as e:  # reset, unreachable: named, as the side channel names them
+        raise SideChannelError(f"NixlConnector prefill at {host}:{port}: {e}", host,
+                               port) from None
+    if frames[:1] != [b""]:
+        raise SideChannelProtocolError(f"NixlConnector prefill at {host}:{port}: an answer "
+                                       "without REQ's empty delimiter", host, port)
+    return frames[1:]
+
+
+#: ZMTP 3.0's greeting of a client: signature, version 3.0, mechanism NULL, not a server.
+_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + \
+    b"\x00" * 32
+#: The NULL mechanism's READY command of a REQ socket.
+_READY = b"\x05READY" + b"\x0bSocket-Type" + (3).to_bytes(4, "big") + b"REQ"
+#: Most frames an answer may carry (a handshake's: delimiter, payload, clock; a few commands).
+_MAX_FRAMES = 8
+
+
+def _frame(data: bytes, *, more: bool = False, command: bool = False) -> bytes:
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(data) > 255:
+        return bytes([flags | 2]) + len(data).to_bytes(8, "big") + data
+    return bytes([flags, len(data)]) + data
+
+
+class _Zmtp:
+    """Reads and writes of one ZMTP exchange, each bounded by the exchange's deadline; what is
+    read is bounded by :data:`MAX_ANSWER` bytes and :data:`_MAX_FRAMES` frames in all."""
+
+    def __init__(self, host: str, port: int, deadline: float, timeout_s: float) -> None:
+        self.host, self.port = host, port
+        self.deadline, self.timeout_s = deadline, timeout_s
+        self.budget, self.frames = MAX_ANSWER, 0
+
+    def connect(self, addr: tuple) -> socket.socket:
+        """A connected socket; a refused connection is tried again every 0.1 s until the
+        deadline, as a ZMQ socket reconnects (a listener not up yet answers once it is)."""
+        while True:
+            self.sock = socket.socket(addr[0], socket.SOCK_STREAM)
+            try:
+                self.io(lambda: self.sock.connect(addr[4]))
+                return self.sock
+            except ConnectionRefusedError:
+                self.sock.close()
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise self.late() from None
+                time.sleep(min(0.1, left))
+            except BaseException:
+                self.sock.close()
+                raise
+
+    def io(self, op: Callable[[], Any]) -> Any:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.late()
+        self.sock.settimeout(left)
         try:
-            sock.send(msg)
-            dropped: float | None = None  # when the connection dropped with no retry after
-            while (left := deadline - time.monotonic()) > 0:
-                if dropped is not None:
-                    left = min(left, dropped + _RETRY_S - time.monotonic())
-                ready = dict(poller.poll(max(1, int(left * 1000))))
-                if sock in ready:
-                    return sock.recv_multipart(zmq.NOBLOCK)
-                while mon.poll(0):
-                    event = recv_monitor_message(mon)["event"]
-                    dropped = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
-                if dropped is not None and time.monotonic() >= dropped + _RETRY_S:
-                    raise NixlAnswerTooLarge(host, port, MAX_ANSWER)
-        except zmq.Again:
-            pass
-        raise SideChannelTimeout(f"NixlConnector prefill at {host}:{port}: no handshake "
-                                 f"answer in {timeout_s:g} s", host, port)
-    finally:
-        ctx.destroy(linger=0)
+            return op()
+        except TimeoutError:
+            raise self.late() from None
+
+    def late(self) -> SideChannelTimeout:
+        return SideChannelTimeout(f"NixlConnector prefill at {self.host}:{self.port}: no "
+                                  f"handshake answer in {self.timeout_s:g} s", self.host,
+                                  self.port)
+
+    def send(self, data: bytes) -> None:
+        self.io(lambda: self.sock.sendall(data))
+
+    def exact(self, n: int) -> bytes:
+        out = bytearray(n)
+        view, at = memoryview(out), 0
+        while at < n:
+            got = self.io(lambda at=at: self.sock.recv_into(view[at:], min(n - at, 1 << 20)))
+            if not got:
+                raise SideChannelProtocolError(f"NixlConnector prefill at {self.host}:"
+                                               f"{self.port}: closed the connection before "
+                                               "its answer", self.host, self.port)
+            at += got
+        return bytes(out) if n < 4096 else out
+
+    def frame(self, *, command: bool = False) -> tuple[bytes, bool]:
+        """The next frame (a message frame; with ``command``, a command) and whether more
+        follow; refused by size before its body is read."""
+        self.frames += 1
+        if self.frames > _MAX_FRAMES:
+            raise NixlAnswerTooLarge(self.host, self.port, MAX_ANSWER)
+        flags = self.exact(1)[0]
+        size = int.from_bytes(self.exact(8 if flags & 2 else 1), "big")
+        if size > self.budget:
+            raise NixlAnswerTooLarge(self.host, self.port, MAX_ANSWER)
+        self.budget -= size
+        data = self.exact(size)
+        if bool(flags & 4) != command:
+            if flags & 4:  # a command between message frames (none is sent here): skipped
+                return self.frame(command=command)
+            raise SideChannelProtocolError(f"NixlConnector prefill at {self.host}:"
+                                           f"{self.port}: a message frame where a ZMTP "
+                                           "command was due", self.host, self.port)
+        return data, bool(flags & 1)
 
 
 def _decode(kind: type, data: bytes, where: str, what: str, host: str, port: int) -> Any:
