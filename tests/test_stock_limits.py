@@ -453,6 +453,28 @@ drain(bares, 3)
 for b in bares:
     assert b.got[0] == b"cmpl-bad:1" and b.got.count(b"cmpl-ok:1") == 1, b.got
     assert set(b.got[1:]) <= {b"HB:cmpl-ok", b"cmpl-ok:1"}, b.got
+# the decode Worker's own start(): a load its digest refuses, and an aborted one (nothing to
+# read), of a prefill this rank has read: told at once too (before: left to the stock lease)
+import threading
+from kvplan_nixl.vllm.scheduler import KvplanMetadata
+from kvplan_nixl.vllm.worker import Worker
+wk = Worker.__new__(Worker)  # its state as register() leaves it, around the same endpoint
+wk.__dict__.update(rank=0, ep=ep, groups=groups, lock=threading.Lock(), sends=None,
+                   answers=None, writes=None, digester=object(), waiting={}, stats=Stats(),
+                   engines={"stock": (tmap, counts)}, recv_done=set(), recv_failed=set(),
+                   errors=set(), ctl=None)
+for b in bares:
+    b.got.clear()
+wk.start(KvplanMetadata(loads=[load("cmpl-dig", [4, 5, 6])]))
+drain(bares, 1)
+assert [b.got for b in bares] == [[b"cmpl-dig:1"]] * 2, [b.got for b in bares]
+assert wk.recv_done == {"d-cmpl-dig"} and wk.errors == {7, 8, 9}, (wk.recv_done, wk.errors)
+wk.digester = None
+aborted = load("cmpl-ab", [4, 5, 6])
+aborted.local_ids, aborted.parked = [], False
+wk.start(KvplanMetadata(loads=[aborted]))
+drain(bares, 2)
+assert [b.got for b in bares] == [[b"cmpl-dig:1", b"cmpl-ab:1"]] * 2, [b.got for b in bares]
 ep.close()
 print("ok")
 """
@@ -463,7 +485,9 @@ def test_a_stock_read_refused_before_posting_frees_the_prefills_blocks(vllm_pyth
     the handshake is done) with real NIXL agents as the stock prefill's two ranks: a plan
     refused at posting (a block id the prefill lacks) still tells each rank ``<id>:1``, the
     notification after which vLLM's prefill frees the request's blocks (before: nothing, so
-    they waited for its lease); a genuine read after it is told once, as before."""
+    they waited for its lease); a genuine read after it is told once, as before. Through the
+    decode Worker's ``start``: a load the transfer digest refuses and an aborted one (nothing
+    to read) of a prefill this rank has read are told at once too."""
     from tests.test_vllm_serving import _in_vllm_venv
 
     _in_vllm_venv(vllm_python, UNPOSTED)
