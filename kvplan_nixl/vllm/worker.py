@@ -206,12 +206,8 @@ class Worker:
                 if not load.local_ids:  # nothing to read: just let the prefill free its blocks
                     if self.rank == 0 and load.peer == "kvplan" and not load.push:
                         self.ctl.release(load, range(load.remote_tp))  # (a push's: its lease)
-                    elif self.rank == 0 and load.peer == "nixl" \
-                            and not _free_stock(self, load, aborted=True):
-                        logger.warning("kvplan: req=%s reads nothing from NixlConnector "
-                                       "prefill %s, not connected here: it frees the "
-                                       "request's blocks at its own timeout", load.req_id,
-                                       load.engine)
+                    elif self.rank == 0 and load.peer == "nixl":
+                        _free_stock(self, load, aborted=True)
                     continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
                     _hs_start(self, load)
@@ -375,6 +371,10 @@ def _free_stock(w: Worker, load: Load, *, aborted: bool) -> bool:
     ``<id>:1``, else (every decode rank refused it) as :func:`pulling.tell_unposted` tells.
     False when the prefill is not connected here (nothing can be sent)."""
     if load.engine not in w.engines:
+        if aborted:
+            logger.warning("kvplan: req=%s reads nothing from NixlConnector prefill %s, not "
+                           "connected here: it frees the request's blocks at its own timeout",
+                           load.req_id, load.engine)
         return False
     tmap, counts = w.engines[load.engine]
     if aborted:
