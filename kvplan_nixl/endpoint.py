@@ -104,11 +104,8 @@ class Endpoint:
         self._secret = md.check_secret(secret)
         allocs = resolve_buffers(spec, rank, buffers,
                                  declared_memory(spec, memory, md.MEM_TYPES))
-        self.engine = engine
-        self.spec = spec
-        self.rank = rank
-        self.telemetry = bool(telemetry)
-        self.progress_thread = bool(progress_thread)
+        self.engine, self.spec, self.rank = engine, spec, rank
+        self.telemetry, self.progress_thread = bool(telemetry), bool(progress_thread)
         self.num_threads = num_threads
         self.mem_types, self.mem_type = _memory_types(spec, allocs)
         self._bases, self._nbytes, self._devices, self._v_bases = _layout(spec, rank, allocs)
@@ -187,11 +184,15 @@ class Endpoint:
 
     def disconnect(self, remote: str, rank: int) -> None:
         """Forget one peer rank: its transfers fail, its lists go (its hello keeps it known)."""
-        agent = self._require()
-        peer = self._peers.peers.get((check_str("remote", remote), check_int("rank", rank)))
-        if peer is None:
+        agent, key = self._require(), (check_str("remote", remote), check_int("rank", rank))
+        if (peer := self._peers.peers.get(key)) is None:
             raise NotConnectedError(f"engine {remote!r} rank {rank} is not connected")
         self._peers.drop(agent, peer, park=True)  # alive: NIXL keeps it for a reconnect
+
+    def on_peer_gone(self, fn: Callable[[str, int, str], None] | None) -> None:
+        """Call ``fn(engine, rank, why)`` once a connected peer rank went on its own (its close
+        notice came: stopped or restarted), inside the call that progressed; None: stop."""
+        self._handshake.gone = fn  # (a serving layer connects that engine afresh next time)
 
     @property
     def ignored_notices(self) -> int:
@@ -300,9 +301,8 @@ class Endpoint:
     def handles(self) -> dict[str, int]:
         """Live NIXL objects this endpoint holds, by kind (all 0 after close)."""
         live = self._handles.live
-        out = {k: live[k] for k in ("xfer", "dlist", "remote_agents", "registrations")}
-        out["transfers"] = len(self._poster.transfers)
-        return out
+        return {**{k: live[k] for k in ("xfer", "dlist", "remote_agents", "registrations")},
+                "transfers": len(self._poster.transfers)}
 
     def close(self) -> None:
         """Tell peers, fail pending transfers, release every handle and list, forget peers,

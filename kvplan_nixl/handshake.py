@@ -50,6 +50,9 @@ class Handshake:
         self._own_metadata, self._progress = own_metadata, progress
         #: control notices ignored (unknown sender, bad MAC, unreadable)
         self.ignored = 0
+        #: ``gone(engine, rank, why)``: told when a connected peer rank went on its own (its
+        #: close notice), after it was dropped (:meth:`kvplan_nixl.Endpoint.on_peer_gone`)
+        self.gone: Callable[[str, int, str], None] | None = None
 
     def connect(self, agent: Any, metadata: bytes, mode: str | Mode) -> Peer:
         """See :meth:`kvplan_nixl.Endpoint.connect`."""
@@ -70,20 +73,28 @@ class Handshake:
                                 f"advertises agent {info.agent!r}")
         self._progress()  # act on close notices already here before deciding anything
         peers, routes = self.peers, self.routes
+        old = peers.peers.get((info.engine, info.rank))
+        _check_agent_owner(peers, info, who)
+        # a rank that comes back with a new agent is a restart; with another spec too, the
+        # whole engine restarted: its other ranks are of the old incarnation, and go
+        restarted = old is not None and old.agent != info.agent
         key = (info.engine, mode)
         route = routes.routes.get(key)
         stale = None  # a route whose only rank comes back with another spec: replaced
+        outdated: list[Peer] = []  # the engine's other ranks, when it restarted with a new spec
         if route is not None:
             other = route.map.src if mode is Mode.PULL else route.map.dst
             if other != info.spec:
-                if set(route.peer_dlists) - {info.rank}:
+                others = set(route.peer_dlists) - {info.rank}
+                if others and not restarted:
                     raise MetadataError(
                         f"engine {info.engine!r} rank {info.rank} advertises a spec that differs "
                         f"from the one its other ranks advertised; every rank of an engine has "
                         f"one spec"
                     )
+                outdated = [p for (e, r), p in sorted(peers.peers.items())
+                            if e == info.engine and r != info.rank]
                 stale, route = route, None
-        old = peers.peers.get((info.engine, info.rank))
         if old is not None and old.agent == info.agent and route is not None \
                 and info.rank in route.peer_dlists:
             return old  # connected already
@@ -107,11 +118,14 @@ class Handshake:
             if new_route is not None:
                 routes.release(new_route, [])
             raise
-        if old is not None and old.agent != info.agent:  # the rank restarted: new agent
-            try:
-                peers.drop(agent, old, "restarted with new metadata")
-            except Exception:  # best effort: the old agent is gone either way
-                pass
+        if restarted:  # the rank restarted: new agent
+            for gone, why in [(old, "restarted with new metadata")] + [
+                    (p, f"its engine restarted (rank {info.rank} came back with a new agent "
+                        "and spec)") for p in outdated]:
+                try:
+                    peers.drop(agent, gone, why)
+                except Exception:  # best effort: the old agent is gone either way
+                    pass
         if stale is not None:  # what the drop did not release (the same agent re-advertised)
             routes.release(stale, [])
         if new_route is not None:
@@ -167,6 +181,8 @@ class Handshake:
             peers.drop(agent, peer, "peer closed its endpoint")
             if not any(e == engine for e, _ in peers.peers):  # the engine is gone: its routes
                 self.routes.drop_engine(engine)
+            if self.gone is not None:
+                self.gone(engine, rank, "peer closed its endpoint")
         else:
             peers.unload(agent, sender, quiet=True)
 
@@ -190,3 +206,19 @@ class Handshake:
                     if not is_nixl_error(exc):
                         raise
                 time.sleep(_CLOSE_FLUSH_SLEEP)
+
+
+def _check_agent_owner(peers: PeerTable, info: md.PeerInfo, who: str) -> None:
+    """Refuse metadata whose agent another connected peer rank uses: one agent serves one
+    rank, so such metadata is not the rank it claims to be (a copy of another rank's, or
+    ranks swapped), and replacing the rank's agent with it would later unload an agent the
+    other rank still reads through."""
+    owner = peers.loaded.get(info.agent)
+    if owner is None or owner == (info.engine, info.rank):
+        return
+    other = peers.peers.get(owner)
+    if other is not None and other.agent == info.agent:
+        raise MetadataError(
+            f"metadata of {who}: its agent {info.agent!r} is the one engine {owner[0]!r} rank "
+            f"{owner[1]} is connected through; one agent serves one rank, so this is not "
+            f"{who}'s metadata (another rank's, copied or swapped)")

@@ -124,6 +124,48 @@ def test_a_fetch_that_times_out_once_is_tried_again_and_said_aloud(engine):
     assert "(try 1 of 1)" in s.reason and len(warned) == 1
 
 
+def test_a_fetch_the_server_closes_early_is_tried_again(engine):
+    """A side channel closes a connection it cannot serve (here: over its connection cap, the
+    same close a starved client meets past the server's deadline): the fetch is tried once
+    more, said aloud, and the handshake completes; with attempts=1 it fails by that name."""
+    srvs, address = engine
+    closes = []
+
+    def fetch(host, port, **kw):
+        if not closes:  # the first fetch: a real server at its cap of one connection
+            with sc.SideChannelServer(HOST, 0, "full", metadata=b"x", max_connections=1) as full, \
+                    closing(socket.create_connection((HOST, full.port))):
+                end = time.monotonic() + 5
+                while full.stats["accepted"] == 0:  # the cap's one slot is taken
+                    assert time.monotonic() < end
+                    time.sleep(0.005)
+                closes.append(port)
+                return sc.fetch_metadata(HOST, full.port, **kw)
+        return sc.fetch_metadata(host, port, **kw)
+
+    warned = []
+    with hshakes(timeout=2, fetch=fetch, warn=warned.append) as hs:
+        hs.start(*at(srvs), address=address)
+        assert wait_for(hs, at(srvs), READY).ranks == (0,)
+    assert len(warned) == 1 and "closed the connection" in warned[0] and "try 2 of 2" in warned[0]
+    closes.clear()
+    with hshakes(timeout=2, fetch=fetch, attempts=1) as hs:
+        hs.start(*at(srvs), address=address)
+        s = wait_for(hs, at(srvs), FAILED)
+    assert "SideChannelClosed" in s.reason and "(try 1 of 1)" in s.reason, s.reason
+
+
+def test_a_refused_connection_is_not_tried_again(engine):
+    """Nothing listens: the handshake fails at once, with no retry and no warning."""
+    with closing(socket.create_server((HOST, 0))) as s:
+        port = s.getsockname()[1]  # a port nothing listens on once closed
+    warned = []
+    with hshakes(timeout=2, warn=warned.append) as hs:
+        hs.start("gone", HOST, port)
+        st = wait_for(hs, ("gone", HOST, port), FAILED)
+    assert warned == [] and "try" not in st.reason, st.reason
+
+
 @pytest.mark.parametrize("attempts", [0, -1, 1.5, True])
 def test_attempts_must_be_a_positive_int(attempts):
     with pytest.raises(ArgumentError, match="attempts"):

@@ -207,7 +207,7 @@ def serve(args: argparse.Namespace) -> None:
                  "handshake_timeout_s": HANDSHAKE_TIMEOUT_S, **json.loads(args.extra)}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvplanConnector", kv_connector_module_path="kvplan_nixl.vllm",
-            kv_role="kv_both", kv_buffer_device="cpu",
+            kv_role="kv_both", kv_buffer_device="cpu", engine_id=args.engine_id,
             kv_load_failure_policy=args.policy, kv_connector_extra_config=extra)
     elif args.connector == "nixl":  # vLLM's own, for comparison (its port from the env)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.side_port)
@@ -217,7 +217,7 @@ def serve(args: argparse.Namespace) -> None:
         os.environ.setdefault("UCX_MODULES", "^efa")
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
-            kv_load_failure_policy=args.policy,
+            engine_id=args.engine_id, kv_load_failure_policy=args.policy,
             kv_connector_extra_config=json.loads(args.extra))
     if args.attention_backend:
         kw["attention_config"] = {"backend": args.attention_backend}
@@ -366,6 +366,8 @@ def main() -> None:
     s.add_argument("--side-host", default=None,
                    help="the side channel's address (default: $VLLM_HOST_IP, 127.0.0.1)")
     s.add_argument("--secret", default="kvplan-test")
+    s.add_argument("--engine-id", default=None,
+                   help="kv_transfer_config.engine_id (default: vLLM's, a new one each start)")
     s.add_argument("--policy", default="recompute", choices=["recompute", "fail"])
     s.add_argument("--transfer-timeout", type=float, default=20.0)
     s.add_argument("--connector", default="kvplan", choices=["kvplan", "nixl", "none"])

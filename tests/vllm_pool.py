@@ -83,6 +83,8 @@ VARIANTS = {
     # ``lease12``: vLLM's NixlConnector with a lease of 12 s, short enough that a test can
     # wait it out, long enough for a decode on two loaded cores to post its read within it
     "lease12": {"extra": {"kv_lease_duration": 12}},
+    # ``fixed``: an engine id of its own, the same at every start (a restart in place)
+    "fixed": {"engine_id": "prefill-fixed"},
 }
 
 
@@ -136,11 +138,20 @@ class Engine:
                  attention_backend: str | None = None, extra: dict | None = None,
                  num_blocks: int = 0, log_stats: bool = False, port: int | None = None,
                  place: tuple[str, str] | None = None, speculative: int = 0,
-                 dtype: str = "float32", env: dict[str, str] | None = None, nice: int = 0):
+                 dtype: str = "float32", env: dict[str, str] | None = None, nice: int = 0,
+                 engine_id: str | None = None):
         """``place``: (network namespace, its address) to run in, UCX over TCP on its veth
         (tests/netns.py: two hosts); None: this host, loopback. ``speculative``: draft tokens
         per step with the model's EAGLE-3 draft (0: none). ``env``: more environment.
-        ``nice``: the engine's niceness (its processes yield the cores to the others')."""
+        ``nice``: the engine's niceness (its processes yield the cores to the others').
+        ``engine_id``: its ``kv_transfer_config.engine_id`` (None: vLLM's, new each start)."""
+        # what :meth:`again` starts it with: the same engine, on the same ports
+        self.args = (name, py, model, workdir)
+        self.options = dict(tp=tp, cores=cores, policy=policy, block_size=block_size,
+                            connector=connector, attention_backend=attention_backend,
+                            extra=extra, num_blocks=num_blocks, log_stats=log_stats,
+                            place=place, speculative=speculative, dtype=dtype, env=env,
+                            nice=nice, engine_id=engine_id)
         self.name, self.tp = name, tp
         self.port = free_base_port(tp) if port is None else port
         STARTS[name] = STARTS.get(name, 0) + 1
@@ -185,6 +196,8 @@ class Engine:
             cmd += ["--speculative", str(speculative)]
         if dtype != "float32":
             cmd += ["--dtype", dtype]
+        if engine_id:
+            cmd += ["--engine-id", engine_id]
         self.log = open(self.log_path, "w")  # closed in stop()
         self.log.write(f"$ {' '.join(cmd)}\n")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -336,6 +349,13 @@ class Engine:
         return (f"\n--- {self.name} ({self.log_path}), last {min(n, len(lines))} lines ---\n"
                 + "\n".join(lines[-n:]) + cause)
 
+    def again(self) -> Engine:
+        """A new start of this engine (stopped or killed first): the same options, engine id
+        and side channel port; it waits until ready."""
+        e = Engine(*self.args, port=self.port, **self.options)
+        e.wait_ready()
+        return e
+
     def kill(self) -> None:
         """SIGKILL the engine and every process it started (its own session: its workers too,
         should its first process be gone already)."""
@@ -470,6 +490,19 @@ class Pool:
             e.log.close()
         else:
             e.stop()
+
+    def restart(self, name: str, *, kill: bool = False) -> Engine:
+        """Restart running engine ``name`` in place: stopped (``kill``: SIGKILLed), then
+        started again with the same options, engine id and ports; the new engine."""
+        e = _LIVE[name]
+        if kill:
+            e.kill()
+            e.reader.join(timeout=10)
+            e.log.close()
+        else:
+            e.stop()
+        _LIVE[name] = e.again()
+        return _LIVE[name]
 
     def stop(self, *names: str) -> None:
         """Stop these engines (a hung or parked one included); the next ``only`` starts them

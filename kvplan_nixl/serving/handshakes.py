@@ -30,6 +30,18 @@ which ranks to connect next (those ``TransferMap.peers`` names, known only once 
 rank's spec is in). Metadata reads are bounded
 (:data:`~kvplan_nixl.serving.sidechannel.MAX_METADATA`, one deadline per fetch).
 
+**Restarts and identity** (docs/vllm.md, "Restarts in place"). States change only as
+:data:`TRANSITIONS` says: :meth:`Handshakes.start` moves an unknown handshake (or a failed one
+past ``retry_after_s``) to PENDING, its job to READY or FAILED, and :meth:`Handshakes.forget`
+(the engine's peer closed, a post or a read with it failed) to unknown, so that the next
+request naming the engine connects afresh: a prefill restarted at the same address is
+connected again, its new agents replacing the old ones. With ``pin`` (peers whose metadata is
+not signed: a stock NixlConnector prefill, a kvplan one without a secret) an engine id is
+bound to the first address whose handshake connected it, and stays bound for the life of the
+decode, forget included: a request naming that engine at another address fails at once,
+:class:`AddressConflict`, nothing dialled. ``admit`` may refuse an address before anything is
+dialled (an allow-list).
+
 No NIXL, no vLLM: the standard library, the side channel client and the metadata format.
 """
 
@@ -41,14 +53,84 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvplan_nixl import metadata as md
-from kvplan_nixl.errors import ArgumentError, ClosedError, MetadataError
+from kvplan_nixl.errors import ArgumentError, ClosedError, MetadataError, ParamsError
 from kvplan_nixl.serving.host_pools import HostPool
-from kvplan_nixl.serving.sidechannel import SideChannelTimeout, fetch_metadata, server_identity
+from kvplan_nixl.serving.sidechannel import (
+    SideChannelClosed,
+    SideChannelTimeout,
+    fetch_metadata,
+    server_identity,
+)
 
-__all__ = ["FAILED", "MAX_STATES", "PENDING", "READY", "HandshakeState", "Handshakes",
-           "identity"]
+__all__ = ["FAILED", "MAX_STATES", "PENDING", "READY", "TRANSITIONS", "AddressConflict",
+           "AddressRefused", "HandshakeState", "Handshakes", "Pin", "identity", "step"]
 
 PENDING, READY, FAILED = "pending", "ready", "failed"
+#: What happens to a handshake: ``start`` (a request names it), ``retry`` (``start`` of a
+#: failed one past ``retry_after_s``), ``done`` / ``error`` (its job ended), ``forget`` (its
+#: peer closed, a post or read with it failed: its engine may have restarted).
+START, RETRY, DONE, ERROR, FORGET = "start", "retry", "done", "error", "forget"
+#: ``(kind or None: unknown, event) -> next kind`` (None: unknown again, the next start
+#: connects afresh). A pair not listed leaves the state as it is (a start of a pending or
+#: ready handshake, a job's end after its handshake was forgotten).
+TRANSITIONS: dict[tuple[str | None, str], str | None] = {
+    (None, START): PENDING,
+    (FAILED, RETRY): PENDING,
+    (PENDING, DONE): READY,
+    (PENDING, ERROR): FAILED,
+    (PENDING, FORGET): None,
+    (READY, FORGET): None,
+    (FAILED, FORGET): None,
+}
+
+
+def step(kind: str | None, event: str) -> str | None:
+    """The kind a handshake of ``kind`` (None: unknown) moves to on ``event``
+    (:data:`TRANSITIONS`; unchanged for a pair it does not list)."""
+    return TRANSITIONS.get((kind, event), kind)
+
+
+class AddressConflict(ParamsError):
+    """A request names an engine id at another address than the one that engine was connected
+    at (``pinned``), and the engine's metadata is not signed: its identity is its address, so
+    the request is refused without dialling (restarting a prefill at the *same* address is
+    not a conflict: it is connected afresh). ``engine``, ``address`` (the request's
+    ``host:port``) and ``pinned`` say which."""
+
+    def __init__(self, engine: str, address: str, pinned: str) -> None:
+        self.engine, self.address, self.pinned = engine, address, pinned
+        super().__init__("remote_engine_id", engine,
+                         f"that engine is connected at {pinned}, this request names it at "
+                         f"{address}: an unsigned peer's engine id is bound to the address it "
+                         "was first connected at (a prefill moved elsewhere needs a new "
+                         "engine_id, or the decode a restart); nothing was dialled")
+
+
+class AddressRefused(ParamsError):
+    """A request names a prefill address (``address``, ``host:port``) that the decode's
+    configuration does not allow (``admit`` refused it, e.g. not in ``stock_prefills``:
+    ``why``); nothing was dialled."""
+
+    def __init__(self, engine: str, address: str, why: str) -> None:
+        self.engine, self.address = engine, address
+        super().__init__("remote_host", address, f"engine {engine!r}: {why}; nothing was "
+                         "dialled")
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Where an engine id is bound (``pin``): ``host``, ``port``; ``held`` once a handshake
+    there completed (kept for the decode's life), else only claimed by the handshake in
+    progress (released if it fails)."""
+
+    host: str
+    port: int
+    held: bool = False
+
+    @property
+    def address(self) -> str:
+        """``host:port``."""
+        return f"{self.host}:{self.port}"
 #: Addresses whose handshake state is kept at most (each request may name a new one).
 MAX_STATES = 1024
 
@@ -108,10 +190,15 @@ class Handshakes:
     ``queued`` handshakes waiting at most (a quarter of them for one host).
     ``retry_after_s``: a failed handshake is tried again by a :meth:`start` this long after
     it failed (a restarted prefill comes back); before that, :meth:`start` returns the failure.
-    ``attempts``: fetches of one rank's metadata that time out before the handshake fails. A
-    side channel that answers nothing within ``timeout`` is most often a prefill process
-    starved for a moment (a loaded host), not a dead one; each retry is reported to ``warn``
-    (loud, never silent), and a silent address costs ``attempts`` timeouts of one thread.
+    ``attempts``: fetches of one rank's metadata that time out, or that the server closes
+    before answering, before the handshake fails. A side channel that answers nothing within
+    ``timeout`` is most often a prefill process starved for a moment (a loaded host), not a
+    dead one; a server closes a connection whose request came after its own deadline (this
+    process starved: seen in CI with a TP 2 decode on two busy cores) or over its connection
+    cap. Each retry is reported to ``warn`` (loud, never silent), and a silent address costs
+    ``attempts`` timeouts of one thread; a refused connection (nothing listens) is not retried.
+    ``pin``: bind each engine id to the address first connected (see the module docstring).
+    ``admit(engine, host, port)``: why that address may not be dialled, or None (it may).
     """
 
     def __init__(self, connect: Connect, *, lock: threading.Lock, identify: Identify,
@@ -119,7 +206,8 @@ class Handshakes:
                  queued: int = 64, retry_after_s: float = 5.0, attempts: int = 2,
                  warn: Callable[[str], None] | None = None,
                  fetch: Callable[..., bytes] = fetch_metadata,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pin: bool = False,
+                 admit: Callable[[str, str, int], str | None] | None = None) -> None:
         if not timeout > 0 or not retry_after_s >= 0 or isinstance(attempts, bool) \
                 or not isinstance(attempts, int) or attempts < 1:
             raise ArgumentError("timeout must be > 0, retry_after_s >= 0 and attempts an int "
@@ -139,6 +227,8 @@ class Handshakes:
         self._epochs: dict[Key, int] = {}
         self._epoch = 0
         self._stop = threading.Event()
+        self.pin, self._admit = pin, admit
+        self._pins: dict[str, Pin] = {}  # engine -> where it is bound (with pin)
 
     def start(self, engine: str, host: str, port: int, *, first: int = 0,
               address: Address | None = None) -> HandshakeState:
@@ -146,18 +236,29 @@ class Handshakes:
         (``address``: another rank -> (host, port, identity) mapping, for tests), rank
         ``first`` then the ranks ``connect`` names, unless that handshake is pending, ready,
         or failed less than ``retry_after_s`` ago; returns its state. Never blocks on the
-        network. A handshake the pool cannot take now fails without being recorded."""
+        network. A handshake the pool cannot take now fails without being recorded.
+
+        Raises :class:`AddressRefused` (``admit`` refused the address) and
+        :class:`AddressConflict` (with ``pin``: the engine is bound to another address),
+        before anything is dialled or recorded."""
         if self._stop.is_set():
             raise ClosedError("Handshakes is closed")
         key = (engine, host, port)
         where = (host, port)
+        if self._admit is not None:
+            why = self._admit(engine, host, port)
+            if why is not None:
+                raise AddressRefused(engine, f"{host}:{port}", why)
         if address is None:
             def address(r: int) -> tuple[str, int, str]:
                 return host, port + r, server_identity(engine, r)
         with self._mu:
+            self._check_pin(engine, host, port)
             s = self._states.get(key)
             now = self._clock()
-            if s is not None and (s.kind != FAILED or now - s.since < self.retry_after_s):
+            event = START if s is None else RETRY if (
+                s.failed and now - s.since >= self.retry_after_s) else None
+            if event is None or step(s and s.kind, event) != PENDING:
                 return s
             if s is None and len(self._states) >= MAX_STATES and not self._prune(now):
                 return HandshakeState(FAILED, f"{MAX_STATES} prefill addresses are known or "
@@ -183,11 +284,36 @@ class Handshakes:
 
     def forget(self, engine: str) -> None:
         """Drop what is known of ``engine`` at every address (its prefill restarted: the next
-        :meth:`start` connects afresh); a job in flight for it changes nothing any more."""
+        :meth:`start` connects afresh); a job in flight for it changes nothing any more. The
+        engine's pin stays: a restart at its address is connected afresh, another address is
+        still a conflict."""
         with self._mu:
             for key in [k for k in self._states if k[0] == engine]:
-                del self._states[key]
-                self._epochs.pop(key, None)
+                if step(self._states[key].kind, FORGET) is None:
+                    del self._states[key]
+                    self._epochs.pop(key, None)
+
+    def pinned(self, engine: str) -> Pin | None:
+        """Where ``engine`` is bound (with ``pin``), or None."""
+        with self._mu:
+            return self._pins.get(engine)
+
+    def _check_pin(self, engine: str, host: str, port: int) -> None:
+        """With ``pin``, refuse ``engine`` at another address than its pin's (under _mu)."""
+        p = self._pins.get(engine) if self.pin else None
+        if p is not None and (p.host, p.port) != (host, port):
+            raise AddressConflict(engine, f"{host}:{port}", p.address)
+
+    def _claim(self, key: Key) -> None:
+        """Bind the key's engine to its address before its first rank is connected (with
+        ``pin``; under _mu): refused if bound elsewhere meanwhile, or too many are bound."""
+        engine, host, port = key
+        self._check_pin(engine, host, port)
+        if self.pin and engine not in self._pins:
+            if len(self._pins) >= MAX_STATES:
+                raise MetadataError(f"{MAX_STATES} engines are bound to addresses; engine "
+                                    f"{engine!r} is refused")
+            self._pins[engine] = Pin(host, port)
 
     def close(self) -> None:
         """Stop: jobs end at their next step (a fetch within its timeout), threads joined."""
@@ -229,38 +355,50 @@ class Handshakes:
                         f"{got[0]!r} rank {got[1]}, not of engine {engine!r} rank {rank}: the "
                         "request's remote_host/remote_port do not lead to that engine's ranks")
                 with self._lock:
-                    if not self._current(key, epoch):
-                        return
+                    with self._mu:
+                        if self._epochs.get(key) != epoch:
+                            return
+                        self._claim(key)
                     more = self._connect(engine, rank, blob)
                 done.append(rank)
                 todo += [r for r in (more or ()) if r not in done and r not in todo]
         except Exception as e:  # any failure is this handshake's alone: recorded, never raised
-            self._set(key, epoch, HandshakeState(
+            self._set(key, epoch, ERROR, HandshakeState(
                 FAILED, f"rank {rank}: {type(e).__name__}: {e}", self._clock(), tuple(done)))
             return
-        self._set(key, epoch, HandshakeState(READY, None, self._clock(), tuple(done)))
+        self._set(key, epoch, DONE, HandshakeState(READY, None, self._clock(), tuple(done)))
 
     def _fetch_rank(self, engine: str, rank: int, host: str, port: int,
                     ident: str | None) -> bytes:
-        """One rank's metadata, fetched again after a timeout, ``attempts`` tries in all."""
+        """One rank's metadata, fetched again after a timeout or an early close, ``attempts``
+        tries in all."""
         attempt = 1
         while True:
             try:
                 return self._fetch(host, port, timeout=self.timeout, identity=ident)
-            except SideChannelTimeout as e:
+            except (SideChannelTimeout, SideChannelClosed) as e:
                 if attempt >= self.attempts or self._stop.is_set():
-                    raise SideChannelTimeout(f"{e} (try {attempt} of {self.attempts})",
-                                             host, port) from e
+                    raise type(e)(f"{e} (try {attempt} of {self.attempts})", host, port) from e
                 attempt += 1
                 if self._warn is not None:
                     self._warn(f"handshake with engine {engine!r} rank {rank}: {e}; trying "
                                f"again (try {attempt} of {self.attempts})")
 
-    def _current(self, key: Key, epoch: int) -> bool:
+    def _set(self, key: Key, epoch: int, event: str, s: HandshakeState) -> None:
+        """The job of ``epoch`` ended with ``event`` (DONE or ERROR): its state ``s``, if the
+        transition applies and the key is still the job's; then the engine's pin is held (DONE,
+        with ``pin``). Otherwise (failed, or forgotten meanwhile) a claim it made is released,
+        unless a newer job for the key runs."""
+        engine, host, port = key
         with self._mu:
-            return self._epochs.get(key) == epoch
-
-    def _set(self, key: Key, epoch: int, s: HandshakeState) -> None:
-        with self._mu:
-            if self._epochs.get(key) == epoch:
+            cur = self._states.get(key)
+            live = self._epochs.get(key) == epoch and cur is not None \
+                and step(cur.kind, event) == s.kind
+            if live:
                 self._states[key] = s
+            pin = self._pins.get(engine)
+            if live and event == DONE and self.pin:
+                self._pins[engine] = Pin(host, port, held=True)
+            elif pin is not None and not pin.held and (pin.host, pin.port) == (host, port) \
+                    and self._epochs.get(key) in (None, epoch):
+                del self._pins[engine]

@@ -56,8 +56,9 @@ from kvplan_nixl.metadata import MAX_BLOB_BYTES, check_secret
 from kvplan_nixl.serving.holds import Holds, Verdict
 
 __all__ = [
-    "MAX_METADATA", "VERBS", "PortInUseError", "SideChannelError", "SideChannelProtocolError",
-    "SideChannelRejected", "SideChannelServer", "SideChannelTimeout", "confirm", "control",
+    "MAX_METADATA", "VERBS", "PortInUseError", "SideChannelClosed", "SideChannelError",
+    "SideChannelProtocolError", "SideChannelRejected", "SideChannelServer", "SideChannelTimeout",
+    "confirm", "control",
     "fetch_metadata", "server_identity", "side_channel_port",
 ]
 
@@ -86,6 +87,12 @@ class SideChannelError(ExecutorError, ConnectionError):
 
 class SideChannelTimeout(SideChannelError, TimeoutError):
     """The exchange with ``host:port`` did not complete within its deadline."""
+
+
+class SideChannelClosed(SideChannelError):
+    """``host:port`` closed the connection before its answer was complete: the server drops a
+    connection whose request came after its per-connection deadline (a client starved on a
+    loaded host), one over its connection cap, and every connection when its engine stops."""
 
 
 class SideChannelProtocolError(SideChannelError):
@@ -469,7 +476,7 @@ class _Client:
             raise SideChannelError(f"side channel {self.host}:{self.port} ({self.what}): "
                                    f"{e} ({doing})", self.host, self.port) from e
         if n == 0:
-            raise SideChannelError(f"side channel {self.host}:{self.port} ({self.what}): "
+            raise SideChannelClosed(f"side channel {self.host}:{self.port} ({self.what}): "
                                    f"closed the connection ({doing})", self.host, self.port)
         return n
 

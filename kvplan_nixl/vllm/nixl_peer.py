@@ -57,10 +57,12 @@ from vllm.logger import init_logger
 
 import kvplan
 from kvplan.adapters.vllm_nixl import check_first_rank, prefill_from_nixl
-from kvplan_nixl.errors import ArgumentError
+from kvplan_nixl.errors import ArgumentError, MetadataError
+from kvplan_nixl.metadata import nixl_agent_name
 from kvplan_nixl.serving.handshakes import Handshakes, HandshakeState
 from kvplan_nixl.serving.sidechannel import (
     MAX_METADATA,
+    SideChannelClosed,
     SideChannelError,
     SideChannelProtocolError,
     SideChannelTimeout,
@@ -68,10 +70,12 @@ from kvplan_nixl.serving.sidechannel import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvplan_nixl.vllm.rank import Rank
     from kvplan_nixl.vllm.scheduler import Load
 
-__all__ = ["MAX_ANSWER", "NixlAnswerTooLarge", "NixlHashMismatch", "NixlPrefills",
+__all__ = ["MAX_ANSWER", "NixlAnswerTooLarge", "NixlHashMismatch", "NixlPrefills", "admit",
            "compat_hash", "fetch_nixl_metadata", "stock_backend"]
 
 logger = init_logger("vllm.kvplan_nixl")
@@ -96,6 +100,13 @@ class NixlPrefills:
     (every rank, on rank 0: it tells the ranks nobody reads that they may free) are connected
     as foreign peers (:meth:`kvplan_nixl.Endpoint.connect_foreign`), and the engine's pull
     map and readers per rank are recorded in ``rank.engines`` as a kvplan prefill's are.
+
+    Its metadata is not signed, so a stock prefill's identity is its address: each engine id
+    is bound to the address first connected (``pin``; a request naming it elsewhere fails,
+    :class:`~kvplan_nixl.serving.handshakes.AddressConflict`), and with ``stock_prefills``
+    set only those addresses are dialled (:func:`admit`). Ranks whose metadata names one NIXL
+    agent twice are refused (one agent serves one rank), and so is a rank whose agent another
+    connected rank uses (:meth:`kvplan_nixl.Endpoint.connect_foreign`).
     """
 
     def __init__(self, rank: Rank, expected_hash: str, backend: str) -> None:
@@ -105,7 +116,8 @@ class NixlPrefills:
         self.hs = Handshakes(self._connect, lock=rank.lock, identify=_identify,
                              timeout=rank.hs_timeout, retry_after_s=min(5.0, rank.lease),
                              warn=lambda m: logger.warning("kvplan: pull %s", m),
-                             fetch=self._fetch)
+                             fetch=self._fetch, pin=True,
+                             admit=admit(rank.c.stock_prefills()))
 
     def start(self, load: Load) -> HandshakeState:
         """Start (or look up) the handshake ``load`` names; never blocks."""
@@ -149,6 +161,7 @@ class NixlPrefills:
         if missing:
             return missing
         del self.metas[engine]
+        _distinct_agents(engine, [metas[r] for r in range(tp)])
         prefill = prefill_from_nixl(w.ep.spec, [metas[r] for r in range(tp)],
                                     backend=self.backend)
         tmap = kvplan.pull_map(prefill.spec, w.ep.spec, w.rank)
@@ -163,6 +176,45 @@ class NixlPrefills:
                     engine, tp, prefill.backend, metas[0]["kv_cache_layout"], w.rank,
                     list(tmap.peers))
         return ()
+
+
+def admit(allowed: tuple[tuple[str | None, str, int], ...] | None
+          ) -> Callable[[str, str, int], str | None] | None:
+    """Handshakes' ``admit`` for ``stock_prefills`` (``allowed``, as
+    :meth:`~kvplan_nixl.vllm.settings.Settings.stock_prefills` reads it; None: no check):
+    why a request may not make the decode dial ``engine`` at ``host:port``, or None."""
+    if allowed is None:
+        return None
+
+    def check(engine: str, host: str, port: int) -> str | None:
+        named = [(e, h, p) for e, h, p in allowed if e == engine]
+        if named and (host, port) not in [(h, p) for _, h, p in named]:
+            return (f"stock_prefills binds it to {', '.join(f'{h}:{p}' for _, h, p in named)}"
+                    f", not {host}:{port}")
+        here = [e for e, h, p in allowed if (h, p) == (host, port)]
+        if not here:
+            return (f"{host}:{port} is not in kv_connector_extra_config['stock_prefills'] "
+                    f"({len(allowed)} address(es))")
+        if None not in here and engine not in here:
+            return f"stock_prefills allows {host}:{port} for engine(s) {sorted(here)} only"
+        return None
+    return check
+
+
+def _distinct_agents(engine: str, metas: list[dict[str, Any]]) -> None:
+    """Refuse a prefill whose ranks' metadata name one NIXL agent twice: one agent serves one
+    rank, so one of them is another rank's metadata (copied, or ranks swapped)."""
+    seen: dict[str, int] = {}
+    for r, m in enumerate(metas):
+        name = nixl_agent_name(bytes(m["agent_metadata"]))
+        if name is None:
+            raise MetadataError(f"NixlConnector prefill {engine!r} rank {r}: agent_metadata "
+                                "is not NIXL agent metadata")
+        if name in seen:
+            raise MetadataError(f"NixlConnector prefill {engine!r}: ranks {seen[name]} and {r} "
+                                f"serve the same NIXL agent {name!r}; one agent serves one "
+                                "rank, so one of them is another rank's metadata")
+        seen[name] = r
 
 
 def _identify(blob: bytes) -> tuple[str, int]:
@@ -284,7 +336,10 @@ def _ask(host: str, port: int, msg: bytes, timeout_s: float) -> list[bytes]:
                 frames.append(data)
     except SideChannelError:
         raise
-    except OSError as e:  # reset, unreachable: named, as the side channel names them
+    except (ConnectionResetError, BrokenPipeError) as e:  # as the side channel's client says
+        raise SideChannelClosed(f"NixlConnector prefill at {host}:{port}: {e}", host,
+                                port) from None
+    except OSError as e:  # unreachable, ...: named, as the side channel names them
         raise SideChannelError(f"NixlConnector prefill at {host}:{port}: {e}", host,
                                port) from None
     if frames[:1] != [b""]:
@@ -360,9 +415,9 @@ class _Zmtp:
         while at < n:
             got = self.io(lambda at=at: self.sock.recv_into(view[at:], min(n - at, 1 << 20)))
             if not got:
-                raise SideChannelProtocolError(f"NixlConnector prefill at {self.host}:"
-                                               f"{self.port}: closed the connection before "
-                                               "its answer", self.host, self.port)
+                raise SideChannelClosed(f"NixlConnector prefill at {self.host}:{self.port}: "
+                                        "closed the connection before its answer", self.host,
+                                        self.port)
             at += got
         return bytes(out) if n < 4096 else out
 

@@ -113,11 +113,11 @@ class Pulls:
             else:
                 del self.inflight[req_id]
                 w.stats.record("num_failed_transfers")
-                # the prefill may have died or restarted: the next request handshakes again
-                # (connecting a live peer again is a no-op) instead of reading a dead one
-                w.hs.forget(p.load.engine)
-                w.engines.pop(p.load.engine, None)
-                w.fail(p.load, str(p.t.error()), p.peers)
+                # the prefill may have died or restarted in place: connected afresh and read
+                # once more if it answers with new agents (kvplan_nixl.vllm.restarts), else
+                # failed; either way the next request handshakes again
+                if not w.restarts.connect_again(p.load, p.t.error(), p.peers):
+                    w.fail(p.load, str(p.t.error()), p.peers)
 
     def _nixl(self, req_id: str, p: Pull, now: float) -> None:
         """A pull from a NixlConnector prefill (module docstring): heartbeats while in flight;
@@ -133,8 +133,10 @@ class Pulls:
             _tell(w, load, [r], f"{load.remote_req}:{p.counts[r]}")
         if not p.t.ok:
             w.stats.record("num_failed_transfers")
-            w.nixl.forget(load.engine)  # it may have restarted: handshake again next time
-            w.engines.pop(load.engine, None)
+            # it may have restarted in place: forgotten, so that the next request connects
+            # afresh; this one fails (a stock prefill confirms nothing: the new instance may
+            # not hold its blocks, kvplan_nixl.vllm.restarts)
+            w.restarts.connect_again(load, p.t.error(), p.peers)
             w.fail(load, str(p.t.error()), p.peers)
             return
         w.recv_done.add(req_id)

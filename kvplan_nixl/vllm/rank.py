@@ -46,6 +46,8 @@ class Rank(Protocol):
     engines: dict[str, tuple[Any, list[int]]]  # prefill engine -> pull map, readers per rank
     recv_done: set[str]  # decode requests whose KV is loaded (or failed), to report
     waiting: dict[str, tuple[Load, float]]  # decode loads whose handshake is pending
+    writes: Any  # Writes (kvplan_nixl.vllm.pushing): pushes to write, their handshakes
+    restarts: Any  # Restarts (kvplan_nixl.vllm.restarts): prefills connected afresh
 
     def fail(self, load: Load, why: str, peers: tuple[int, ...] = ()) -> None:
         """``load`` failed: end its holds, hand its blocks to vLLM's failure policy."""

@@ -77,6 +77,36 @@ class Settings:
                              f"{v!r}")
         return v
 
+    def stock_prefills(self) -> tuple[tuple[str | None, str, int], ...] | None:
+        """``extra["stock_prefills"]``: the side channels of the NixlConnector prefills this
+        decode may dial, a list (or comma-separated string) of ``"host:port"`` (any engine id
+        there) or ``"engine_id@host:port"`` (that engine id only, and only there), as
+        ``(engine or None, host, port)``; None when the key is absent (any address, each
+        engine id bound to the first one it connected at: docs/vllm.md, "Who a request may
+        make the decode dial"). Hosts are compared as written, so write them as the prefills'
+        ``VLLM_NIXL_SIDE_CHANNEL_HOST`` says them."""
+        v = self.extra.get("stock_prefills")
+        if v is None:
+            return None
+        items = v.split(",") if isinstance(v, str) else v
+        bad = ValueError("kv_connector_extra_config['stock_prefills'] must be a list of "
+                         "\"host:port\" or \"engine_id@host:port\" strings (port 1 to 65535), "
+                         f"got {v!r}")
+        if not isinstance(items, (list, tuple)):
+            raise bad
+        out = []
+        for item in items:
+            if not isinstance(item, str):
+                raise bad
+            engine, _, where = item.strip().rpartition("@")
+            host, _, port = where.rpartition(":")
+            host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+            if not host or not port.isdigit() or not 0 < int(port) < 65536 or (
+                    "@" in item and not engine):
+                raise bad
+            out.append((engine or None, host, int(port)))
+        return tuple(out)
+
     def backends(self) -> tuple[str, ...]:
         """``extra["nixl_backends"]``: NIXL backends the endpoint creates (a list, or a
         comma-separated string; default UCX)."""

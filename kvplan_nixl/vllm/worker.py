@@ -25,15 +25,24 @@ from vllm.logger import init_logger
 
 import kvplan
 from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, whole_pages
+from kvplan_nixl.errors import NixlError, NotConnectedError
 from kvplan_nixl.serving import sidechannel as sc
 from kvplan_nixl.serving.addresses import is_loopback
-from kvplan_nixl.serving.handshakes import Handshakes, HandshakeState, identity
+from kvplan_nixl.serving.handshakes import (
+    FAILED,
+    AddressConflict,
+    AddressRefused,
+    Handshakes,
+    HandshakeState,
+    identity,
+)
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.nixl_peer import NixlPrefills, compat_hash, stock_backend
 from kvplan_nixl.vllm.pull_digest import Answers
 from kvplan_nixl.vllm.pulling import Pulls, tell_unposted
 from kvplan_nixl.vllm.pushing import Receives, Writes
+from kvplan_nixl.vllm.restarts import Restarts
 from kvplan_nixl.vllm.spans import lacking
 from kvplan_nixl.vllm.stats import KvplanStats
 
@@ -81,6 +90,7 @@ class Worker:
         self.ctl = Control(self.secret, self.hs_timeout)
         self.engines: dict[str, tuple[Any, list[int]]] = {}  # prefill engine -> map, counts
         self.waiting: dict[str, tuple[Load, float]] = {}  # handshake pending -> deadline
+        self.restarts = Restarts(self)  # prefills restarted in place: connected afresh
         self.pulls = Pulls(self)
         self.recv_done: set[str] = set()
         self.recv_failed: set[str] = set()
@@ -133,13 +143,17 @@ class Worker:
         logger.info("kvplan: rank %d side channel on %s:%d, advertised as %s (base %d, dp rank "
                     "%d)", self.rank, self.c.listen_host, port, self.c.host, self.c.port,
                     self.c.dp_rank)
+        # without a secret a kvplan prefill's metadata is unsigned: its address is its
+        # identity, as a stock prefill's (serving/handshakes.py, "Restarts and identity")
         self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
                              identify=identity(self.secret),
                              retry_after_s=min(5.0, self.lease),
-                             warn=lambda m: logger.warning("kvplan: pull %s", m))
+                             warn=lambda m: logger.warning("kvplan: pull %s", m),
+                             pin=self.secret is None)
         self.nixl = NixlPrefills(self, compat_hash(cfg, stock_backend(cfg)), stock_backend(cfg))
         self.receives, self.writes = Receives(self), Writes(self)
         self.answers = Answers(self, self.writes.hs)  # decodes connected as a push does
+        self.ep.on_peer_gone(self.restarts.gone)
         threading.Thread(target=self._progress_loop, daemon=True,
                          name="kvplan-progress").start()
 
@@ -174,7 +188,7 @@ class Worker:
         self.receives.progress(now)
         self.answers.progress(now)
         if self.waiting:
-            self._poll_waiting(now)
+            _poll_waiting(self, now)
         self.pulls.progress(now)
 
     # -- decode: handshakes and pulls --------------------------------------------------------
@@ -211,13 +225,17 @@ class Worker:
                     continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
                     _hs_start(self, load)
+                except (AddressConflict, AddressRefused) as e:  # nothing was dialled
+                    self.stats.record("num_failed_handshakes")
+                    self.fail(load, f"{type(e).__name__}: {e}")
+                    continue
                 except Exception as e:
                     self.stats.record("num_failed_handshakes")
                     self.fail(load, f"{type(e).__name__}: {e}{_dialled(load)}")
                     continue
                 # bounded: a handshake takes at most a few handshake_timeout_s per rank
                 self.waiting[load.req_id] = (load, now + self.timeout)
-            self._poll_waiting(now)
+            _poll_waiting(self, now)
 
     def _hs_connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:
         """Handshakes' ``connect`` (under self.lock): connect one prefill rank; the ranks this
@@ -227,30 +245,7 @@ class Worker:
         # rank 0 connects every prefill rank: a push registration goes to each of them
         return tuple(range(tmap.src.tp_size)) if self.rank == 0 else tuple(tmap.peers)
 
-    def _poll_waiting(self, now: float) -> None:
-        for req_id, (load, deadline) in list(self.waiting.items()):
-            st = _hs_state(self, load)
-            if st is None:  # forgotten meanwhile, or the pool was full: start again
-                st = _hs_start(self, load)
-            if st.pending:
-                if now > deadline:
-                    del self.waiting[req_id]
-                    self.stats.record("num_failed_handshakes")
-                    self.fail(load, f"handshake with {load.engine} at {load.host}:"
-                                     f"{load.port} not done within {self.timeout:g} s"
-                                     f"{_dialled(load, address=False)}")
-                continue
-            del self.waiting[req_id]
-            if st.failed:
-                self.stats.record("num_failed_handshakes")
-                self.fail(load, f"handshake failed: {st.reason}{_dialled(load)}")
-                continue
-            try:
-                self._post(load, deadline)
-            except Exception as e:  # a refused pair, bad params
-                self.fail(load, f"{type(e).__name__}: {e}")
-
-    def _post(self, load: Load, connect_by: float) -> None:
+    def post(self, load: Load, connect_by: float) -> None:
         """Start ``load`` (its prefill connected): pull it, or register its push and wait.
         ``connect_by``: the latest its handshake could have completed on any rank."""
         tmap, counts = self._engine(load.engine)
@@ -304,6 +299,7 @@ class Worker:
                 self._count("num_confirmations_refused", "refused", counts["refused"])
                 self._count("num_side_channel_dropped", "dropped",
                             counts["dropped"] + self.ep.ignored_notices)
+            self.restarts.reported(self.recv_done)
             out = KVConnectorTransferResults(finished_sending=sending,
                                              finished_recving=self.recv_done,
                                              failed_recving=self.recv_failed)
@@ -344,6 +340,42 @@ class Worker:
             if self.ep is not None:
                 with contextlib.suppress(Exception):
                     self.ep.close()
+
+
+def _poll_waiting(w: Worker, now: float) -> None:
+    """Start the loads whose handshake ended (or fail them); fail those past their deadline;
+    a load connecting afresh after a failed attempt is settled by ``w.restarts``."""
+    for req_id, (load, deadline) in list(w.waiting.items()):
+        st = _hs_state(w, load)
+        if st is None:  # forgotten meanwhile, or the pool was full: start again
+            try:
+                st = _hs_start(w, load)
+            except Exception as e:  # bound elsewhere meanwhile, or closed
+                st = HandshakeState(FAILED, f"{type(e).__name__}: {e}")
+        if st.pending:
+            if now > deadline:
+                del w.waiting[req_id]
+                w.restarts.again.pop(req_id, None)
+                w.stats.record("num_failed_handshakes")
+                w.fail(load, f"handshake with {load.engine} at {load.host}:"
+                                 f"{load.port} not done within {w.timeout:g} s"
+                                 f"{_dialled(load, address=False)}")
+            continue
+        del w.waiting[req_id]
+        if st.failed:
+            w.stats.record("num_failed_handshakes")
+        failed = w.restarts.settle(load, st, _dialled(load))
+        if failed is not None:
+            w.fail(load, *failed)
+            continue
+        try:
+            w.post(load, deadline)
+        # its peer went, or its blocks are not the map's: it may have restarted in place
+        except (NotConnectedError, NixlError, kvplan.RequestError) as e:
+            if not w.restarts.connect_again(load, e, (), deadline):
+                w.fail(load, f"{type(e).__name__}: {e}")
+        except Exception as e:  # a refused pair, bad params
+            w.fail(load, f"{type(e).__name__}: {e}")
 
 
 def _beat_queued(w: Worker, beats: dict[str, list[str]]) -> None:
