@@ -320,8 +320,10 @@ except SideChannelTimeout as e:
 
 # item 7: a request claiming tp_size 2 for this TP 1 prefill, through the connector's own
 # NixlPrefills: refused from rank 0's block lengths, rank 1 never asked for
+from kvplan_nixl.vllm.settings import Settings
 w = SimpleNamespace(lock=threading.Lock(), hs_timeout=5.0, lease=30.0, rank=0, cuda=False,
-                    ep=SimpleNamespace(spec=EngineSpec.from_dict(dspec)))
+                    ep=SimpleNamespace(spec=EngineSpec.from_dict(dspec)),
+                    c=Settings("dec", "127.0.0.1", 5700, 1))  # no stock_prefills: any address
 prefills = NixlPrefills(w, "h" * 64, "CPU_ATTN")
 load = SimpleNamespace(engine=meta["engine_id"], host="127.0.0.1", port=genuine, remote_tp=2)
 st = prefills.start(load)
