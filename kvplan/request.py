@@ -22,7 +22,7 @@ import numpy as np
 
 from kvplan.allocations import finish
 from kvplan.errors import RequestError
-from kvplan.lanes import BlockTemplate, Lane, LaneMap, frozen
+from kvplan.lanes import BlockTemplate, Lane, LaneMap, Mode, frozen
 from kvplan.plan import COPY_DTYPE, TransferPlan
 from kvplan.regroup import check_state_slots
 from kvplan.runs import merge_runs
@@ -247,6 +247,79 @@ def lane_span(
                 f"positions (dst_from={dst_from!r}) cover {where}"
             )
     return lo, max(lo, hi), first
+
+
+def _lane_nbytes(lane: Lane, src_ids: np.ndarray, dst_ids: np.ndarray,
+                 span: tuple[int, int, int]) -> int:
+    """The bytes :func:`_lane_runs` would copy for this lane, counted, not expanded: each
+    template's bytes per source block offset (``js``) over the block positions both sides
+    hold (O(positions x distinct offsets), no row per piece)."""
+    tpls = lane.templates
+    bs, phases = tpls[0].dst_bs, len(tpls)
+    lo, n, dst_first = span
+    j0, j1 = -(-lo // bs), n // bs
+    pos = np.arange(j0, max(j0, j1), dtype=np.int64)
+    total = 0
+    for ph, tpl in enumerate(tpls):
+        p = pos if phases == 1 else pos[pos % phases == ph]
+        if not p.size or not len(tpl.length):
+            continue
+        js, inv = np.unique(tpl.js, return_inverse=True)
+        per_j = np.zeros(len(js), np.int64)
+        np.add.at(per_j, inv.ravel(), tpl.length)
+        held = src_ids[(p * tpl.dst_bs // tpl.src_bs)[:, None] + js] != ABSENT
+        held &= (dst_ids[p - dst_first] != ABSENT)[:, None]
+        total += int((held * per_j).sum())
+    for j in {j for j in (lo // bs, n // bs) if j * bs < n and not j0 <= j < j1}:
+        tpl = tpls[j % phases]  # a partly covered block: the atoms of its covered tokens
+        t_lo, t_hi = max(lo, j * bs) - j * bs, min(n, (j + 1) * bs) - j * bs
+        keep = (tpl.atom_token >= t_lo) & (tpl.atom_token < t_hi)
+        if dst_ids[j - dst_first] == ABSENT or not keep.any():
+            continue
+        s_held = src_ids[j * tpl.dst_bs // tpl.src_bs + tpl.atom_js[keep]] != ABSENT
+        total += int(tpl.atom_length[keep][s_held].sum())
+    return total
+
+
+def plan_nbytes(
+    tmap: LaneMap,
+    src_blocks: Sequence,
+    dst_blocks: Sequence,
+    tokens: tuple[int, int] | None = None,
+    dst_from: str = "zero",
+) -> dict[int, int]:
+    """The bytes ``tmap.plan(src_blocks, dst_blocks, tokens=..., dst_from=...)`` would copy, per
+    peer rank of the map (``tmap.peers``: source ranks of a pull map, destination ranks of a
+    push map), without building the plan: the same checks first (a
+    :class:`~kvplan.RequestError` where planning would raise one), then each lane's bytes
+    counted over the block positions both sides hold. It costs a small part of planning (no
+    row per run is made, sorted or merged), so a server can refute a peer's claim of a plan's
+    size before it plans (the staged server's OPEN: docs/executor.md)."""
+    rng = _token_range(tokens)
+    if dst_from not in DST_FROM:
+        raise RequestError(f"dst_from must be one of {DST_FROM}, got {dst_from!r}")
+    if dst_from != "zero" and rng is None:
+        raise RequestError(
+            f"dst_from={dst_from!r} anchors the destination lists at tokens' start: pass tokens"
+        )
+    src_lists = _block_lists(tmap.src, src_blocks, "source")
+    dst_lists = _block_lists(tmap.dst, dst_blocks, "destination")
+    check_state_slots(tmap, src_lists, dst_lists)
+    peer = "src_rank" if tmap.mode is Mode.PULL else "dst_rank"
+    by_template: dict = {}
+    out: dict[int, int] = {}
+    for lane in tmap.lanes:
+        g = lane.group
+        key = (id(lane.templates), lane.src_group, g, lane.window)  # as build_plan shares runs
+        n = by_template.get(key)
+        if n is None:
+            s_ids, d_ids = src_lists[lane.src_group], dst_lists[g]
+            state = tmap.dst.regions[lane.dst_region].is_state
+            span = lane_span(tmap, lane, len(s_ids), len(d_ids), None if state else rng, dst_from)
+            n = by_template[key] = _lane_nbytes(lane, s_ids, d_ids, span)
+        r = getattr(lane, peer)
+        out[r] = out.get(r, 0) + n
+    return out
 
 
 def build_plan(

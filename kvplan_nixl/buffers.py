@@ -98,6 +98,8 @@ def _buffer(buf: Any, spec: EngineSpec, a: int, key: str,
         )
     if addr <= 0:
         raise BufferSizeError(f"{what}: address {addr} is not a valid pointer")
+    if addr + nbytes > 1 << 63:  # NIXL's descriptors and the plans' offsets are int64
+        raise BufferSizeError(f"{what}: {nbytes} bytes at address {addr:#x} end past 2**63")
     return addr, nbytes, dev, mem
 
 

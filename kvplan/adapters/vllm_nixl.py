@@ -51,6 +51,12 @@ from typing import Any
 
 import attrs
 
+from kvplan.constants import (
+    MAX_ALLOCATION_BYTES,
+    MAX_BLOCK_SIZE,
+    MAX_REGIONS,
+    MAX_TP_SIZE,
+)
 from kvplan.errors import SpecError
 from kvplan.layout import rank_layout
 from kvplan.spec import EngineSpec
@@ -65,6 +71,25 @@ SHARED_GROUP = -1
 ENGINE_FIELDS = ("engine_id", "num_blocks", "block_size", "kv_cache_layout",
                  "attn_backend_name", "physical_blocks_per_logical_kv_block", "dcp_size",
                  "pcp_size", "region_names")
+
+
+#: Each number a rank's metadata publishes, and its range (``low``, ``high``: inclusive): a
+#: prefill's sizes are checked as kvplan's own metadata's are before any is used (addresses
+#: positive and below 2**63, the int64 offsets NIXL's descriptors take; sizes and counts
+#: positive), so that a forged or corrupt one is refused naming the field, never an untyped
+#: exception later.
+NUMBER_FIELDS: Mapping[str, tuple[int, int]] = {
+    "num_blocks": (1, (1 << 31) - 1), "block_size": (1, MAX_BLOCK_SIZE),
+    "physical_blocks_per_logical_kv_block": (1, MAX_BLOCK_SIZE),
+    "device_id": (0, (1 << 31) - 1), "dcp_size": (1, MAX_TP_SIZE), "pcp_size": (1, MAX_TP_SIZE),
+}
+#: The per-region columns and the range of each entry (``region_num_blocks`` and
+#: ``region_group_ids`` may be absent: None).
+COLUMN_FIELDS: Mapping[str, tuple[int, int]] = {
+    "kv_caches_base_addr": (1, (1 << 63) - 1), "block_lens": (1, MAX_ALLOCATION_BYTES),
+    "block_strides": (1, MAX_ALLOCATION_BYTES), "region_num_blocks": (0, (1 << 31) - 1),
+    "region_group_ids": (SHARED_GROUP, (1 << 31) - 1),
+}
 
 
 class NixlMetadataError(SpecError):
@@ -112,6 +137,37 @@ def prefill_from_nixl(decode: EngineSpec, metadata: Sequence[Mapping[str, Any]],
     if not metadata:
         raise NixlMetadataError("no NixlAgentMetadata: one per prefill TP rank is needed")
     meta0 = _agree(metadata)
+    spec = _first_rank_spec(decode, meta0, len(metadata), backend)
+    buffers = tuple(_check_rank(spec, m, k, meta0) for k, m in enumerate(metadata))
+    return NixlPrefill(spec=spec, buffers=buffers,
+                       device_ids=tuple(int(m["device_id"]) for m in metadata),
+                       engine_id=str(meta0["engine_id"]), backend=str(backend))
+
+
+def check_first_rank(decode: EngineSpec, meta0: Mapping[str, Any], tp_size: int, *,
+                     backend: str | None) -> None:
+    """Check prefill rank 0's ``NixlAgentMetadata`` fields ``meta0`` alone, as
+    :func:`prefill_from_nixl` checks every rank, for a prefill of ``tp_size`` ranks (what a
+    request claims): before any other rank is asked for, since vLLM 0.32's listener dies on a
+    rank it lacks. A rank's block lengths and state sizes are its share of the model's heads,
+    so a claimed size whose share differs from the published one is refused
+    (:class:`NixlMetadataError` naming ``tp_size``, the region, the field and both numbers).
+    Where every rank holds the same bytes at either size (MLA, or fewer KV heads than ranks)
+    the two sizes publish alike, and this cannot tell them apart."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) \
+            or not 1 <= tp_size <= MAX_TP_SIZE:
+        raise NixlMetadataError(f"tp_size {tp_size!r}: must be an int 1 to {MAX_TP_SIZE}")
+    meta0 = _agree([meta0])
+    try:
+        _check_rank(_first_rank_spec(decode, meta0, tp_size, backend), meta0, 0, meta0)
+    except NixlMetadataError as e:
+        raise NixlMetadataError(f"tp_size {tp_size} (the request's): prefill rank 0's "
+                                f"metadata is not this model's at that size: {e}") from None
+
+
+def _first_rank_spec(decode: EngineSpec, meta0: Mapping[str, Any], tp: int,
+                     backend: str | None) -> EngineSpec:
+    """The engine-wide checks of :func:`prefill_from_nixl`, then the prefill's spec."""
     if meta0.get("ple_block_len") is not None or meta0.get("packed_member_layouts"):
         raise NixlMetadataError("the prefill publishes a PLE state page or packed PP members "
                                 "(ple_block_len, packed_member_layouts): not described yet")
@@ -124,11 +180,7 @@ def prefill_from_nixl(decode: EngineSpec, metadata: Sequence[Mapping[str, Any]],
         raise NixlMetadataError(f"attn_backend_name: the prefill runs "
                                 f"{meta0['attn_backend_name']!r}, this decode {backend!r}: a "
                                 "page's content order is the backend's")
-    spec = _prefill_spec(decode, meta0, len(metadata))
-    buffers = tuple(_check_rank(spec, m, k, meta0) for k, m in enumerate(metadata))
-    return NixlPrefill(spec=spec, buffers=buffers,
-                       device_ids=tuple(int(m["device_id"]) for m in metadata),
-                       engine_id=str(meta0["engine_id"]), backend=str(backend))
+    return _prefill_spec(decode, meta0, tp)
 
 
 def _agree(metadata: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -138,11 +190,49 @@ def _agree(metadata: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
         if missing:
             raise NixlMetadataError(f"prefill rank {k}: NixlAgentMetadata lacks {missing} "
                                     "(vLLM 0.32's NIXL_CONNECTOR_VERSION 14 publishes them)")
+        _numbers(m, k)
         for f in ENGINE_FIELDS:
             if m[f] != metadata[0][f]:
                 raise NixlMetadataError(f"{f}: prefill rank {k} publishes {m[f]!r}, rank 0 "
                                         f"{metadata[0][f]!r}: one engine's ranks must agree")
     return metadata[0]
+
+
+def _int_in(v: Any, low: int, high: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def _numbers(m: Mapping[str, Any], rank: int) -> None:
+    """Every number and name of rank ``rank``'s metadata in its range and type
+    (:data:`NUMBER_FIELDS`, :data:`COLUMN_FIELDS`), before any is used."""
+    who = f"prefill rank {rank}"
+    for f, (low, high) in NUMBER_FIELDS.items():
+        if f in m and not _int_in(m[f], low, high):
+            raise NixlMetadataError(f"{who}: {f} {m[f]!r:.80}: must be an int {low} to {high}")
+    for f in ("engine_id", "kv_cache_layout", "attn_backend_name"):
+        if not isinstance(m[f], str):
+            raise NixlMetadataError(f"{who}: {f} {m[f]!r:.80}: must be a string")
+    for f, (low, high) in COLUMN_FIELDS.items():
+        col = m.get(f)
+        if col is None and f in ("region_num_blocks", "region_group_ids"):
+            continue
+        if not isinstance(col, (list, tuple)) or len(col) > MAX_REGIONS:
+            raise NixlMetadataError(f"{who}: {f} must be a list of at most {MAX_REGIONS} "
+                                    f"ints, one per region, got {type(col).__name__}")
+        bad = next((j for j, v in enumerate(col) if not _int_in(v, low, high)), None)
+        if bad is not None:
+            raise NixlMetadataError(f"{who}: {f}[{bad}] {col[bad]!r:.80}: must be an int "
+                                    f"{low} to {high}")
+    names = m["region_names"]
+    if names is not None and (not isinstance(names, (list, tuple)) or len(names) > MAX_REGIONS
+                              or not all(isinstance(n, str) for n in names)):
+        raise NixlMetadataError(f"{who}: region_names must be a list of at most "
+                                f"{MAX_REGIONS} strings")
+    ssm = m["ssm_sizes"]
+    if not isinstance(ssm, (list, tuple)) or len(ssm) != 2 or not all(
+            _int_in(v, 0, MAX_ALLOCATION_BYTES) for v in ssm):
+        raise NixlMetadataError(f"{who}: ssm_sizes {ssm!r:.80}: must be two ints 0 to "
+                                f"{MAX_ALLOCATION_BYTES} (conv, temporal bytes)")
 
 
 def _content(region: Any) -> str:
@@ -330,5 +420,12 @@ def _check_rank(spec: EngineSpec, m: Mapping[str, Any], rank: int,
                 f"{int(columns['kv_caches_base_addr'][j]):#x} puts its buffer "
                 f"{spec.buffers[w['buffer']]!r} at {base:#x}, region {first[1]!r} at "
                 f"{first[0]:#x}")
-    return {spec.buffers[b]: (base, spec.rank_buffer_nbytes(b)) for b, (base, _) in
-            sorted(bases.items())}
+    out = {}
+    for b, (base, name) in sorted(bases.items()):
+        size = spec.rank_buffer_nbytes(b)
+        if not 0 < base or base + size > 1 << 63:  # NIXL's descriptors take int64 addresses
+            raise NixlMetadataError(
+                f"prefill rank {rank}, region {name!r}: kv_caches_base_addr puts its buffer "
+                f"{spec.buffers[b]!r} ({size} bytes) at {base:#x}: it must lie in (0, 2**63)")
+        out[spec.buffers[b]] = (base, size)
+    return out

@@ -34,8 +34,8 @@ from typing import Any
 from kvplan_nixl.errors import ParamsError
 from kvplan_nixl.serving.pushes import MAX_BLOCK_ID, MAX_KEY, block_ids, transfer_key
 
-__all__ = ["MAX_BLOCK_IDS", "MAX_TP", "MODES", "PEERS", "Handover", "Source", "check_decode",
-           "check_prefill"]
+__all__ = ["MAX_BLOCK_IDS", "MAX_TP", "MODES", "PEERS", "STOCK_ID_PREFIXES", "Handover",
+           "Source", "check_decode", "check_prefill"]
 
 #: How a prefill hands its KV to a decode (``mode``, and a prefill request's
 #: ``transfer_mode``).
@@ -57,6 +57,13 @@ MAX_BLOCK_IDS = 1 << 20
 
 #: A request id's limit on the side channel (UTF-8 bytes): it is echoed in every message.
 MAX_REQUEST_ID = 512
+
+#: Prefixes a NixlConnector prefill's request id may not start with: its notifications carry
+#: the id bare, and vLLM 0.32's prefill reads ``HB:...`` as a heartbeat (``_get_new_notifs``
+#: in ``nixl/pull_worker.py``), while ``kvs1 `` is the staged executor's reserved prefix
+#: (:mod:`kvplan_nixl.reserved`), which an endpoint refuses to send. A ``,`` is refused
+#: anywhere in the id: the heartbeat's payload is split at commas.
+STOCK_ID_PREFIXES = ("HB:", "kvs1 ")
 
 # a host name or an IP address (IPv6 in brackets or bare, a scope after %)
 _HOST = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,253}")
@@ -99,10 +106,14 @@ class Handover:
     key: str | None
 
 
-def check_decode(request_id: str, params: Any, groups: int | None) -> Source:
+def check_decode(request_id: str, params: Any, groups: int | None, *,
+                 max_model_len: int | None = None) -> Source:
     """The source of a decode request whose ``params`` say ``do_remote_prefill``;
     :class:`ParamsError` naming the first bad field. ``groups``: this engine's KV-cache group
-    count (None: not checked), which the block lists must match."""
+    count (None: not checked), which the block lists must match. ``max_model_len``: this
+    engine's (None: not checked), which bounds ``remote_num_tokens`` and every
+    ``remote_block_offsets`` entry (a block holds at least one token), so that no list is
+    padded or derived past the longest prompt this engine serves."""
     p = _mapping(params)
     _flags(p)
     engine = _name(p, "remote_engine_id", MAX_KEY)
@@ -118,7 +129,9 @@ def check_decode(request_id: str, params: Any, groups: int | None) -> Source:
                           f"tp_size - 1 = {port + tp - 1}) is above 65535")
     tokens = 0
     if "remote_num_tokens" in p and p["remote_num_tokens"] is not None:
-        tokens = _int(p, "remote_num_tokens", 0, MAX_BLOCK_ID, "must be an int >= 0")
+        top = MAX_BLOCK_ID if max_model_len is None else min(MAX_BLOCK_ID, max_model_len)
+        tokens = _int(p, "remote_num_tokens", 0, top, f"must be an int >= 0, at most {top}"
+                      + ("" if max_model_len is None else " (this engine's max_model_len)"))
     if p.get("transfer_mode") == "pull":  # vLLM's NixlConnector prefill
         return _nixl_source(p, engine, host, port, tp, tokens, groups)
     key = _key(request_id, p)
@@ -129,7 +142,7 @@ def check_decode(request_id: str, params: Any, groups: int | None) -> Source:
         return Source(engine, host, port, tp, _opt_name(p, "remote_request_id"), None, (),
                       _generation(p), key)
     ids = _lists(raw, groups)
-    first = _offsets(p.get("remote_block_offsets"), len(ids))
+    first = _offsets(p.get("remote_block_offsets"), len(ids), max_model_len)
     return Source(engine, host, port, tp, _name(p, "remote_request_id", MAX_REQUEST_ID),
                   ids, first, _generation(p), "", "kvplan", tokens)
 
@@ -146,8 +159,20 @@ def _nixl_source(p: Mapping[str, Any], engine: str, host: str, port: int, tp: in
         raise ParamsError("remote_block_ids", None, "a NixlConnector prefill "
                           "(transfer_mode 'pull') must name its blocks")
     ids = _lists(p["remote_block_ids"], groups)
-    return Source(engine, host, port, tp, _name(p, "remote_request_id", MAX_REQUEST_ID), ids,
-                  (0,) * len(ids), 0, "", "nixl", tokens)
+    return Source(engine, host, port, tp, _stock_id(p), ids, (0,) * len(ids), 0, "", "nixl",
+                  tokens)
+
+
+def _stock_id(p: Mapping[str, Any]) -> str:
+    """A NixlConnector prefill's ``remote_request_id``: one its notifications can carry back
+    exactly (``<id>:<n>`` and ``HB:<id>,...``; :data:`STOCK_ID_PREFIXES`)."""
+    v = _name(p, "remote_request_id", MAX_REQUEST_ID)
+    if "," in v or v.startswith(STOCK_ID_PREFIXES):
+        raise ParamsError("remote_request_id", v, "a NixlConnector prefill's request id may "
+                          "not contain ',' nor start with 'HB:' or 'kvs1 ': its notifications "
+                          "(<id>:<n>, HB:<id>,...) would be read as other requests' "
+                          "heartbeats, as a heartbeat, or refused as a reserved message")
+    return v
 
 
 def check_prefill(request_id: str, params: Any, default_mode: str) -> Handover:
@@ -254,11 +279,19 @@ def _ids(g: Any, field: str, rule: str) -> list[int]:
     return ids
 
 
-def _offsets(raw: Any, n: int) -> tuple[int, ...]:
-    """``remote_block_offsets``: the position of each list's first block (absent: 0s)."""
+def _offsets(raw: Any, n: int, max_model_len: int | None) -> tuple[int, ...]:
+    """``remote_block_offsets``: the position of each list's first block (absent: 0s), at most
+    ``max_model_len`` (the decode pads each list to it: a block holds a token or more, so a
+    list starting further holds nothing of a prompt this engine serves)."""
     if raw is None:
         return (0,) * n
-    rule = f"must be one block position (an int 0 to {MAX_BLOCK_ID}) per block id list ({n})"
+    top = MAX_BLOCK_ID if max_model_len is None else min(MAX_BLOCK_ID, max_model_len)
+    rule = (f"must be one block position (an int 0 to {top}"
+            + ("" if max_model_len is None else ", this engine's max_model_len")
+            + f") per block id list ({n})")
     if not isinstance(raw, (list, tuple)) or len(raw) != n:
         raise ParamsError("remote_block_offsets", raw, rule)
-    return tuple(_ids(raw, "remote_block_offsets", rule))
+    first = tuple(_ids(raw, "remote_block_offsets", rule))
+    if any(f > top for f in first):
+        raise ParamsError("remote_block_offsets", list(first), rule)
+    return first

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from kvplan import KVPlanError, Mode
+from kvplan.request import plan_nbytes
 from kvplan.staging import stage
 from kvplan_nixl.endpoint import Endpoint
 from kvplan_nixl.errors import NotConnectedError
@@ -89,7 +90,8 @@ class Server:
             self._drop(j, "stager closed", tell=True)
 
     def _open(self, agent_name: str, m: proto.Message) -> None:
-        # every check that needs no plan comes first: a refused OPEN costs no planning
+        # every check that needs no plan comes first: a refused OPEN costs no planning (the
+        # plan's size is counted, not planned: kvplan.request.plan_nbytes)
         op = proto.decode_open(m)
         if op.slot_bytes != self.pool.slot_bytes:
             raise proto.Refuse(f"slot sizes differ: initiator {op.slot_bytes} bytes, this side "
@@ -106,6 +108,12 @@ class Server:
             if op.nbytes > cap:
                 raise proto.Refuse(f"{op.nbytes} bytes asked, more than the {cap} bytes this "
                                    "rank holds in the blocks listed")
+            # the plan's bytes for this peer, counted without planning: a claim that is not
+            # them is refused for a small part of what planning and staging would cost
+            have = plan_nbytes(tmap, op.src_blocks, op.dst_blocks).get(rank, 0)
+            if have != op.nbytes:
+                raise proto.Refuse(f"plans disagree: initiator {op.nbytes} bytes, this side "
+                                   f"{have} bytes for rank {rank} (counted before planning)")
             sp = stage(tmap.plan(op.src_blocks, op.dst_blocks), self.pool.slot_bytes)
         except (NotConnectedError, KVPlanError) as exc:  # e.g. block ids that do not fit
             raise proto.Refuse(str(exc)) from exc

@@ -136,7 +136,9 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("KvplanConnector: pipeline parallelism is not supported yet")
         self._scheduler = Scheduler(self.settings, kv_cache_config,
-                                    str(cfg.kv_load_failure_policy)) \
+                                    str(cfg.kv_load_failure_policy),
+                                    max_model_len=getattr(vllm_config.model_config,
+                                                          "max_model_len", None)) \
             if role == KVConnectorRole.SCHEDULER else None
         self._worker = Worker(self.settings, vllm_config) \
             if role == KVConnectorRole.WORKER else None

@@ -1,7 +1,7 @@
 """A decode rank of ``KvplanConnector`` and the prefills that run vLLM 0.32's own
 NixlConnector: their handshake, fetched the way NixlConnector's decode fetches it
 (:func:`fetch_nixl_metadata`), and their ranks connected as foreign peers from it
-(:class:`NixlPrefills`). Runs in vLLM's environment: imports vllm, zmq, msgspec.
+(:class:`NixlPrefills`). Runs in vLLM's environment: imports vllm and msgspec.
 
 vLLM 0.32's NixlConnector serves every prefill rank's handshake from one ZMQ ``ROUTER`` in its
 scheduler process (``_nixl_handshake_listener`` in ``nixl/base_scheduler.py``), on **one port
@@ -28,15 +28,25 @@ Only ranks the prefill has may be asked for (``tp_size``, ``pp_size``: the prefi
 ``kv_transfer_params``): vLLM 0.32's listener looks the rank up unguarded, and a rank it does
 not have raises ``KeyError`` in its thread, which ends it: the prefill answers no handshake
 after that. So a rank out of range is refused here, before anything is sent.
+
+An answer is capped before it is read: the exchange speaks ZMTP 3.0 itself (a REQ socket's
+greeting, NULL mechanism and frames, over a plain TCP socket) so that every frame's length is
+read before its body and the answer is bounded in all, :data:`MAX_ANSWER` bytes (the project's
+own side channel's metadata cap, ``MAX_METADATA``) and a few frames: a larger one raises
+:class:`NixlAnswerTooLarge` at once, holding none of it. (A ``zmq`` REQ socket's
+``ZMQ_MAXMSGSIZE`` bounds each frame alone: a listener answering 20 frames of 19 MiB made it
+hold 400 MiB.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import socket
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     GET_META_MSG,
     NixlAgentMetadata,
@@ -44,14 +54,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     compute_nixl_compatibility_hash,
 )
 from vllm.logger import init_logger
-from vllm.utils.network_utils import make_zmq_path
 
 import kvplan
-from kvplan.adapters.vllm_nixl import prefill_from_nixl
+from kvplan.adapters.vllm_nixl import check_first_rank, prefill_from_nixl
 from kvplan_nixl.errors import ArgumentError, MetadataError
 from kvplan_nixl.metadata import nixl_agent_name
 from kvplan_nixl.serving.handshakes import Handshakes, HandshakeState
 from kvplan_nixl.serving.sidechannel import (
+    MAX_METADATA,
+    SideChannelClosed,
     SideChannelError,
     SideChannelProtocolError,
     SideChannelTimeout,
@@ -64,10 +75,15 @@ if TYPE_CHECKING:
     from kvplan_nixl.vllm.rank import Rank
     from kvplan_nixl.vllm.scheduler import Load
 
-__all__ = ["NixlHashMismatch", "NixlPrefills", "admit", "compat_hash", "fetch_nixl_metadata",
-           "stock_backend"]
+__all__ = ["MAX_ANSWER", "NixlAnswerTooLarge", "NixlHashMismatch", "NixlPrefills", "admit",
+           "compat_hash", "fetch_nixl_metadata", "stock_backend"]
 
 logger = init_logger("vllm.kvplan_nixl")
+
+#: Largest frame a stock prefill's handshake answer may carry (bytes): the project's own side
+#: channel's metadata cap (20 MiB). vLLM's own metadata is a few KiB per rank (a region is
+#: three ints); a model of thousands of layers stays far below it.
+MAX_ANSWER = MAX_METADATA
 
 
 class NixlPrefills:
@@ -75,8 +91,10 @@ class NixlPrefills:
     :class:`~kvplan_nixl.serving.handshakes.Handshakes` of their own (its pool, timeouts,
     retries and per-address state, keyed by what the request names).
 
-    A handshake asks the prefill's one side channel for rank 0's metadata, then for every
-    other rank's (``tp_size`` of the request that started it): the prefill's spec needs all of
+    A handshake asks the prefill's one side channel for rank 0's metadata, checks the
+    ``tp_size`` of the request that started it against it
+    (:func:`kvplan.adapters.vllm_nixl.check_first_rank`: a rank's block lengths are its share
+    of the model's heads), then asks for every other rank's: the prefill's spec needs all of
     them (:func:`kvplan.adapters.vllm_nixl.prefill_from_nixl` checks they agree and match
     this engine's model exactly, or refuses naming what). Then the ranks this rank reads
     (every rank, on rank 0: it tells the ranks nobody reads that they may free) are connected
@@ -125,6 +143,9 @@ class NixlPrefills:
         tp = self.tp[engine, host, port]
         meta = fetch_nixl_metadata(host, port, int(rank), tp_size=tp, expected_hash=self.hash,
                                    engine_id=engine, timeout_s=timeout)
+        if rank == "0":  # the request's tp_size, against rank 0's own block lengths: before
+            # any other rank is asked for (vLLM's listener dies on a rank it lacks)
+            check_first_rank(self.w.ep.spec, meta, tp, backend=self.backend)
         return msgspec.msgpack.encode((int(rank), tp, meta))
 
     def _connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:
@@ -224,6 +245,18 @@ class NixlHashMismatch(SideChannelError):
                          "cache dtype, vLLM version or transfer mode)", host, port)
 
 
+class NixlAnswerTooLarge(SideChannelProtocolError):
+    """The listener at ``host:port`` answered more than ``limit`` bytes (:data:`MAX_ANSWER`)
+    or more frames than a handshake has: refused from the frame headers, before the bodies
+    were read. Nothing of it was kept."""
+
+    def __init__(self, host: str, port: int, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"NixlConnector prefill at {host}:{port}: its handshake answer was "
+                         f"refused unread: above the {limit} byte cap ({limit >> 20} MiB, "
+                         "MAX_ANSWER) or more frames than a handshake has", host, port)
+
+
 def compat_hash(vllm_config: Any, backend_name: str) -> str:
     """The compatibility hash a NixlConnector pull decode with ``vllm_config`` and attention
     backend ``backend_name`` expects, by vLLM's own ``compute_nixl_compatibility_hash``."""
@@ -242,6 +275,7 @@ def fetch_nixl_metadata(host: str, port: int, tp_rank: int, *, tp_size: int,
     the one the metadata names. The whole exchange runs under ``timeout_s``.
 
     Raises :class:`~kvplan_nixl.serving.sidechannel.SideChannelTimeout` (no answer in time),
+    :class:`NixlAnswerTooLarge` (a frame above :data:`MAX_ANSWER`, refused unread),
     :class:`NixlHashMismatch`, :class:`~kvplan_nixl.serving.sidechannel.SideChannelProtocolError`
     (an answer that is not a NixlConnector handshake of this version, or another engine's),
     each naming ``host:port``.
@@ -271,23 +305,141 @@ def fetch_nixl_metadata(host: str, port: int, tp_rank: int, *, tp_size: int,
 
 
 def _ask(host: str, port: int, msg: bytes, timeout_s: float) -> list[bytes]:
-    """One REQ/REP exchange under ``timeout_s``; the socket never lingers after."""
-    ms = max(1, int(timeout_s * 1000))
-    ctx = zmq.Context()
+    """One REQ exchange with vLLM's ROUTER listener under ``timeout_s``, spoken as ZMTP 3.0
+    (NULL mechanism) over a plain TCP socket, so that the answer is read frame by frame and
+    bounded as it arrives: at most :data:`MAX_ANSWER` bytes and :data:`_MAX_FRAMES` frames in
+    all (libzmq's ``ZMQ_MAXMSGSIZE`` bounds one frame, not how many a message has)."""
+    deadline = time.monotonic() + timeout_s
     try:
-        sock = ctx.socket(zmq.REQ)
-        # LINGER 0: an unanswered request must not keep the process alive at exit
-        for opt, val in ((zmq.LINGER, 0), (zmq.SNDTIMEO, ms), (zmq.RCVTIMEO, ms)):
-            sock.setsockopt(opt, val)
-        sock.connect(make_zmq_path("tcp", host, port))
+        # an IPv6 address in brackets, as a request's remote_host may give it
+        addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as e:
+        raise SideChannelError(f"NixlConnector prefill at {host}:{port}: {e}", host,
+                               port) from None
+    zmtp = _Zmtp(host, port, deadline, timeout_s)
+    try:
+        with zmtp.connect(addr):
+            zmtp.send(_GREETING)
+            greeting = zmtp.exact(64)
+            if greeting[:1] != b"\xff" or greeting[9:10] != b"\x7f" or greeting[10] < 3 \
+                    or greeting[12:16] != b"NULL":
+                raise SideChannelProtocolError(f"NixlConnector prefill at {host}:{port}: not "
+                                               "a ZMTP 3 listener (NULL mechanism)", host, port)
+            zmtp.send(_frame(_READY, command=True))
+            if not zmtp.frame(command=True)[0].startswith(b"\x05READY"):
+                raise SideChannelProtocolError(f"NixlConnector prefill at {host}:{port}: no "
+                                               "ZMTP READY", host, port)
+            zmtp.send(_frame(b"", more=True) + _frame(msg))  # REQ: an empty delimiter first
+            frames, more = [], True
+            while more:
+                data, more = zmtp.frame()
+                frames.append(data)
+    except SideChannelError:
+        raise
+    except (ConnectionResetError, BrokenPipeError) as e:  # as the side channel's client says
+        raise SideChannelClosed(f"NixlConnector prefill at {host}:{port}: {e}", host,
+                                port) from None
+    except OSError as e:  # unreachable, ...: named, as the side channel names them
+        raise SideChannelError(f"NixlConnector prefill at {host}:{port}: {e}", host,
+                               port) from None
+    if frames[:1] != [b""]:
+        raise SideChannelProtocolError(f"NixlConnector prefill at {host}:{port}: an answer "
+                                       "without REQ's empty delimiter", host, port)
+    return frames[1:]
+
+
+#: ZMTP 3.0's greeting of a client: signature, version 3.0, mechanism NULL, not a server.
+_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + \
+    b"\x00" * 32
+#: The NULL mechanism's READY command of a REQ socket.
+_READY = b"\x05READY" + b"\x0bSocket-Type" + (3).to_bytes(4, "big") + b"REQ"
+#: Most frames an answer may carry (a handshake's: delimiter, payload, clock; a few commands).
+_MAX_FRAMES = 8
+
+
+def _frame(data: bytes, *, more: bool = False, command: bool = False) -> bytes:
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(data) > 255:
+        return bytes([flags | 2]) + len(data).to_bytes(8, "big") + data
+    return bytes([flags, len(data)]) + data
+
+
+class _Zmtp:
+    """Reads and writes of one ZMTP exchange, each bounded by the exchange's deadline; what is
+    read is bounded by :data:`MAX_ANSWER` bytes and :data:`_MAX_FRAMES` frames in all."""
+
+    def __init__(self, host: str, port: int, deadline: float, timeout_s: float) -> None:
+        self.host, self.port = host, port
+        self.deadline, self.timeout_s = deadline, timeout_s
+        self.budget, self.frames = MAX_ANSWER, 0
+
+    def connect(self, addr: tuple) -> socket.socket:
+        """A connected socket; a refused connection is tried again every 0.1 s until the
+        deadline, as a ZMQ socket reconnects (a listener not up yet answers once it is)."""
+        while True:
+            self.sock = socket.socket(addr[0], socket.SOCK_STREAM)
+            try:
+                self.io(lambda: self.sock.connect(addr[4]))
+                return self.sock
+            except ConnectionRefusedError:
+                self.sock.close()
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise self.late() from None
+                time.sleep(min(0.1, left))
+            except BaseException:
+                self.sock.close()
+                raise
+
+    def io(self, op: Callable[[], Any]) -> Any:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.late()
+        self.sock.settimeout(left)
         try:
-            sock.send(msg)
-            return sock.recv_multipart()
-        except zmq.Again:
-            raise SideChannelTimeout(f"NixlConnector prefill at {host}:{port}: no handshake "
-                                     f"answer in {timeout_s:g} s", host, port) from None
-    finally:
-        ctx.destroy(linger=0)
+            return op()
+        except TimeoutError:
+            raise self.late() from None
+
+    def late(self) -> SideChannelTimeout:
+        return SideChannelTimeout(f"NixlConnector prefill at {self.host}:{self.port}: no "
+                                  f"handshake answer in {self.timeout_s:g} s", self.host,
+                                  self.port)
+
+    def send(self, data: bytes) -> None:
+        self.io(lambda: self.sock.sendall(data))
+
+    def exact(self, n: int) -> bytes:
+        out = bytearray(n)
+        view, at = memoryview(out), 0
+        while at < n:
+            got = self.io(lambda at=at: self.sock.recv_into(view[at:], min(n - at, 1 << 20)))
+            if not got:
+                raise SideChannelClosed(f"NixlConnector prefill at {self.host}:{self.port}: "
+                                        "closed the connection before its answer", self.host,
+                                        self.port)
+            at += got
+        return bytes(out) if n < 4096 else out
+
+    def frame(self, *, command: bool = False) -> tuple[bytes, bool]:
+        """The next frame (a message frame; with ``command``, a command) and whether more
+        follow; refused by size before its body is read."""
+        self.frames += 1
+        if self.frames > _MAX_FRAMES:
+            raise NixlAnswerTooLarge(self.host, self.port, MAX_ANSWER)
+        flags = self.exact(1)[0]
+        size = int.from_bytes(self.exact(8 if flags & 2 else 1), "big")
+        if size > self.budget:
+            raise NixlAnswerTooLarge(self.host, self.port, MAX_ANSWER)
+        self.budget -= size
+        data = self.exact(size)
+        if bool(flags & 4) != command:
+            if flags & 4:  # a command between message frames (none is sent here): skipped
+                return self.frame(command=command)
+            raise SideChannelProtocolError(f"NixlConnector prefill at {self.host}:"
+                                           f"{self.port}: a message frame where a ZMTP "
+                                           "command was due", self.host, self.port)
+        return data, bool(flags & 1)
 
 
 def _decode(kind: type, data: bytes, where: str, what: str, host: str, port: int) -> Any:

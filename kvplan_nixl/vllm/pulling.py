@@ -18,7 +18,9 @@ and interval; before, while queued, the scheduler's ``KvplanMetadata.beats``) ex
 lease, and once
 the read ended (done or failed) each prefill rank read is told ``<its request id>:<n>``, ``n``
 the decode ranks that read it (it frees its blocks after ``n`` of them); decode rank 0 tells
-the ranks nobody reads ``<id>:1`` as soon as it posted. The read is used without a CONFIRM
+the ranks nobody reads ``<id>:1`` as soon as it posted; a read refused before it was posted
+(its plan or post raised) is told the same (:func:`tell_unposted`). The read is used without a
+CONFIRM
 (counted ``num_unconfirmed_pulls``): such a prefill keeps its blocks until told, or until its
 own timeout, with nothing that says which came first.
 """
@@ -56,12 +58,17 @@ class Pulls:
     def post(self, load: Load, tmap: Any, counts: list[int]) -> None:
         """Plan ``load`` with the pull map ``tmap`` of its connected prefill and post it."""
         w = self.w
-        src = w.groups.remote(load.remote_ids, load.remote_first)
-        dst = w.groups.local(load.local_ids)
-        start, end = span(w.groups, w.whole, load.start, load.end, src, dst)
-        plan = tmap.plan(src, dst, tokens=(start, end))
-        t0 = time.perf_counter()
-        t = w.ep.read(plan, load.engine, timeout=w.timeout)
+        try:
+            src = w.groups.remote(load.remote_ids, load.remote_first)
+            dst = w.groups.local(load.local_ids)
+            start, end = span(w.groups, w.whole, load.start, load.end, src, dst)
+            plan = tmap.plan(src, dst, tokens=(start, end))
+            t0 = time.perf_counter()
+            t = w.ep.read(plan, load.engine, timeout=w.timeout)
+        except Exception:  # refused before anything was posted: the caller fails the load
+            if load.peer == "nixl":
+                tell_unposted(w, load, tmap.peers, counts)
+            raise
         post_s = time.perf_counter() - t0
         written = lacking(w.groups, dst, start, end)
         blocks = max((len(x) for x, k in zip(written, w.groups.kinds) if k != "state"),
@@ -234,6 +241,18 @@ class Pulls:
             w.fail(p.load, f"not confirmed by prefill rank(s) {refused}: the prefill "
                            "may no longer hold the blocks read (its lease ran out or the "
                            "request was released), so the KV read is not used", p.peers)
+
+
+def tell_unposted(w: Rank, load: Load, peers: tuple[int, ...], counts: list[int]) -> None:
+    """A NixlConnector prefill's read that was refused before it was posted (its plan or its
+    post raised): tell each prefill rank this rank would have read ``<id>:<n>``, as after a
+    read that ended, and on rank 0 the ranks nobody reads ``<id>:1``, so that it frees the
+    request's blocks now, not at its lease (``kv_lease_duration``)."""
+    for r in peers:
+        _tell(w, load, [r], f"{load.remote_req}:{counts[r]}")
+    unread = [p for p, n in enumerate(counts) if n == 0]
+    if w.rank == 0 and unread:
+        _tell(w, load, unread, f"{load.remote_req}:1")
 
 
 def _tell(w: Rank, load: Load, ranks: list[int] | tuple[int, ...], msg: str) -> None:

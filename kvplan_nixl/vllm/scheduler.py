@@ -96,8 +96,10 @@ class Scheduler:
     """The scheduler half: which requests pull, into which blocks, and the returned params."""
 
     def __init__(self, settings: Settings, kv_cache_config: Any,
-                 policy: str = "fail") -> None:
+                 policy: str = "fail", max_model_len: int | None = None) -> None:
         self.c = settings
+        # bounds what a request's params may make the workers pad or derive (transfer_params)
+        self.max_model_len = max_model_len
         # which parked loads failed (policy: vLLM's kv_load_failure_policy)
         self.outcomes = LoadOutcomes(policy)
         cfg = kv_cache_config
@@ -131,7 +133,8 @@ class Scheduler:
             return
         if not isinstance(p, Mapping) or p.get("do_remote_prefill"):
             try:
-                self.sources[rid] = check_decode(rid, p, self._group_count())
+                self.sources[rid] = check_decode(rid, p, self._group_count(),
+                                                 max_model_len=self.max_model_len)
             except ParamsError as e:
                 logger.error("kvplan: decode req=%s refused, its KV goes to vLLM's "
                              "kv_load_failure_policy: %s", rid, e)

@@ -40,7 +40,7 @@ from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.nixl_peer import NixlPrefills, compat_hash, stock_backend
 from kvplan_nixl.vllm.pull_digest import Answers
-from kvplan_nixl.vllm.pulling import Pulls
+from kvplan_nixl.vllm.pulling import Pulls, tell_unposted
 from kvplan_nixl.vllm.pushing import Receives, Writes
 from kvplan_nixl.vllm.restarts import Restarts
 from kvplan_nixl.vllm.spans import lacking
@@ -215,13 +215,13 @@ class Worker:
                 if load.peer == "nixl" and self.digester is not None:  # never used unchecked
                     self.fail(load, "the transfer digest is on, and a NixlConnector prefill "
                                     "cannot digest what it served")
+                    _free_stock(self, load, aborted=False)
                     continue
                 if not load.local_ids:  # nothing to read: just let the prefill free its blocks
                     if self.rank == 0 and load.peer == "kvplan" and not load.push:
                         self.ctl.release(load, range(load.remote_tp))  # (a push's: its lease)
-                    elif self.rank == 0 and load.peer == "nixl":  # freed at its own timeout
-                        logger.warning("kvplan: req=%s reads nothing from NixlConnector "
-                                       "prefill %s", load.req_id, load.engine)
+                    elif self.rank == 0 and load.peer == "nixl":
+                        _free_stock(self, load, aborted=True)
                     continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
                     _hs_start(self, load)
@@ -394,6 +394,26 @@ def _beat_queued(w: Worker, beats: dict[str, list[str]]) -> None:
                 logger.warning("kvplan: could not heartbeat NixlConnector prefill %s rank(s) "
                                "%s for %d queued request(s): %s: %s", engine, peers, len(ids),
                                type(e).__name__, e)
+
+
+def _free_stock(w: Worker, load: Load, *, aborted: bool) -> bool:
+    """Tell a NixlConnector prefill this rank has read before (``w.engines``) that ``load``
+    will not be read, so that it frees the request's blocks now rather than at its lease:
+    ``aborted`` (the request never ran; rank 0 alone calls it) every prefill rank
+    ``<id>:1``, else (every decode rank refused it) as :func:`pulling.tell_unposted` tells.
+    False when the prefill is not connected here (nothing can be sent)."""
+    if load.engine not in w.engines:
+        if aborted:
+            logger.warning("kvplan: req=%s reads nothing from NixlConnector prefill %s, not "
+                           "connected here: it frees the request's blocks at its own timeout",
+                           load.req_id, load.engine)
+        return False
+    tmap, counts = w.engines[load.engine]
+    if aborted:
+        tell_unposted(w, load, (), [0] * len(counts))  # every rank "unread": <id>:1
+    else:
+        tell_unposted(w, load, tuple(tmap.peers), counts)
+    return True
 
 
 def _hs_start(w: Worker, load: Load) -> HandshakeState:
