@@ -281,6 +281,24 @@ def _lane_nbytes(lane: Lane, src_ids: np.ndarray, dst_ids: np.ndarray,
     return total
 
 
+def _checked_request(tmap: LaneMap, src_blocks: Sequence, dst_blocks: Sequence,
+                     tokens: tuple[int, int] | None, dst_from: str) -> tuple:
+    """One request's arguments checked as planning checks them: its token range, and its
+    source and destination block lists per group (``plan_nbytes`` and ``build_plan`` refuse
+    the same inputs with the same errors)."""
+    rng = _token_range(tokens)
+    if dst_from not in DST_FROM:
+        raise RequestError(f"dst_from must be one of {DST_FROM}, got {dst_from!r}")
+    if dst_from != "zero" and rng is None:
+        raise RequestError(
+            f"dst_from={dst_from!r} anchors the destination lists at tokens' start: pass tokens"
+        )
+    src_lists = _block_lists(tmap.src, src_blocks, "source")
+    dst_lists = _block_lists(tmap.dst, dst_blocks, "destination")
+    check_state_slots(tmap, src_lists, dst_lists)
+    return rng, src_lists, dst_lists
+
+
 def plan_nbytes(
     tmap: LaneMap,
     src_blocks: Sequence,
@@ -295,16 +313,7 @@ def plan_nbytes(
     counted over the block positions both sides hold. It costs a small part of planning (no
     row per run is made, sorted or merged), so a server can refute a peer's claim of a plan's
     size before it plans (the staged server's OPEN: docs/executor.md)."""
-    rng = _token_range(tokens)
-    if dst_from not in DST_FROM:
-        raise RequestError(f"dst_from must be one of {DST_FROM}, got {dst_from!r}")
-    if dst_from != "zero" and rng is None:
-        raise RequestError(
-            f"dst_from={dst_from!r} anchors the destination lists at tokens' start: pass tokens"
-        )
-    src_lists = _block_lists(tmap.src, src_blocks, "source")
-    dst_lists = _block_lists(tmap.dst, dst_blocks, "destination")
-    check_state_slots(tmap, src_lists, dst_lists)
+    rng, src_lists, dst_lists = _checked_request(tmap, src_blocks, dst_blocks, tokens, dst_from)
     peer = "src_rank" if tmap.mode is Mode.PULL else "dst_rank"
     by_template: dict = {}
     out: dict[int, int] = {}
@@ -331,16 +340,7 @@ def build_plan(
     merge_slots: bool = True,
 ) -> TransferPlan:
     """Expand ``tmap``'s lanes over one request's block ids (see :meth:`TransferMap.plan`)."""
-    rng = _token_range(tokens)
-    if dst_from not in DST_FROM:
-        raise RequestError(f"dst_from must be one of {DST_FROM}, got {dst_from!r}")
-    if dst_from != "zero" and rng is None:
-        raise RequestError(
-            f"dst_from={dst_from!r} anchors the destination lists at tokens' start: pass tokens"
-        )
-    src_lists = _block_lists(tmap.src, src_blocks, "source")
-    dst_lists = _block_lists(tmap.dst, dst_blocks, "destination")
-    check_state_slots(tmap, src_lists, dst_lists)
+    rng, src_lists, dst_lists = _checked_request(tmap, src_blocks, dst_blocks, tokens, dst_from)
     order_cache: dict = {}
     by_template: dict = {}
     lane_rows = []
