@@ -20,10 +20,15 @@ so the install is small:
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import venv
 from pathlib import Path
+
+if __name__ == "__main__":  # run as a script from tests/: make `tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.vllm_env import EnvUnavailable, build, python_of
+
+__all__ = ["SGLANG_VERSION", "EnvUnavailable", "ensure", "venv_dir"]
 
 SGLANG_VERSION = "0.5.23"
 TORCH_VERSION = "2.13.0"
@@ -31,10 +36,6 @@ TORCH_VERSION = "2.13.0"
 DEPS = ("numpy", "msgspec", "requests", "pyzmq", "aiohttp", "prometheus_client", "psutil",
         "pydantic", "orjson", "packaging", "pybase64")
 MARKER = "kvplan-sglang-env-complete"
-
-
-class EnvUnavailable(RuntimeError):
-    """The venv could not be built here (no network, pip failure); the message says why."""
 
 
 def venv_dir() -> Path:
@@ -45,46 +46,19 @@ def venv_dir() -> Path:
     return Path.home() / ".cache" / "kvplan" / f"sglang-venv-{SGLANG_VERSION}"
 
 
-def python_of(root: Path) -> Path:
-    """The venv's interpreter."""
-    return root / "bin" / "python"
-
-
-def _run(cmd: list[str], log) -> None:
-    log.write(f"$ {' '.join(cmd)}\n")
-    log.flush()
-    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if proc.returncode != 0:
-        raise EnvUnavailable(f"`{' '.join(cmd)}` exited {proc.returncode}")
-
-
 def ensure(root: Path | None = None) -> Path:
-    """Build the venv unless its marker exists; return its interpreter's path.
-
-    Raises EnvUnavailable with the failing step and the tail of the install log.
-    """
+    """Build the venv unless its marker exists (tests/vllm_env.py's :func:`build`); return its
+    interpreter's path. Raises EnvUnavailable with the failing step and the install log's
+    tail."""
     root = venv_dir() if root is None else root
-    marker = root / MARKER
-    py = python_of(root)
-    if marker.exists() and py.exists():
-        return py
-    root.parent.mkdir(parents=True, exist_ok=True)
-    log_path = root.parent / f"{root.name}.install.log"
-    with open(log_path, "w") as log:
-        try:
-            if not py.exists():
-                venv.EnvBuilder(with_pip=True, clear=True).create(root)
-            pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-            _run([*pip, f"torch=={TORCH_VERSION}", *DEPS], log)
-            _run([*pip, "--no-deps", f"sglang=={SGLANG_VERSION}"], log)
-            _run([str(py), "-c", "import torch, msgspec, zmq, aiohttp, importlib.util as u; "
-                  "assert u.find_spec('sglang')"], log)
-        except EnvUnavailable as exc:
-            log.flush()
-            tail = log_path.read_text()[-1500:]
-            raise EnvUnavailable(f"{exc}; install log {log_path}:\n{tail}") from None
-    marker.write_text(f"sglang=={SGLANG_VERSION} torch=={TORCH_VERSION}\n")
-    return py
+    py = str(python_of(root))
+    pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    return build(root, MARKER, f"sglang=={SGLANG_VERSION} torch=={TORCH_VERSION}\n", [
+        [*pip, f"torch=={TORCH_VERSION}", *DEPS],
+        [*pip, "--no-deps", f"sglang=={SGLANG_VERSION}"],
+        [py, "-c", "import torch, msgspec, zmq, aiohttp, importlib.util as u; "
+                   "assert u.find_spec('sglang')"],
+    ])
 
 
 if __name__ == "__main__":

