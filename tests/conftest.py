@@ -101,6 +101,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         terminalreporter.write_line(
             f"engines started: {sum(vllm_pool.STARTS.values())} "
             f"({len(vllm_pool.STARTS)} distinct)")
+    if vllm_pool.UNLISTED:
+        terminalreporter.write_line(
+            "engines started that tests/vllm_pool.py SETS does not list (each started when "
+            f"named, not beside its model's others): {', '.join(sorted(vllm_pool.UNLISTED))}")
 
 
 @pytest.fixture(scope="session")

@@ -357,8 +357,10 @@ from kvplan_nixl.vllm.settings import Settings
 def allowed(v):
     return Settings("d", "h", 5700, 1, extra={"stock_prefills": v}).stock_prefills()
 
-assert allowed(None) is None and allowed("a:1, p@[::1]:2") == ((None, "a", 1), ("p", "::1", 2))
-for bad in ("a", "a:0", "a:70000", "@a:1", [5], {"a": 1}):
+assert allowed(None) is None and allowed("a:1, p@[::1]:2/tp4") == ((None, "a", 1, None),
+                                                                   ("p", "::1", 2, 4))
+for bad in ("a", "a:0", "a:70000", "@a:1", [5], {"a": 1}, "a:1/", "a:1/2", "a:1/tp0",
+            "a:1/tpx"):
     try:
         allowed(bad)
         raise AssertionError(bad)
@@ -415,14 +417,16 @@ refused(load("x3", "evil-2", swapped, [2], [22], tp=2),
         "is the one engine 'prefill-0' rank 1 is connected through")
 genuine("g2")  # nothing of the genuine prefill was unloaded
 
-# an allow-list: only the genuine prefill's address, for its engine id
+# an allow-list: only the genuine prefill's address, for its engine id, at its TP size
 w1 = w
-w, kv = worker("decode-2", port(), extra={"stock_prefills": [f"prefill-0@127.0.0.1:{X}"]})
+w, kv = worker("decode-2", port(), extra={"stock_prefills": [f"prefill-0@127.0.0.1:{X}/tp2"]})
 w2 = w
 refused(load("y1", "evil-1", copied, [2], [22], tp=2), "AddressRefused",
         f"127.0.0.1:{copied} is not in kv_connector_extra_config['stock_prefills']")
 refused(load("y2", "prefill-0", copied, [2], [22], tp=2), "AddressRefused",
         f"stock_prefills binds it to 127.0.0.1:{X}")
+refused(load("y3", "prefill-0", X, [2], [22], tp=1), "AddressRefused",
+        "stock_prefills says it runs TP 2, the request's tp_size is 1")
 genuine("g3")
 p.kill()
 for x in (w1, w2):

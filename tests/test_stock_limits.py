@@ -338,6 +338,22 @@ prefills.close()
 again = fetch_nixl_metadata("127.0.0.1", genuine, 0, tp_size=1, expected_hash="h" * 64,
                             timeout_s=5)
 assert again == got
+
+# where rank 0 cannot tell the sizes apart (an MLA latent, fewer KV heads than ranks), only the
+# configuration can: stock_prefills giving the address TP 1 refuses a claim of 2 before any
+# dial (tests/test_restarts.py reads a genuine TP 2 prefill so configured)
+from kvplan_nixl.serving.handshakes import AddressRefused
+w.c = Settings("dec", "127.0.0.1", 5700, 1,
+               extra={"stock_prefills": [f"127.0.0.1:{genuine}/tp1"]})
+prefills = NixlPrefills(w, "h" * 64, "CPU_ATTN")
+try:
+    prefills.start(load)
+    raise AssertionError("a tp_size of 2 was taken for a prefill configured TP 1")
+except AddressRefused as e:
+    assert "stock_prefills says it runs TP 1, the request's tp_size is 2" in str(e), e
+    assert "nothing was dialled" in str(e), e
+assert prefills.state(load) is None  # no handshake was started
+prefills.close()
 listeners.stdin.close()
 listeners.wait(30)
 print(f"refused 256 MiB in {took:.3f} s, maxrss +{grew} KiB; 20 x 19 MiB: +{many_grew} KiB; ok")

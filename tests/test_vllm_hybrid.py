@@ -146,7 +146,7 @@ def test_mla_decode_equals_nixl_connectors(pool):
     ids = prompt(400, 45)
     ids2 = prompt(401, 70)
     ref = [_nixl_reference(pool, "mla-p1-nixl", "mla-d1-nixl", ids),
-           _nixl_reference(pool, "mla-t2-nixl", "mla-d1-nixl", ids2)]
+           _nixl_reference(pool, "mla-t2-nixl-lease12", "mla-d1-nixl", ids2)]
     p1, d1, t2 = pool.only("mla-p1", "mla-d1", "mla-t2")
     check_equal(pd(p1, d1, ids), ref[0], "MLA P TP1 -> D TP1 against NixlConnector")
     check_equal(pd(t2, d1, ids2), ref[1], "MLA P TP2 -> D TP1 against NixlConnector")

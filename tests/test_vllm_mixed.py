@@ -170,7 +170,7 @@ def test_sliding_window_from_a_stock_prefill(pool):
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [
-    pytest.param("eagle-p1-nixl", "eagle-t2", marks=pytest.mark.engines("eagle")),
+    pytest.param("eagle-p1-nixl", "eagle-t2-few", marks=pytest.mark.engines("eagle")),
     pytest.param("nemo2-p1-nixl", "nemo2-t2-ds", marks=pytest.mark.engines("nemo2")),
 ], ids=["eagle3-draft", "nemotron-n-groups-2"])
 def test_other_models_from_a_stock_prefill(pool, prefill, decode):

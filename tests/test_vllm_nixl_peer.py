@@ -3,8 +3,10 @@ handshake fetched as vLLM's decode fetches it, and the metadata vLLM's own
 ``register_kv_caches`` published fed to :func:`kvplan.adapters.vllm_nixl.prefill_from_nixl`
 (tests/test_vllm_nixl_metadata.py checks the adapter against a reconstruction of it).
 
-One engine, ``llama-p1-nixl`` (tests/vllm_pool.py): the tiny Llama (2 layers, 2 KV heads of
-64, float32, blocks of 32, CPU_ATTN, layout LBHNC) under vLLM's NixlConnector, ``kv_both``.
+One engine, ``llama-p1-nixl-few`` (tests/vllm_pool.py): the tiny Llama (2 layers, 2 KV heads
+of 64, float32, blocks of 32, 40 of them, CPU_ATTN, layout LBHNC) under vLLM's NixlConnector,
+``kv_both``: the stock prefill test_vllm_mixed.py reads, which this test leaves unable to answer
+handshakes and stops (it runs after those, by file order).
 The fetch runs in vLLM's venv (:data:`FETCH`); the adapter runs here.
 """
 
@@ -92,7 +94,7 @@ def _fetch(pool, engine) -> dict:
 
 @pytest.mark.engines("llama")
 def test_stock_prefill_metadata_is_accepted_exactly(pool):
-    (p,) = pool.only("llama-p1-nixl")
+    (p,) = pool.only("llama-p1-nixl-few")
     out = _fetch(pool, p)
     meta, ref = out["meta"], out["refusals"]
     port = f"127.0.0.1:{p.port}"

@@ -11,21 +11,19 @@ request), a decode under ``recompute`` and one under ``fail``. The first tests n
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 
+from tests import venv_runner
 from tests.vllm_pool import (
     FAILED,
-    REPO,
     Engine,
     check_equal,
     free_base_port,
@@ -267,10 +265,10 @@ print("ok")
 
 
 def _in_vllm_venv(py, script: str) -> None:
-    """Run ``script`` by the vLLM venv's interpreter ``py``; it prints ``ok`` at its end."""
-    r = subprocess.run([str(py), "-c", script], capture_output=True, text=True,
-                       timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    """Run ``script`` by the vLLM venv's interpreter ``py`` (forked from one that imported
+    torch and vLLM already: tests/venv_runner.py); it prints ``ok`` at its end."""
+    rc, out, err = venv_runner.run(py, script, timeout=300)
+    assert rc == 0 and out.strip().endswith("ok"), f"exit status {rc}\n{out}{err}"
 
 
 def test_ports_by_data_parallel_rank_and_config_keys_checked_by_name(vllm_python):
@@ -798,37 +796,47 @@ def test_hostile_params_fail_their_own_request_and_the_engine_serves_on(pool):
     check_equal(df.generate(other, 16), plain_other, "the fail-policy engine serves on")
 
 
-@pytest.mark.engines("llama")
-def test_a_taken_port_is_named_with_its_config_key(pool):
-    pool.only()  # the cores back: one engine that fails at start-up
+@pytest.fixture(scope="module")
+def failed_starts(pool):
+    """The two engines that must fail at start-up, started together (each start is half a
+    minute of one core; there are two): ``taken`` on a side channel port a socket holds,
+    ``wildcard`` told to advertise ``0.0.0.0``. Both stopped after the module."""
+    pool.only()  # the cores back
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        e = Engine("llama-p1-taken", pool.py, pool.model("llama"), pool.workdir, tp=1,
-                   cores="0", port=port)
+        engines = {
+            "taken": Engine("llama-p1-taken", pool.py, pool.model("llama"), pool.workdir,
+                            tp=1, cores="0", port=port),
+            "wildcard": Engine("llama-p1-wildcard", pool.py, pool.model("llama"),
+                               pool.workdir, tp=1, cores="1",
+                               extra={"side_channel_host": "0.0.0.0"}),
+        }
         try:
-            with pytest.raises(AssertionError, match="exited"):
-                e.wait_ready()
-            assert e.log_lines(rf"PortInUseError: side channel port {port} on 127.0.0.1 is "
-                               r"already in use: .*kv_connector_extra_config\['side_channel_"
-                               r"port'\]"), e.tail()
+            for e in engines.values():  # the taken port held until both have exited
+                with pytest.raises(AssertionError, match="exited"):
+                    e.wait_ready()
+            yield engines, port
         finally:
-            e.stop()
+            for e in engines.values():
+                e.stop()
 
 
 @pytest.mark.engines("llama")
-def test_a_wildcard_side_channel_address_stops_the_engine_at_start(pool):
+def test_a_taken_port_is_named_with_its_config_key(failed_starts):
+    engines, port = failed_starts
+    e = engines["taken"]
+    assert e.log_lines(rf"PortInUseError: side channel port {port} on 127.0.0.1 is "
+                       r"already in use: .*kv_connector_extra_config\['side_channel_"
+                       r"port'\]"), e.tail()
+
+
+@pytest.mark.engines("llama")
+def test_a_wildcard_side_channel_address_stops_the_engine_at_start(failed_starts):
     """``side_channel_host: 0.0.0.0`` with nothing advertised: the engine does not start (it
     used to start and advertise 0.0.0.0, failing every pull); the log names the key."""
-    pool.only()
-    e = Engine("llama-p1-wildcard", pool.py, pool.model("llama"), pool.workdir, tp=1,
-               cores="0", extra={"side_channel_host": "0.0.0.0"})
-    try:
-        with pytest.raises(AssertionError, match="exited"):
-            e.wait_ready()
-        assert e.log_lines(r"ArgumentError: kv_connector_extra_config\['side_channel_host'\] "
-                           r"is '0.0.0.0', a wildcard: .*side_channel_advertise_host"), e.tail()
-    finally:
-        e.stop()
+    e = failed_starts[0]["wildcard"]
+    assert e.log_lines(r"ArgumentError: kv_connector_extra_config\['side_channel_host'\] "
+                       r"is '0.0.0.0', a wildcard: .*side_channel_advertise_host"), e.tail()
 
 
 def test_orphan_shm_cleanup_keeps_a_semaphore_only_its_creator_holds():

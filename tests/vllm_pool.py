@@ -86,6 +86,34 @@ VARIANTS = {
     # ``fixed``: an engine id of its own, the same at every start (a restart in place)
     "fixed": {"engine_id": "prefill-fixed"},
 }
+#: KV blocks of an engine whose variants set none: enough for every test's prompts (up to a few
+#: hundred requests of 70 tokens before the prefix cache evicts), not vLLM's 1 GiB of cache,
+#: which made an engine 2.45 GiB (PSS) rather than 1.30 at TP 1, and left room for fewer
+#: parked engines: those the pool had to stop then started again (CI of 2026-12-07: 2 of 46)
+DEFAULT_BLOCKS = 512
+
+#: model -> the engines its tests ask for, in about the order they ask (tests/conftest.py runs
+#: a model's tests together). When a test first names an engine of a model, the pool starts
+#: this set's engines beside it (:meth:`Pool.only`): a start is one core's work for 30-50 s
+#: (32 CPU seconds measured at TP 1: three processes, each importing vLLM, one after the
+#: other), so two cores start two at once in the time of one, where tests naming engines one
+#: at a time left a core idle. An engine missing here still starts when named; the run's
+#: summary names those (:data:`UNLISTED`).
+SETS = {
+    "llama": ("llama-p1-digest", "llama-d1-digest", "llama-p1", "llama-d1", "llama-t2",
+              "llama-p1-nixl-few", "llama-t2-nixl", "llama-p1-fixed", "llama-p1-short-few",
+              "llama-d1-short", "llama-d1-short-fail"),
+    "nemo1": ("nemo1-p1", "nemo1-d1", "nemo1-t2", "nemo1-p1-nixl", "nemo1-t2-ds",
+              "nemo1-t2-nixl", "nemo1-d1-ds"),
+    "nemo2": ("nemo2-p1", "nemo2-d1", "nemo2-t2", "nemo2-p1-nixl", "nemo2-t2-ds"),
+    "gemma3": ("gemma3-p1", "gemma3-d1", "gemma3-t2", "gemma3-p1-nixl"),
+    "mla": ("mla-p1-nixl", "mla-d1-nixl", "mla-t2-nixl-lease12", "mla-p1", "mla-d1", "mla-t2"),
+    "eagle": ("eagle-p1-few", "eagle-d1-few", "eagle-t2-few", "eagle-p1-nixl"),
+}
+#: engines started that their model's :data:`SETS` entry lacks (each started alone)
+UNLISTED: set[str] = set()
+#: at most this many engines start at once (two cores: more only adds memory)
+AT_ONCE = 4
 
 
 #: ports :func:`free_base_port` handed out in this process (an engine binds its own seconds
@@ -122,6 +150,20 @@ def free_base_port(n: int) -> int:
         _HANDED.update(ports)
         return base
     raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high + n})")
+
+
+def _cache_root(workdir: Path, name: str) -> Path:
+    """Engine ``name``'s ``VLLM_CACHE_ROOT``, its own but for ``modelinfos``, shared by all
+    engines: vLLM inspects a model's class in a subprocess that imports vLLM (8-10 s of a
+    core) unless that directory has its answer (written atomically, keyed by the model file's
+    hash), so only the first engine of each model pays it."""
+    root = workdir / f"vllm-cache-{name}"
+    shared = workdir / "vllm-modelinfos"
+    shared.mkdir(exist_ok=True)
+    root.mkdir(exist_ok=True)
+    if not (root / "modelinfos").exists():
+        (root / "modelinfos").symlink_to(shared, target_is_directory=True)
+    return root
 
 
 #: starts of each engine name in this process (an engine's log is NAME.N.log)
@@ -172,7 +214,7 @@ class Engine:
             # engines compiling at once); kernels differ by source (threads included), so
             # engines share only identical ones
             TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
-            VLLM_CACHE_ROOT=str(workdir / f"vllm-cache-{name}"),
+            VLLM_CACHE_ROOT=str(_cache_root(workdir, name)),
             VLLM_LOG_STATS_INTERVAL="1",
             **more_env,
         )
@@ -398,11 +440,16 @@ def failures(e: Engine, before: int) -> str:
 
 
 #: MemAvailable (GiB) that must remain after a new engine starts: below it, parked engines
-#: are stopped, least recently used first. An engine takes about 2.9 GiB at TP 1 and 4.6 GiB
-#: at TP 2 (measured: tiny models, 1 GiB of KV cache each); CI machines have 24 GiB.
+#: are stopped, least recently used first. An engine takes about 1.3 GiB at TP 1 and 1.8 GiB
+#: at TP 2 (measured: tiny models, :data:`DEFAULT_BLOCKS`); CI machines have 24 GiB.
 RESERVE_GIB = float(os.environ.get("KVPLAN_ENGINE_RESERVE_GIB", 6))
-#: what one engine of a TP size is assumed to take when room is made for it (GiB)
-ENGINE_GIB = {1: 3.0, 2: 5.0}
+#: what one engine of a TP size is assumed to take when room is made for it (GiB): measured
+#: 1.30 and 1.77 GiB (PSS) with :data:`DEFAULT_BLOCKS`, a margin for the start's peak
+ENGINE_GIB = {1: 2.0, 2: 3.0}
+
+
+def _gib(name: str) -> float:
+    return ENGINE_GIB[ROLES[name.split("-")[1]][0]]
 
 
 def mem_available_gib() -> float:
@@ -418,12 +465,18 @@ class Pool:
     """Engines by name (``MODEL-ROLE[-nixl]``), started on first use; ``only(...)`` parks the
     others (SIGSTOP) and resumes these."""
 
-    def __init__(self, py: Path, workdir: Path, hosts=None) -> None:
+    def __init__(self, py: Path, workdir: Path, hosts=None,
+                 sets: dict[str, tuple[str, ...]] | None = None) -> None:
         """``hosts``: a :class:`tests.netns.TwoHosts`: prefill roles (``p1``) then run on its
-        host ``a``, the others on ``b``, UCX over the veth between them."""
+        host ``a``, the others on ``b``, UCX over the veth between them. ``sets``: engines
+        to start beside the first one of their model a test names (:data:`SETS`; the tests'
+        pool has them, a benchmark's starts only what it names)."""
         self.py, self.workdir, self.hosts = py, workdir, hosts
         self.models: dict[str, Path] = {}
         self.parked: list[str] = []  # least recently used first
+        self.sets = sets
+        self.model_now: str | None = None  # the model the last test that named one named
+        self.started: set[str] = set()  # every name started (an extra is started once)
 
     def model(self, key: str) -> Path:
         """The tiny model ``key`` of :data:`MODELS`, written on first use."""
@@ -439,13 +492,19 @@ class Pool:
     def only(self, *names: str) -> list[Engine]:
         """These engines running (started, or resumed if parked), every other one parked: a
         test gets the cores to itself. An engine that died (a test may kill one) starts
-        afresh."""
+        afresh. Where the pool has :data:`SETS`, engines of the model's set not started yet
+        start beside new ones (up to :data:`AT_ONCE` at a time, while memory allows), and are
+        parked once ready; a test naming a model other than the last one's first stops every
+        parked engine of the others (the tests of a model run together)."""
         for n in [n for n in _LIVE if _LIVE[n].proc.poll() is not None]:
             self._drop(n)
         for n in [n for n in _LIVE if n not in names and n not in self.parked]:
-            _LIVE[n].signal(signal.SIGSTOP)
-            _LIVE[n].parked = True
-            self.parked.append(n)
+            self._park(n)
+        models = {n.split("-")[0] for n in names}
+        if self.sets is not None and models and not models & {self.model_now}:
+            self.model_now = min(models)
+            for n in [n for n in self.parked if n.split("-")[0] not in models]:
+                self._drop(n)  # parked: killed at once
         for n in names:
             if n in self.parked:
                 self.parked.remove(n)
@@ -453,24 +512,61 @@ class Pool:
                 _LIVE[n].parked = False
         new = [n for n in names if n not in _LIVE]
         if new:
-            self.make_room(sum(ENGINE_GIB[ROLES[n.split("-")[1]][0]] for n in new))
-        for n in new:
-            key, role, *rest = n.split("-")
-            tp, cores, nice = ROLES[role]
-            opts = dict(MODELS[key][2], nice=nice)
-            for v in rest:  # "nixl", or variants of VARIANTS
-                opts.update({"connector": "nixl"} if v == "nixl" else VARIANTS[v])
-            if self.hosts is not None:
-                from tests.netns import ADDRS
-
-                h = "a" if role == "p1" else "b"
-                opts["place"] = (self.hosts.ns[h], ADDRS[h])
-            _LIVE[n] = Engine(n, self.py, self.model(key), self.workdir, tp=tp,
-                              cores=cores, **opts)
+            self.make_room(sum(_gib(n) for n in new))
+            for n in new:
+                self._start(n)
+            extra = self._start_extra(new)
+            for n in extra:  # they start together; wait for all (the cores to the test)
+                try:
+                    _LIVE[n].wait_ready()
+                    self._park(n)
+                except AssertionError:  # not this test's engine: started again if named
+                    self._drop(n)
         engines = [_LIVE[n] for n in names]
-        for e in engines:  # they start together; wait for all
+        for e in engines:
             e.wait_ready()
         return engines
+
+    def _start_extra(self, new: list[str]) -> list[str]:
+        """Start engines of the :data:`SETS` of ``new``'s models that are not running, beside
+        ``new``: as many as :data:`AT_ONCE` and memory allow (what ``new`` will take counted
+        as taken). The names started."""
+        if self.sets is None:
+            return []
+        for n in new:
+            if n not in self.sets.get(n.split("-")[0], ()):
+                UNLISTED.add(n)
+        wanted = [n for m in sorted({n.split("-")[0] for n in new})
+                  for n in self.sets.get(m, ()) if n not in _LIVE and n not in self.started]
+        started, taken = [], sum(_gib(n) for n in new)
+        for n in wanted[:max(0, AT_ONCE - len(new))]:
+            if mem_available_gib() - taken - _gib(n) < RESERVE_GIB:
+                break
+            self._start(n)
+            started.append(n)
+            taken += _gib(n)
+        return started
+
+    def _start(self, name: str) -> Engine:
+        key, role, *rest = name.split("-")
+        tp, cores, nice = ROLES[role]
+        opts = dict(MODELS[key][2], nice=nice, num_blocks=DEFAULT_BLOCKS)
+        for v in rest:  # "nixl", or variants of VARIANTS
+            opts.update({"connector": "nixl"} if v == "nixl" else VARIANTS[v])
+        if self.hosts is not None:
+            from tests.netns import ADDRS
+
+            h = "a" if role == "p1" else "b"
+            opts["place"] = (self.hosts.ns[h], ADDRS[h])
+        self.started.add(name)
+        _LIVE[name] = Engine(name, self.py, self.model(key), self.workdir, tp=tp, cores=cores,
+                             **opts)
+        return _LIVE[name]
+
+    def _park(self, name: str) -> None:
+        _LIVE[name].signal(signal.SIGSTOP)
+        _LIVE[name].parked = True
+        self.parked.append(name)
 
     def make_room(self, gib: float) -> None:
         """Stop parked engines, least recently used first, until ``gib`` more can start
@@ -512,7 +608,10 @@ class Pool:
                 self._drop(n)
 
     def close(self) -> None:
-        """Every engine gone: the parked ones killed at once, the others stopped."""
+        """Every engine gone, killed: nothing is checked after the last test, and a graceful
+        stop takes 5-15 s an engine (:func:`remove_orphan_shm` takes what a kill leaves)."""
+        for n in [n for n in _LIVE if n not in self.parked]:
+            self._park(n)
         self.stop(*_LIVE)
 
 
@@ -664,7 +763,7 @@ def engine_pool(py: Path, workdir: Path):
     """A :class:`Pool` of the vLLM venv's interpreter ``py`` (the session's ``pool`` fixture,
     tests/conftest.py): stops every engine and removes orphaned shared memory after."""
     shm = shm_files()
-    pool = Pool(py, workdir)
+    pool = Pool(py, workdir, sets=SETS)
     try:
         yield pool
     finally:

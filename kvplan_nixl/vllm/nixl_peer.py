@@ -59,7 +59,7 @@ import kvplan
 from kvplan.adapters.vllm_nixl import check_first_rank, prefill_from_nixl
 from kvplan_nixl.errors import ArgumentError, MetadataError
 from kvplan_nixl.metadata import nixl_agent_name
-from kvplan_nixl.serving.handshakes import Handshakes, HandshakeState
+from kvplan_nixl.serving.handshakes import AddressRefused, Handshakes, HandshakeState
 from kvplan_nixl.serving.sidechannel import (
     MAX_METADATA,
     SideChannelClosed,
@@ -118,10 +118,21 @@ class NixlPrefills:
                              warn=lambda m: logger.warning("kvplan: pull %s", m),
                              fetch=self._fetch, pin=True,
                              admit=admit(rank.c.stock_prefills()))
+        self.sizes = _sizes(rank.c.stock_prefills())
 
     def start(self, load: Load) -> HandshakeState:
-        """Start (or look up) the handshake ``load`` names; never blocks."""
+        """Start (or look up) the handshake ``load`` names; never blocks. Raises
+        :class:`~kvplan_nixl.serving.handshakes.AddressRefused` where ``stock_prefills``
+        refuses the address, or gives the prefill another TP size than the request claims
+        (nothing dialled: vLLM's listener dies when asked for a rank it lacks, and where each
+        rank holds the same bytes, an MLA latent or fewer KV heads than ranks, rank 0's
+        metadata cannot tell the sizes apart)."""
         key = (load.engine, load.host, load.port)
+        size = self.sizes.get((load.host, load.port))
+        if size is not None and size != load.remote_tp:
+            raise AddressRefused(load.engine, f"{load.host}:{load.port}",
+                                 f"stock_prefills says it runs TP {size}, the request's "
+                                 f"tp_size is {load.remote_tp}")
         if self.hs.state(*key) is None:  # a new handshake asks for this request's ranks
             self.tp[key] = load.remote_tp
         return self.hs.start(load.engine, load.host, load.port,
@@ -178,23 +189,30 @@ class NixlPrefills:
         return ()
 
 
-def admit(allowed: tuple[tuple[str | None, str, int], ...] | None
+def _sizes(allowed: tuple[tuple[str | None, str, int, int | None], ...] | None
+           ) -> dict[tuple[str, int], int]:
+    """The TP size ``stock_prefills`` gives each address that names one (``/tpN``)."""
+    return {(h, p): tp for _, h, p, tp in allowed or () if tp is not None}
+
+
+def admit(allowed: tuple[tuple[str | None, str, int, int | None], ...] | None
           ) -> Callable[[str, str, int], str | None] | None:
     """Handshakes' ``admit`` for ``stock_prefills`` (``allowed``, as
     :meth:`~kvplan_nixl.vllm.settings.Settings.stock_prefills` reads it; None: no check):
     why a request may not make the decode dial ``engine`` at ``host:port``, or None."""
     if allowed is None:
         return None
+    places = tuple((e, h, p) for e, h, p, _ in allowed)  # the sizes: NixlPrefills.start
 
     def check(engine: str, host: str, port: int) -> str | None:
-        named = [(e, h, p) for e, h, p in allowed if e == engine]
+        named = [(e, h, p) for e, h, p in places if e == engine]
         if named and (host, port) not in [(h, p) for _, h, p in named]:
             return (f"stock_prefills binds it to {', '.join(f'{h}:{p}' for _, h, p in named)}"
                     f", not {host}:{port}")
-        here = [e for e, h, p in allowed if (h, p) == (host, port)]
+        here = [e for e, h, p in places if (h, p) == (host, port)]
         if not here:
             return (f"{host}:{port} is not in kv_connector_extra_config['stock_prefills'] "
-                    f"({len(allowed)} address(es))")
+                    f"({len(places)} address(es))")
         if None not in here and engine not in here:
             return f"stock_prefills allows {host}:{port} for engine(s) {sorted(here)} only"
         return None

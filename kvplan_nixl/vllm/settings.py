@@ -77,13 +77,15 @@ class Settings:
                              f"{v!r}")
         return v
 
-    def stock_prefills(self) -> tuple[tuple[str | None, str, int], ...] | None:
+    def stock_prefills(self) -> tuple[tuple[str | None, str, int, int | None], ...] | None:
         """``extra["stock_prefills"]``: the side channels of the NixlConnector prefills this
         decode may dial, a list (or comma-separated string) of ``"host:port"`` (any engine id
-        there) or ``"engine_id@host:port"`` (that engine id only, and only there), as
-        ``(engine or None, host, port)``; None when the key is absent (any address, each
-        engine id bound to the first one it connected at: docs/vllm.md, "Who a request may
-        make the decode dial"). Hosts are compared as written, so write them as the prefills'
+        there) or ``"engine_id@host:port"`` (that engine id only, and only there), either
+        followed by ``/tpN`` (the prefill runs TP N: a request claiming another ``tp_size``
+        is refused before anything is dialled), as ``(engine or None, host, port, N or
+        None)``; None when the key is absent (any address, each engine id bound to the first
+        one it connected at: docs/vllm.md, "Who a request may make the decode dial"). Hosts
+        are compared as written, so write them as the prefills'
         ``VLLM_NIXL_SIDE_CHANNEL_HOST`` says them."""
         v = self.extra.get("stock_prefills")
         if v is None:
@@ -91,20 +93,23 @@ class Settings:
         items = v.split(",") if isinstance(v, str) else v
         bad = ValueError("kv_connector_extra_config['stock_prefills'] must be a list of "
                          "\"host:port\" or \"engine_id@host:port\" strings (port 1 to 65535), "
-                         f"got {v!r}")
+                         f"each optionally ending \"/tpN\" (N >= 1), got {v!r}")
         if not isinstance(items, (list, tuple)):
             raise bad
         out = []
         for item in items:
             if not isinstance(item, str):
                 raise bad
-            engine, _, where = item.strip().rpartition("@")
+            where, slash, tp = item.strip().partition("/")
+            if slash and not (tp.startswith("tp") and tp[2:].isdigit() and int(tp[2:]) >= 1):
+                raise bad
+            engine, _, where = where.rpartition("@")
             host, _, port = where.rpartition(":")
             host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
             if not host or not port.isdigit() or not 0 < int(port) < 65536 or (
                     "@" in item and not engine):
                 raise bad
-            out.append((engine or None, host, int(port)))
+            out.append((engine or None, host, int(port), int(tp[2:]) if slash else None))
         return tuple(out)
 
     def backends(self) -> tuple[str, ...]:
