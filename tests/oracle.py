@@ -82,9 +82,10 @@ STATE_KINDS = ("state",)
 
 _COMMON_DEFAULTS = {"group": 0, "pool": None, "page_bytes": None, "stage": None,
                     "allocation": None, "layout": "HND"}
-_DEFAULTS = {"window": None, "layout": "HND", "kv": "split", "kernel_block_size": None}
+_DEFAULTS = {"window": None, "layout": "HND", "kv": "split", "kernel_block_size": None,
+             "stream": None}
 _TOKEN_ONLY = ("block_size", "kv", "window", "num_kv_heads", "head_dim", "dim",
-               "kernel_block_size")
+               "kernel_block_size", "stream")
 
 #: The legacy names as axis orders (L layer slot, B block, S stream, H head, N token, D bytes).
 LEGACY_ORDERS = {("HND", "split"): "LSBHND", ("HND", "joint"): "LBSHND",
@@ -138,6 +139,8 @@ def normalize_region(region: Mapping) -> dict:
             raise ValueError(f"region {r['name']!r}: kernel_block_size does not divide block_size")
         if kind in SPLIT_KINDS and r["kv"] not in ("split", "joint"):
             raise ValueError(f"bad kv {r['kv']!r}")
+        if r["stream"] not in (None, "k", "v") or (r["stream"] and kind not in SPLIT_KINDS):
+            raise ValueError(f"region {r['name']!r}: bad stream {r['stream']!r}")
     else:
         raise ValueError(f"unknown kind {kind!r}")
     order = [a for a in axis_order(r) if a not in UNIT_AXES[kind]]
@@ -182,7 +185,9 @@ def _local_heads(region: Mapping, tp_size: int) -> int:
 
 
 def _num_streams(region: Mapping) -> int:
-    return 2 if is_split(region) else 1
+    """2 (K and V) for attention, 1 for an attention region holding one ("stream": "k" or
+    "v", e.g. K and V of different head sizes as two regions) and for the other kinds."""
+    return 2 if is_split(region) and not region.get("stream") else 1
 
 
 def _features(region: Mapping) -> int:

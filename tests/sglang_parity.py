@@ -99,7 +99,8 @@ def build_pool(case: dict, tp: int, stage: int = 0, pp: int = 1):
         return memory_pool.MLATokenToKVPool(kv_lora_rank=case["head_dim"] - 4,
                                             qk_rope_head_dim=4, **common)
     return memory_pool.MHATokenToKVPool(head_num=max(1, case["heads"] // tp),
-                                        head_dim=case["head_dim"], **common)
+                                        head_dim=case["head_dim"],
+                                        v_head_dim=case.get("v_head_dim"), **common)
 
 
 def _mamba_pool(case: dict, params_cls: type, shape):
@@ -134,7 +135,8 @@ def buffer_names(pool) -> list[str]:
 
 
 def face(pool) -> dict:
-    """What kvplan's adapter reads of a pool (``SGLangKV.from_pool``), as JSON."""
+    """What kvplan's adapter reads of a pool (``SGLangKV.from_pool``,
+    ``SGLangMamba2.from_pool``), as JSON."""
     out = {"class": type(pool).__name__}
     for a in ("layer_num", "size", "page_size", "head_num", "head_dim", "v_head_dim",
               "start_layer", "kv_cache_layout", "use_hnd", "kv_lora_rank", "qk_rope_head_dim"):
@@ -142,13 +144,19 @@ def face(pool) -> dict:
             out[a] = getattr(pool, a)
     for a in ("k_buffer", "v_buffer", "kv_buffer"):
         if getattr(pool, a, None) is not None:
-            out[a] = [{"shape": list(t.shape), "dtype": str(t.dtype), "ptr": t.data_ptr()}
-                      for t in getattr(pool, a)]
+            out[a] = [_tensor_face(t) for t in getattr(pool, a)]
     out["buf_infos"] = pool.get_contiguous_buf_infos()
     if isinstance(pool, memory_pool.MambaPool):
         out["state_dim_per_tensor"] = pool.get_state_dim_per_tensor()
         out["state_conv_shard_groups"] = pool.get_state_conv_shard_groups()
+        out.update(mamba_layer_ids=pool.mamba_layer_ids, conv_slice_axis=pool.conv_slice_axis,
+                   mamba_cache={"conv": [_tensor_face(t) for t in pool.mamba_cache.conv],
+                                "temporal": _tensor_face(pool.mamba_cache.temporal)})
     return out
+
+
+def _tensor_face(t) -> dict:
+    return {"shape": list(t.shape), "dtype": str(t.dtype), "ptr": t.data_ptr()}
 
 
 class Memory:

@@ -70,6 +70,12 @@ def cases() -> list[dict]:
             out.append({"id": f"mha K{heads} P{p} D{d}+D{d2} page16", "kind": "mha",
                         "heads": heads, "p": p, "d": d, "d2": d2, "page": 16,
                         "head_dim": 8})
+    # MiMo-V2 style pools: V heads narrower than K heads (192 / 128 scaled down to 12 / 8)
+    for page, (p, d), heads in itertools.product((1, 16), itertools.product(TPS, TPS),
+                                                 (2, 4, 8)):
+        out.append({"id": f"mimo K{heads} P{p} D{d} page{page}", "kind": "mha",
+                    "heads": heads, "p": p, "d": d, "page": page, "head_dim": 12,
+                    "v_head_dim": 8})
     # Mamba2 state (Nemotron-H's shapes, scaled down): 8 heads of 4, state 4, conv kernel 4,
     # B/C groups 1 (replicated at TP > 1) or 8
     for groups, (p, d) in itertools.product((1, 8), itertools.product(TPS, TPS)):
@@ -122,36 +128,43 @@ class _Tensor:
 
 def pool_object(face: dict):
     """An object that reads like the SGLang pool the driver built (class name, attributes,
-    buffers), for :meth:`SGLangKV.from_pool`."""
+    buffers, what it tells its connections), for :meth:`SGLangKV.from_pool` and
+    :meth:`SGLangMamba2.from_pool`."""
     attrs = {k: v for k, v in face.items() if k not in ("class", "buf_infos")}
     for k in ("k_buffer", "v_buffer", "kv_buffer"):
         if k in attrs:
             attrs[k] = [_Tensor(t) for t in attrs[k]]
-    return type(face["class"], (SimpleNamespace,), {})(**attrs)
+    if "mamba_cache" in attrs:
+        cache = attrs["mamba_cache"]
+        attrs["mamba_cache"] = SimpleNamespace(conv=[_Tensor(t) for t in cache["conv"]],
+                                               temporal=_Tensor(cache["temporal"]))
+    said = {"get_contiguous_buf_infos": face["buf_infos"],
+            "get_state_conv_shard_groups": face.get("state_conv_shard_groups")}
+    methods = {k: (lambda self, v=v: v) for k, v in said.items()}
+    return type(face["class"], (SimpleNamespace,), methods)(**attrs)
 
 
 def spec(case: dict, tp: int, face: dict):
-    """kvplan's spec of one side, read by the adapter from SGLang's own pool of that side;
-    the buffers it names are checked against SGLang's ``get_contiguous_buf_infos``. Mamba2:
-    from the model's numbers, each state tensor's slot and buffer sizes checked against
-    SGLang's ``MambaPool``."""
-    if case["kind"] in STATE:
-        m = case["mamba"]
-        values = SGLangMamba2(layers=tuple(range(case["layers"])), slots=case["pages"],
-                              num_heads=m["heads"], head_dim=m["head_dim"],
-                              state_size=m["state_size"], n_groups=m["n_groups"],
-                              conv_kernel=m["conv_kernel"], conv_dtype="bfloat16",
-                              ssm_dtype="float32", kind=case["kind"])
-        out = spec_from_sglang_mamba2(values, attn_tp_size=tp)
-        _, lens, items = face["buf_infos"]
-        assert [out.rank_buffer_nbytes(b) for b in out.buffers] == lens, (case["id"], lens)
-        assert [n // case["pages"] for n in lens] == items, (case["id"], items)
-        return out
+    """kvplan's spec of one side, read by the adapter from SGLang's own pool of that side
+    (``SGLangKV.from_pool``; Mamba2, GDN and KDA state: ``SGLangMamba2.from_pool``, checked
+    against the model's numbers); the buffers it names are checked against SGLang's
+    ``get_contiguous_buf_infos``."""
     faces = face if isinstance(face, list) else [face]  # one per PP stage
     pools = [pool_object(f) for f in faces]
-    kvs = [SGLangKV.from_pool(p) for p in pools]
-    out = spec_from_sglang(kvs if len(kvs) > 1 else kvs[0], attn_tp_size=tp,
-                           total_kv_heads=case["heads"])
+    if case["kind"] in STATE:
+        m = case["mamba"]
+        values = SGLangMamba2.from_pool(pools[0], attn_tp_size=tp, n_groups=m["n_groups"])
+        assert values == SGLangMamba2(
+            layers=tuple(range(case["layers"])), slots=case["pages"], num_heads=m["heads"],
+            head_dim=m["head_dim"], state_size=m["state_size"],
+            n_groups=1 if case["kind"] == "kda" else m["n_groups"],
+            conv_kernel=m["conv_kernel"], conv_dtype="bfloat16", ssm_dtype="float32",
+            kind=case["kind"]), (case["id"], values)
+        out = spec_from_sglang_mamba2(values, attn_tp_size=tp)
+    else:
+        kvs = [SGLangKV.from_pool(p) for p in pools]
+        out = spec_from_sglang(kvs if len(kvs) > 1 else kvs[0], attn_tp_size=tp,
+                               total_kv_heads=case["heads"])
     for f, pool in zip(faces, pools):
         ptrs, lens, _ = f["buf_infos"]
         got = sglang_buffers(pool, out)
