@@ -13,6 +13,7 @@ from kvplan import SpecError, pull_map
 from kvplan.adapters.sglang import (
     SGLangKV,
     SGLangMamba2,
+    sglang_attention_rank,
     sglang_buffers,
     spec_from_sglang,
     spec_from_sglang_hybrid,
@@ -319,3 +320,23 @@ def test_mamba_pools_sglang_cannot_describe_are_refused_by_name():
                                n_groups=4)
     with pytest.raises(SpecError, match="not SGLang's MambaPool"):
         SGLangMamba2.from_pool(_pool("HybridLinearKVPool"), attn_tp_size=1)
+
+
+def test_dp_attention_ranks_and_a_plan_between_two_groups():
+    # prefill TP 8 with 4 attention-DP groups of 2, decode TP 8 with 2 groups of 4
+    p = [sglang_attention_rank(r, tp_size=8, dp_size=4) for r in range(8)]
+    assert [(x.attn_dp_rank, x.attn_tp_rank) for x in p] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert {x.attn_tp_size for x in p} == {2}
+    d = sglang_attention_rank(6, tp_size=8, dp_size=2)
+    assert (d.attn_dp_rank, d.attn_tp_rank, d.attn_tp_size) == (1, 2, 4)
+    # a request in prefill group 3 and decode group 1: one spec per group, at its size
+    src, dst = mha(p[7].attn_tp_size, 8, 16), mha(d.attn_tp_size, 8, 16)
+    plan = pull_map(src, dst, d.attn_tp_rank).plan(SRC_PAGES, DST_PAGES)
+    assert plan.map.peers == (1,)  # decode rank 2 of 4 reads heads 4:6, held by rank 1 of 2
+    rows = kvplan_rows(src, dst, SRC_PAGES, DST_PAGES)
+    assert judge(src, dst, SRC_PAGES, DST_PAGES, rows)["verdict"] == "exact"
+    with pytest.raises(SpecError, match="dp_size 3 does not divide tp_size 8"):
+        sglang_attention_rank(0, tp_size=8, dp_size=3)
+    with pytest.raises(SpecError, match=r"tp_rank must be an int in \[0, 8\)"):
+        sglang_attention_rank(8, tp_size=8, dp_size=2)

@@ -33,6 +33,7 @@ from kvplan import SpecError  # noqa: E402
 from kvplan.adapters.sglang import (  # noqa: E402
     SGLangKV,
     SGLangMamba2,
+    sglang_attention_rank,
     sglang_buffers,
     spec_from_sglang,
     spec_from_sglang_mamba2,
@@ -102,6 +103,17 @@ def cases() -> list[dict]:
         out.append({"id": f"{kind}{' K8' if kind == 'mha' else ''} P{p} PP2 D{d} PP{d_pp} "
                           "page16", "kind": kind, "heads": heads, "p": p, "p_pp": 2, "d": d,
                     "d_pp": d_pp, "page": 16, "head_dim": head_dim, "layers": 4})
+    # DP attention: TP ranks in dp groups of tp / dp, the request in the prefill's last group
+    # (the decode's ranks know only their rank in their group); a case's "p" / "d" are the
+    # attention-TP sizes, as before
+    for kind, (p_tp, p_dp), (d_tp, d_dp) in itertools.product(
+            ("mha", "mla"), ((8, 8), (8, 2), (4, 2)), ((8, 4), (4, 1), (2, 2))):
+        heads, head_dim = (8, 8) if kind == "mha" else (1, 12)
+        out.append({"id": f"{kind}{' K8' if kind == 'mha' else ''} P{p_tp} dp{p_dp} "
+                          f"D{d_tp} dp{d_dp} page16", "kind": kind, "heads": heads,
+                    "p": p_tp // p_dp, "p_dp": p_dp, "p_group": p_dp - 1,
+                    "d": d_tp // d_dp, "d_dp": d_dp, "page": 16,
+                    "head_dim": head_dim})
     # sliding-window layers: their own MHA pool (2, 4 or 8 KV heads) handed over as SWA state
     # beside full attention of 8 KV heads, page 16
     for swa, (p, d) in itertools.product((2, 4, 8), itertools.product(TPS, TPS)):
@@ -266,8 +278,31 @@ def documented() -> str:
 
 
 @pytest.fixture(scope="module")
-def parity(sglang_python):
-    return judged(run_sglang(sglang_python))
+def results(sglang_python):
+    return run_sglang(sglang_python)
+
+
+@pytest.fixture(scope="module")
+def parity(results):
+    return judged(results)
+
+
+def test_dp_attention_ranks_are_sglangs(results):
+    """Under DP attention the adapter places every TP rank in its group and at its rank there
+    as SGLang's own ``compute_dp_attention_world_info`` does (reported by the driver)."""
+    seen = 0
+    for c in cases():
+        got = results[(c["id"], "mooncake")].get("attention_ranks")
+        if got is None or "p_dp" not in c:
+            continue
+        for side in ("p", "d"):
+            dp = c[f"{side}_dp"]
+            for r, (tp_rank, tp_size, dp_rank, _) in enumerate(got[side]):
+                mine = sglang_attention_rank(r, tp_size=c[side] * dp, dp_size=dp)
+                assert (mine.attn_tp_rank, mine.attn_tp_size, mine.attn_dp_rank) == (
+                    tp_rank, tp_size, dp_rank), (c["id"], side, r)
+                seen += 1
+    assert seen >= 100
 
 
 def test_kvplan_is_exact_everywhere_and_writes_each_byte_once(parity):

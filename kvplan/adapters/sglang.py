@@ -46,9 +46,15 @@ Refused with a :class:`~kvplan.SpecError` naming the pool (not described yet): l
 than NHD (``SGLANG_USE_HND_KVCACHE``, ``vectorized_5d``), the FP4 / MXFP8 pools and their scale
 buffers, ``PageMajorMHATokenToKVPool``, hybrid pools as objects (``HybridLinearKVPool``,
 ``MambaPool``: Mamba2, GDN and KDA are described from values instead; Mamba1 states;
-``SWAKVPool``), draft buffers appended to a pool, DP attention's pools of several
-attention-TP groups (give this adapter one group's ``attn_tp_size``), and a head count
-neither dividing nor divided by the attention TP size.
+``SWAKVPool``), draft buffers appended to a pool, and a head count neither dividing nor
+divided by the attention TP size.
+
+DP attention (``--enable-dp-attention``: ``dp_size`` attention groups of ``tp_size //
+dp_size`` ranks, each with its own pools and requests) is one spec per attention-TP group:
+:func:`spec_from_sglang` at the group's ``attn_tp_size``, and
+:func:`sglang_attention_rank` maps an SGLang ``tp_rank`` to its group and to its flat rank in
+that spec, as SGLang's ``compute_dp_attention_world_info`` does. A request lives in one
+group on each side, so a plan is made between the two groups that hold it.
 
 Layer 5 (adapters, beside hf): imports spec, constants and errors.
 """
@@ -190,6 +196,36 @@ def _check_shapes(pool: str, field: str, tensors: Sequence[Any], kv: SGLangKV,
         if tuple(int(x) for x in t.shape) != want:
             raise SpecError(f"{pool}: {field} of layer {layer} has shape {tuple(t.shape)}, "
                             f"the pool's sizes say {want}")
+
+
+@attrs.frozen
+class SGLangAttentionRank:
+    """Where an SGLang ``tp_rank`` sits under DP attention: its attention-DP group
+    (``attn_dp_rank``: which spec), its rank in that group (``attn_tp_rank``: the flat rank of
+    that spec, PP aside) and the group's size (``attn_tp_size``: the spec's ``tp_size``)."""
+
+    attn_dp_rank: int
+    attn_tp_rank: int
+    attn_tp_size: int
+
+
+def sglang_attention_rank(tp_rank: int, *, tp_size: int, dp_size: int = 1
+                          ) -> SGLangAttentionRank:
+    """SGLang's attention topology for ``tp_rank`` of ``tp_size`` with ``dp_size``
+    attention-DP groups (1 without DP attention): ``attn_tp_size = tp_size // dp_size``,
+    ``attn_tp_rank = tp_rank % attn_tp_size``, ``attn_dp_rank = tp_rank // attn_tp_size``
+    (``runtime_context.py`` ``derive_attn_tp_size`` / ``derive_attention_ranks``; attention
+    CP is not described). Raises :class:`~kvplan.SpecError` when ``dp_size`` does not divide
+    ``tp_size`` or ``tp_rank`` is out of range."""
+    for name, v in (("tp_size", tp_size), ("dp_size", dp_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SpecError(f"{name} must be a positive integer, got {v!r}")
+    if tp_size % dp_size:
+        raise SpecError(f"DP attention: dp_size {dp_size} does not divide tp_size {tp_size}")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise SpecError(f"tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}")
+    attn = tp_size // dp_size
+    return SGLangAttentionRank(tp_rank // attn, tp_rank % attn, attn)
 
 
 def region_name(layer: int) -> str:
