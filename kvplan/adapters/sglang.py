@@ -24,7 +24,8 @@ entry per buffer, ``item_len`` = the bytes of one page). What the pools allocate
   tp, head_dim, state_size]``, one slot per request. A rank's conv channels are its share of
   x (``heads * head_dim`` channels), then of B and of C (``n_groups`` groups of
   ``state_size`` channels each; with fewer groups than ranks every rank holds the group its
-  heads need: replicated). :class:`SGLangMamba2` describes it; :func:`spec_from_sglang_mamba2`
+  heads need: replicated). :class:`SGLangMamba2` describes it (:meth:`SGLangMamba2.from_pool`
+  reads it from the pool object); :func:`spec_from_sglang_mamba2`
   makes a ``state`` region per layer and tensor (``layers.<n>.conv`` with parts ``x``, ``B``,
   ``C``; ``layers.<n>.ssm`` with part ``ssm``).
 
@@ -45,8 +46,8 @@ sizes), byte for byte, including the cases those connections get wrong or refuse
 Refused with a :class:`~kvplan.SpecError` naming the pool (not described yet): layouts other
 than NHD (``SGLANG_USE_HND_KVCACHE``, ``vectorized_5d``), the FP4 / MXFP8 pools and their scale
 buffers, ``PageMajorMHATokenToKVPool``, hybrid pools as objects (``HybridLinearKVPool``,
-``MambaPool``: Mamba2, GDN and KDA are described from values instead; Mamba1 states;
-``SWAKVPool``), draft buffers appended to a pool, and a head count neither dividing nor
+``SWAKVPool``; ``MambaPool`` is read by :meth:`SGLangMamba2.from_pool` instead, Mamba1
+states are not), draft buffers appended to a pool, and a head count neither dividing nor
 divided by the attention TP size.
 
 DP attention (``--enable-dp-attention``: ``dp_size`` attention groups of ``tp_size //
