@@ -379,15 +379,15 @@ def element_offset(region: Mapping, tp_size: int, s, b, h, t, f, page_bytes: int
         ff = r["dim"]
         return base + ((kb * kbs + tk) * ff + f) * e
     hh = _local_heads(r, tp_size)
-    d = r["head_dim"]
+    d, ns = r["head_dim"], _num_streams(r)
     if r["kv"] == "split" and page_bytes is None:
         if r["layout"] == "NHD":
             return ((((s * nb + kb) * kbs + tk) * hh + h) * d + f) * e
         return ((((s * nb + kb) * hh + h) * kbs + tk) * d + f) * e
     if r["kv"] == "joint" and r["layout"] == "NHD":
-        return base + ((((kb * 2 + s) * kbs + tk) * hh + h) * d + f) * e
+        return base + ((((kb * ns + s) * kbs + tk) * hh + h) * d + f) * e
     if r["kv"] == "joint" and r["layout"] == "HND":
-        return base + ((((kb * 2 + s) * hh + h) * kbs + tk) * d + f) * e
+        return base + ((((kb * ns + s) * hh + h) * kbs + tk) * d + f) * e
     raise ValueError("a pooled attention region must be joint")
 
 
@@ -425,23 +425,23 @@ def token_view(
     e = ELEMENT_SIZE[r["dtype"]]
     nb, kbs, ff = r["num_blocks"], r["kernel_block_size"], _features(r)
     n = r["block_size"] // kbs
-    hh = _local_heads(r, tp_size)
+    hh, ns = _local_heads(r, tp_size), _num_streams(r)
     if is_split(r) and r["kv"] == "split":
         if page_bytes is not None:
             raise ValueError("a pooled attention region must be joint")
         if r["layout"] == "NHD":
-            v = buf.reshape(2, nb, n, kbs, hh, ff, e).transpose(0, 1, 4, 2, 3, 5, 6)
+            v = buf.reshape(ns, nb, n, kbs, hh, ff, e).transpose(0, 1, 4, 2, 3, 5, 6)
         else:
-            v = buf.reshape(2, nb, n, hh, kbs, ff, e).transpose(0, 1, 3, 2, 4, 5, 6)
+            v = buf.reshape(ns, nb, n, hh, kbs, ff, e).transpose(0, 1, 3, 2, 4, 5, 6)
         return _check_view(v, buf)
     block = rank_block_nbytes(r, tp_size)
     m = _paged(buf, page_bytes if page_bytes is not None else block, nb, block)
     if not is_split(r):
         v = m.reshape(nb, n, kbs, ff, e)[None, :, None]
     elif r["layout"] == "NHD":
-        v = m.reshape(nb, n, 2, kbs, hh, ff, e).transpose(2, 0, 4, 1, 3, 5, 6)
+        v = m.reshape(nb, n, ns, kbs, hh, ff, e).transpose(2, 0, 4, 1, 3, 5, 6)
     else:
-        v = m.reshape(nb, n, 2, hh, kbs, ff, e).transpose(2, 0, 3, 1, 4, 5, 6)
+        v = m.reshape(nb, n, ns, hh, kbs, ff, e).transpose(2, 0, 3, 1, 4, 5, 6)
     return _check_view(v, buf)
 
 
