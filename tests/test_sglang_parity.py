@@ -121,6 +121,12 @@ def cases() -> list[dict]:
             out.append({"id": f"swa K{swa} full K8 P{p} D{d} page16", "kind": "swa",
                         "heads": swa, "full_heads": 8, "p": p, "d": d, "page": 16,
                         "head_dim": 8})
+    # MiMo-V2 style sliding-window layers (V heads narrower than K heads, 12 / 8) beside full
+    # attention of 8 KV heads
+    for swa, (p, d) in itertools.product((4, 8), itertools.product(TPS, TPS)):
+        out.append({"id": f"swa mimo K{swa} full K8 P{p} D{d} page16", "kind": "swa",
+                    "heads": swa, "full_heads": 8, "p": p, "d": d, "page": 16,
+                    "head_dim": 12, "v_head_dim": 8})
     for c in out:
         c.setdefault("layers", 2)
         c.update(pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES, src_slots=SRC_SLOTS,
