@@ -45,6 +45,8 @@ class Rank(Protocol):
     cuda: bool  # the KV caches are CUDA tensors
     engines: dict[str, tuple[Any, list[int]]]  # prefill engine -> pull map, readers per rank
     recv_done: set[str]  # decode requests whose KV is loaded (or failed), to report
+    admitted: dict[str, float]  # decode loads -> when the worker got them (monotonic)
+    reporting: dict[str, tuple[float, ...]]  # loaded pulls to report -> their timeline marks
     waiting: dict[str, tuple[Load, float]]  # decode loads whose handshake is pending
     writes: Any  # Writes (kvplan_nixl.vllm.pushing): pushes to write, their handshakes
     restarts: Any  # Restarts (kvplan_nixl.vllm.restarts): prefills connected afresh
