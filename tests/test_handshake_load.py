@@ -3,8 +3,11 @@ served by real side channel servers: while the rank's lock-taking threads are ke
 engine step that takes the rank's lock again as soon as it let it go, and the 2 ms progress
 loop), a handshake whose metadata fetch is slow (a slow network: each fetch held back) never
 makes them wait for the network, and completes within its fetches plus its connects (the only
-part that takes the lock) plus a few of the busy threads' own holds. Nothing here is a stand-in
-for NIXL: the connect is ``Endpoint.connect`` and the pull after it reads the right bytes."""
+part that takes the lock) plus a few of the busy threads' own holds. The rank's lock is a
+:class:`~kvplan_nixl.serving.locks.FairLock`: with a ``threading.Lock`` the progress loop
+waited 0.68 s here once on a loaded machine, behind a step that kept taking the lock back.
+Nothing here is a stand-in for NIXL: the connect is ``Endpoint.connect`` and the pull after it
+reads the right bytes."""
 
 from __future__ import annotations
 
@@ -14,21 +17,23 @@ from contextlib import ExitStack
 
 from kvplan_nixl.serving import sidechannel as sc
 from kvplan_nixl.serving.handshakes import READY, Handshakes, identity
+from kvplan_nixl.serving.locks import FairLock
 from tests.nixl_util import pair
 from tests.test_handshakes import wait_for
 from tests.test_pool_attacks import DB, DST, HOST, KEY, SB, SRC, serve
 
 #: each metadata fetch is held back this long before it is sent (a slow link or prefill)
-SLOW = 0.3
+SLOW = 1.0
 #: how long the busy step holds the rank's lock each time (a step's own work under it)
 HOLD = 0.004
 
 
 class TimedLock:
-    """The rank's lock, with the longest wait of each thread that took it (by name)."""
+    """The rank's lock (a :class:`FairLock`, as ``Worker.lock``), with the longest wait and
+    hold of each thread that took it (by name)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = FairLock()
         self.waits: dict[str, float] = {}
         self.held: dict[str, float] = {}
 
@@ -105,15 +110,16 @@ def test_a_busy_ranks_handshake_waits_for_no_lock_across_the_network():
                 t.join()
         assert s.ranks == (0, 1) and len(fetches) == 2 and len(connects) == 2
         # the handshake: its two fetches, its two connects, and a few holds of the busy step
-        # (it takes the lock between them), nothing more
+        # (it takes the lock between them), nothing more: well under one more fetch (the
+        # bounds leave room for a loaded 2-core machine; a fetch under the lock breaks them)
         waited = took - sum(fetches) - sum(connects)
-        assert waited < 0.25, (took, fetches, connects, lock.waits)
-        # the threads that take the rank's lock never waited for the network: at most one
+        assert waited < SLOW / 2, (took, fetches, connects, lock.waits)
+        # the threads that take the rank's lock never waited for the network: at most a
         # connect (NIXL loading the peer's metadata), never a fetch of SLOW seconds
         others = {k: v for k, v in lock.waits.items() if k in ("step", "progress")}
-        assert max(others.values()) < min(SLOW, max(connects) + 0.15), (others, connects)
+        assert max(others.values()) < max(connects) + SLOW / 2, (others, connects)
         # nobody held the lock across a fetch: the longest hold is a connect's or the step's
-        assert max(lock.held.values()) < SLOW, lock.held
+        assert max(lock.held.values()) < max(connects) + SLOW / 2, (lock.held, connects)
         with lock:  # and the connection is real: a pull reads the prefill's bytes
             pr.run("pull", SB, DB)
         assert pr.check(SB, DB) > 0

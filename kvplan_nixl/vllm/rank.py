@@ -8,8 +8,9 @@ instead of the worker, so the worker imports its parts and no part imports the w
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, Protocol
+
+from kvplan_nixl.serving.locks import FairLock
 
 if TYPE_CHECKING:
     from kvplan.adapters.vllm import TransferGroups
@@ -26,7 +27,7 @@ class Rank(Protocol):
 
     c: Settings
     rank: int
-    lock: threading.Lock  # held for every Endpoint call
+    lock: FairLock  # held for every Endpoint call (first come, first served)
     ep: Any  # kvplan_nixl.Endpoint
     groups: TransferGroups
     whole: bool  # the backend moves whole pages only

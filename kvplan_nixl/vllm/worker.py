@@ -36,6 +36,7 @@ from kvplan_nixl.serving.handshakes import (
     HandshakeState,
     identity,
 )
+from kvplan_nixl.serving.locks import FairLock
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.nixl_peer import NixlPrefills, compat_hash, stock_backend
@@ -76,7 +77,10 @@ class Worker:
                 f"lease_s / 3 = {self.lease / 3:g}: one lost heartbeat would let the prefill's "
                 "lease run out under a live pull; lower heartbeat_s or raise lease_s")
         self.backends = c.backends()
-        self.lock = threading.Lock()  # every Endpoint call: it is used by one thread at a time
+        # every Endpoint call: it is used by one thread at a time; fair, so that the step,
+        # which takes it again at once, never starves a handshake's connect or the progress
+        # loop on a loaded machine (kvplan_nixl.serving.locks)
+        self.lock = FairLock()
         self.ep = None
         self.sends: Sends | None = None  # prefill: the holds and the side channel
         self.stop = threading.Event()
