@@ -5,7 +5,7 @@ The tests' tiny Llama as a TP1 -> TP1 pair of CPU engines (tests/vllm_pool.py, t
 ``llama-p1-stats`` / ``llama-d1-stats`` pair of ``bench_vllm_pd.py``). For each round: the
 prefill engine is restarted in place (a clean stop: its close notices make the decode forget
 it, so the next pull connects afresh), ``--load`` requests are set decoding on the decode
-engine (``--tokens`` each), and once they run, one prompt goes P -> D. Its handshake is that
+engine (``--tokens`` each) together with one prompt that goes P -> D. Its handshake is that
 pull's ``phase_handshake``: from the worker getting the load to its prefill connected and the
 pull started, from the decode's timeline log line (docs/vllm.md, "Stats"); the handover beside
 it is the pull's admission to its report.
@@ -41,14 +41,13 @@ def round_once(pool: Pool, load: int, tokens: int, seed: int, restart: bool) -> 
     ids = prompt(seed, 64)
     pre = p.batch([{"prompt": ids, "max_tokens": 1, "params": {"do_remote_decode": True}}])
     at = d.log_path.stat().st_size
-    busy = d.submit_batch([{"prompt": prompt(seed * 10 + i, 64), "max_tokens": tokens}
-                           for i in range(load)])
-    time.sleep(0.5)  # they are decoding now
+    # one batch (the engine driver runs a batch at a time): the load's requests and the pull
+    # are submitted together, so the pull's handshake runs while they compute and decode
+    reqs = [{"prompt": prompt(seed * 10 + i, 64), "max_tokens": tokens} for i in range(load)]
     t0 = time.perf_counter()
-    pull = d.submit_batch([{"prompt": ids, "max_tokens": 1, "params": pre[0]["params"]}])
-    got = d.collect_batch(pull)  # it ends long before the load's requests
-    took = time.perf_counter() - t0
-    d.collect_batch(busy)
+    got = d.batch([*reqs, {"prompt": ids, "max_tokens": 1, "params": pre[0]["params"]}])[-1:]
+    took = got[0]["first"]
+    assert time.perf_counter() - t0 > took
     lines = d.log_lines(TIMELINE.pattern, since=at)
     assert got[0]["error"] is None and lines, (got, d.tail())
     marks = [float(x) / 1e3 for x in TIMELINE.search(lines[0]).groups()]
@@ -59,7 +58,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="fresh handshakes measured")
     ap.add_argument("--load", type=int, default=4, help="requests decoding meanwhile")
-    ap.add_argument("--tokens", type=int, default=400, help="tokens each of them decodes")
+    ap.add_argument("--tokens", type=int, default=200, help="tokens each of them decodes")
     args = ap.parse_args()
     py = vllm_env.ensure()
     rows = []
@@ -70,7 +69,7 @@ def main() -> int:
                 rows.append(round_once(pool, args.load, args.tokens, 7000 + r, restart=r > 0))
                 x = rows[-1]
                 print(f"round {r}: handshake {x['handshake'] * 1e3:.1f} ms, admission to "
-                      f"report {x['handover'] * 1e3:.1f} ms, client's pull request "
+                      f"report {x['handover'] * 1e3:.1f} ms, the pull's TTFT "
                       f"{x['client'] * 1e3:.1f} ms ({args.load} requests decoding)",
                       flush=True)
         finally:
