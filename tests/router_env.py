@@ -19,7 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the checkout root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.vllm_env import EnvUnavailable, build, python_of  # noqa: E402
+from tests.vllm_env import EnvUnavailable, build, python_of
 
 ROUTER_VERSION = "0.1.17"
 MARKER = "kvplan-router-env-complete"
