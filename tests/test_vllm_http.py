@@ -494,8 +494,8 @@ def test_dense_behind_vllm_router_two_prefills_a_dead_decode_leg_and_a_killed_pr
     except router_env.EnvUnavailable as e:
         print(f"skipped: vllm-router unavailable: {e}")
         pytest.skip(f"vllm-router unavailable: {e}")
-    t0 = time.monotonic()
     s = sets("llama")
+    t0 = time.monotonic()  # the set's own start (if this test is its first) not counted
     a, b = netns.ADDRS["a"], netns.ADDRS["b"]
     p0, p1 = f"http://{a}:{s.s.http_ports[0]}", f"http://{a}:{SECOND['http']}"
     decode, fake = f"http://{b}:{s.s.http_ports[1]}", f"http://{b}:{FAKE_DECODE_PORT}"
@@ -525,6 +525,8 @@ def test_dense_behind_vllm_router_two_prefills_a_dead_decode_leg_and_a_killed_pr
         failed_at = time.monotonic()
         assert r["status"] == 500 and f"Decode request failed to {fake}/v1/completions" in \
             r["body"], f"dead decode leg: HTTP {r['status']}: {r['body'][:300]}{s.tails()}"
+        held = s.kv_usage("prefill-1", **{"prefill-1": ("a", SECOND["http"])})
+        assert held > idle1, f"prefill-1 holds nothing after the failed leg: {held} <= {idle1}"
 
         # while its lease runs: requests spread over both prefills, each KV pulled
         served = {p: 0 for p in prefills}
@@ -555,7 +557,8 @@ def test_dense_behind_vllm_router_two_prefills_a_dead_decode_leg_and_a_killed_pr
             time.sleep(0.5)
         print(f"dead decode leg: 500 from the router; prefill-1 req={ended[0][0]} held until "
               f"its lease ran out, seen {freed:.1f} s after the answer (lease_s "
-              f"{ROUTER_LEASE_S:g}); KV usage back to {usage} (idle {idle1})")
+              f"{ROUTER_LEASE_S:g}); KV usage {held} while held, back to {usage} (idle "
+              f"{idle1})")
 
         # the second prefill killed while requests keep coming
         k = 8
@@ -603,8 +606,8 @@ def test_dense_behind_vllm_router_two_prefills_a_dead_decode_leg_and_a_killed_pr
             since = {"prefill": len(s.lines("prefill"))}
             got = s.via(router, prompt(9400 + i, N), f"after the kill, request {i}")
             assert s.released_by(got["remote"][0], ("prefill",), since) == "prefill"
-        print(f"vllm-router test: second prefill ready {started:.0f} s after the test began, "
-              f"the test {time.monotonic() - t0:.0f} s in all")
+        print(f"vllm-router test: the second prefill started in {started:.0f} s, the test "
+              f"took {time.monotonic() - t0:.0f} s with it (the set's start not counted)")
     finally:
         for role in ("router", "router-deadleg", "fake-decode", "prefill-1"):
             if role in s.procs:
