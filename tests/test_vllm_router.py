@@ -28,6 +28,10 @@ import pytest
 
 from tests import router_env
 
+#: the engine tier (its venv-only group: no engine, seconds): it needs the router's venv, built
+#: once from the package index like the vLLM one
+pytestmark = pytest.mark.engines
+
 #: what a KvplanConnector prefill answers in pull mode (kvplan_nixl.vllm's params)
 PULL_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
                "remote_engine_id": "prefill-0", "remote_request_id": "cmpl-x-0",
