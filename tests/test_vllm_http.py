@@ -13,6 +13,11 @@ mode is per request):
   NixlConnector decodes garbage for), prompts under one 128-token block (vLLM 0.32's CPU Mamba2
   scan crashes on longer ones with prefix caching on).
 
+vLLM's own router, vllm-router (tests/router_env.py), runs in front of the dense set too, with
+a second prefill beside the first: requests spread over both, a decode leg that fails (the
+prefill's hold then freed by its lease: the router sends no RELEASE), a prefill killed while
+requests come (docs/vllm.md, "In front: vllm-router, or the project's proxy").
+
 Each answer through the proxy must equal the plain run (the same body straight to the prefill),
 no transfer may have failed (equal tokens alone would follow a recompute), and the veth's
 receive counter on the decode's host must have grown by at least the bytes the connector
@@ -193,12 +198,10 @@ class Serving:
         no failed transfer, and at least the moved bytes on the link. Returns the numbers."""
         return self.via(self.url(MODES[mode]), ids, what)
 
-    def via(self, url: str, ids: list[int], what: str, plain: list[int] | None = None) -> dict:
-        """:meth:`via_proxy` through the front at ``url`` (a proxy's or a router's); ``plain``:
-        the plain run's tokens if known. Also returns the prefill's request ids the decode
-        pulled (``remote``: its pull lines')."""
-        if plain is None:
-            plain = self.complete(self.url(self.s.http_ports[0]), ids, f"{what} plain run")
+    def via(self, url: str, ids: list[int], what: str) -> dict:
+        """:meth:`via_proxy` through the front at ``url`` (a proxy's or a router's). Also
+        returns the prefill's request ids the decode pulled (``remote``: its pull lines')."""
+        plain = self.complete(self.url(self.s.http_ports[0]), ids, f"{what} plain run")
         since, rx = len(self.lines("decode")), self.rx()
         got = self.complete(url, ids, what)
         assert got == plain, f"{what}: tokens {got} != plain run {plain}{self.tails()}"
