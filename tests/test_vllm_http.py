@@ -42,7 +42,7 @@ import pytest
 
 from examples import pd_serve
 from tests import netns, router_env, vllm_engine
-from tests.vllm_pool import ENGINE_GIB, prompt
+from tests.vllm_pool import ENGINE_GIB, cache_root, prompt
 
 REPO = Path(__file__).resolve().parent.parent
 WHY = netns.unavailable()
@@ -101,7 +101,7 @@ class Serving:
                 **env, "HF_HUB_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN",
                 # each engine its own compile and vLLM caches (docs/vllm.md, install notes)
                 "TORCHINDUCTOR_CACHE_DIR": str(workdir / f"inductor-{name}-{role}"),
-                "VLLM_CACHE_ROOT": str(workdir / f"vllm-cache-{name}-{role}")}, workdir)
+                "VLLM_CACHE_ROOT": str(cache_root(workdir, f"{name}-{role}"))}, workdir)
         for mode, port in MODES.items():
             self._spawn(f"proxy-{mode}", "a", pd_serve.proxy_command(self.s, mode, port),
                         pd_serve.proxy_env(self.s), workdir)
@@ -455,7 +455,7 @@ def second_prefill(s: Serving) -> tuple[dict, list[str]]:
     argv[-1] = json.dumps({**json.loads(argv[-1]), "engine_id": SECOND["engine_id"]})
     return {**env, "HF_HUB_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN",
             "TORCHINDUCTOR_CACHE_DIR": str(s.workdir / f"inductor-{s.name}-prefill-1"),
-            "VLLM_CACHE_ROOT": str(s.workdir / f"vllm-cache-{s.name}-prefill-1")}, argv
+            "VLLM_CACHE_ROOT": str(cache_root(s.workdir, f"{s.name}-prefill-1"))}, argv
 
 
 def router_command(binary: Path, prefills: list[str], decodes: list[str], port: int,
