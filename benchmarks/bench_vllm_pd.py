@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import tempfile
 import time
@@ -69,6 +70,11 @@ CONNECTORS = {
 HISTOGRAMS = {"pull_s": "xfer_time_seconds", "post_s": "post_time_seconds",
               "bytes": "bytes_transferred", "descriptors": "num_descriptors"}
 DECODE_TOKENS = 8
+#: KvplanConnector's timeline of each pull, logged by the decode worker when it reports the
+#: pull to the scheduler (kvplan_nixl/vllm/worker.py; the histograms vllm:kvplan_phase_*)
+TIMELINE = re.compile(r"kvplan: pull req=\S+ reported after ([\d.]+) ms: handshake ([\d.]+), "
+                      r"post ([\d.]+), read ([\d.]+), confirm ([\d.]+), report ([\d.]+) ms")
+PHASES = ("handover", "handshake", "post", "read", "confirm", "report")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -92,6 +98,19 @@ def per_pull(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
+def timeline(engine, since: int) -> dict[str, float]:
+    """p50 and p90 (seconds) of each phase of the pulls ``engine`` reported since byte
+    ``since`` of its log (:data:`TIMELINE`; none for NixlConnector)."""
+    got = [[float(x) / 1e3 for x in TIMELINE.search(ln).groups()]
+           for ln in engine.log_lines(TIMELINE.pattern, since=since)]
+    out: dict[str, float] = {"timelines": len(got)}
+    for i, k in enumerate(PHASES):
+        xs = [g[i] for g in got]
+        out[f"t_{k}_p50"] = pct(xs, 0.5) if xs else float("nan")
+        out[f"t_{k}_p90"] = pct(xs, 0.9) if xs else float("nan")
+    return out
+
+
 def run_connector(pool: Pool, name: str, lengths: list[int], concurrency: list[int],
                   requests: int) -> list[dict]:
     pname, dname, prefix, mode = CONNECTORS[name]
@@ -102,7 +121,7 @@ def run_connector(pool: Pool, name: str, lengths: list[int], concurrency: list[i
     rows = []
     for n in lengths:
         for c in concurrency:
-            before = histograms(d, prefix)
+            before, at = histograms(d, prefix), d.log_path.stat().st_size
             ttft, local, handover, wrong = [], [], [], 0
             for r in range(max(1, requests // c)):
                 ids = [prompt(100_000 * n + 1000 * c + 10 * r + i, n) for i in range(c)]
@@ -125,8 +144,10 @@ def run_connector(pool: Pool, name: str, lengths: list[int], concurrency: list[i
                          "ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9),
                          "local_p50": pct(local, 0.5),
                          "handover_p50": pct(handover, 0.5), "handover_p90": pct(handover, 0.9),
-                         **stats})
+                         **stats, **timeline(d, at)})
             print(_line(rows[-1]), flush=True)
+            if rows[-1]["timelines"]:
+                print(_timeline_line(rows[-1]), flush=True)
     return rows
 
 
@@ -223,6 +244,12 @@ def _line(r: dict) -> str:
             f"  pull {r['pull_s'] * ms:5.2f} ms post {r['post_s'] * ms:5.2f} ms"
             f"  {r['bytes'] / 1024:7.1f} KiB {r['descriptors']:6.1f} desc"
             f"  pulls={r['pulls']} wrong={r['wrong']}")
+
+
+def _timeline_line(r: dict) -> str:
+    return (f"{'':>6} timeline of {r['timelines']} pulls, p50 / p90 ms: "
+            + ", ".join(f"{k} {r[f't_{k}_p50'] * 1e3:.2f} / {r[f't_{k}_p90'] * 1e3:.2f}"
+                        for k in PHASES))
 
 
 #: the quantities a ratio row compares

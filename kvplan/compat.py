@@ -24,6 +24,7 @@ _MUST_MATCH = (
     ("head_dim", "head_dim"),
     ("dim", "dim"),
     ("window", "window"),
+    ("stream", "stream (K or V alone)"),
     ("parts", "state parts"),
 )
 

@@ -42,6 +42,7 @@ from kvplan.granules import phases
 from kvplan.lanes import Lane, Mode, UnitRange, build_template
 from kvplan.layout import rank_layout
 from kvplan.placement import Placement, TokenSharding, head_sources
+from kvplan.regions import stream_label
 from kvplan.request import build_plan
 from kvplan.spec import EngineSpec, RegionSpec
 
@@ -270,11 +271,12 @@ class TransferMap:
 
 
 def stream_notation(region: RegionSpec) -> str:
-    """Stream notation for summaries: ``K+V``, ``K`` (key only), or the parts of a state slot
+    """Stream notation for summaries: ``K+V``, ``K`` (key only; or K alone), ``V`` (V
+    alone), or the parts of a state slot
     (``parts conv+ssm``); :meth:`TransferMap.summary` and ``TransferPlan.summary`` write it."""
     if region.is_state:
         return "parts " + "+".join(c.name for c in region.components)
-    return "K+V" if region.streams == 2 else "K"
+    return stream_label(region)
 
 
 def _sorted_lanes(lanes: list[Lane]) -> tuple[Lane, ...]:

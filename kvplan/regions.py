@@ -175,14 +175,17 @@ def _allocation(value: Any) -> Any:
 
 _TOKEN_KINDS_ONLY = ("block_size", "kernel_block_size")
 _OWN_FIELDS = {
-    Kind.ATTENTION: ("num_kv_heads", "head_dim", "kv", "window", *_TOKEN_KINDS_ONLY),
+    Kind.ATTENTION: ("num_kv_heads", "head_dim", "kv", "window", "stream",
+                     *_TOKEN_KINDS_ONLY),
     Kind.MLA: ("dim", *_TOKEN_KINDS_ONLY),
     Kind.INDEXER: ("dim", *_TOKEN_KINDS_ONLY),
     Kind.STATE: ("parts",),
 }
 _COMMON = ("name", "kind", "group", "num_blocks", "dtype", "pool", "page_bytes", "stage",
            "layout", "allocation")
-_OPTIONAL = ("kernel_block_size", "pool", "page_bytes", "stage")  # written only when set
+_OPTIONAL = ("kernel_block_size", "pool", "page_bytes", "stage", "stream")  # written when set
+#: What an attention region's ``stream`` may say: it holds K alone or V alone (None: both).
+STREAMS = ("k", "v")
 #: Axes whose size is 1 for a kind whatever the rank (so their place in an order is moot);
 #: engine_derive compares two layer slots' orders without them.
 UNIT_AXES = {Kind.ATTENTION: "", Kind.MLA: "SH", Kind.INDEXER: "SH", Kind.STATE: "SHN"}
@@ -192,7 +195,9 @@ UNIT_AXES = {Kind.ATTENTION: "", Kind.MLA: "SH", Kind.INDEXER: "SH", Kind.STATE:
 class RegionSpec:
     """One region of a rank's KV cache: ``num_blocks`` equal blocks, usually one layer.
 
-    Attention regions carry ``num_kv_heads``, ``head_dim``, ``layout``, ``kv`` and ``window``;
+    Attention regions carry ``num_kv_heads``, ``head_dim``, ``layout``, ``kv`` and ``window``,
+    and ``stream`` (``"k"`` or ``"v"``) when the region holds one of the two streams alone (K
+    and V of different head sizes, e.g. 192 and 128, are then two regions of one stream each);
     MLA and indexer regions carry ``dim`` (values per token); state regions carry ``parts`` and
     hold one slot per block (``block_size`` 1). ``group`` names the KV-cache group whose block
     table indexes the region. Optional: ``kernel_block_size`` (bytes laid out as blocks of that
@@ -218,6 +223,7 @@ class RegionSpec:
     layout: Layout | str = attrs.field(default=Layout.HND, converter=_layout)
     kv: KV = KV.SPLIT
     window: int | None = None
+    stream: str | None = None
     dim: int | None = None
     parts: tuple[StatePart, ...] | None = attrs.field(default=None, converter=_parts)
     kernel_block_size: int | None = None
@@ -249,7 +255,8 @@ class RegionSpec:
             )
         own = _OWN_FIELDS[self.kind]
         foreign = [
-            f for f in ("num_kv_heads", "head_dim", "window", "dim", "parts", "kernel_block_size")
+            f for f in ("num_kv_heads", "head_dim", "window", "stream", "dim", "parts",
+                        "kernel_block_size")
             if f not in own and getattr(self, f) is not None
         ]
         if foreign:
@@ -260,6 +267,9 @@ class RegionSpec:
             _positive(name, "head_dim", self.head_dim)
             if self.window is not None:
                 _positive(name, "window", self.window)
+            if self.stream is not None and self.stream not in STREAMS:
+                raise SpecError(f"region {name!r}: stream {self.stream!r} is not one of "
+                                f"{', '.join(map(repr, STREAMS))} (leave it out for K and V)")
         elif self.kind is Kind.STATE:
             self._check_parts()
         else:
@@ -299,31 +309,15 @@ class RegionSpec:
             raise SpecError(f"region {name!r}: {e}") from None
         a = self.allocation
         if (self.kind is Kind.ATTENTION and "S" not in self.layout_name.replace("C", "SD")
-                and not isinstance(a, tuple) and not isinstance(self.layout, Layout)):
+                and not isinstance(a, tuple) and not isinstance(self.layout, Layout)
+                and self.stream is None):
             raise SpecError(
                 f"region {name!r}: layout {self.layout_name!r} has no S axis, which only a "
-                "region keeping K and V in separate buffers (allocation [k, v]) may omit"
+                "region keeping K and V in separate buffers (allocation [k, v]) or holding "
+                "one stream (stream 'k' or 'v') may omit"
             )
         if a is not None:
-            pair = isinstance(a, tuple)
-            names = a if pair else (a,)
-            if (pair and len(a) != 2) or not all(isinstance(x, str) and x for x in names):
-                raise SpecError(
-                    f"region {name!r}: allocation must be a buffer name or a pair [k, v] of "
-                    f"buffer names, got {a!r}"
-                )
-            if pair and a[0] == a[1]:
-                raise SpecError(f"region {name!r}: allocation [k, v] names {a[0]!r} twice")
-            if pair and self.kind is not Kind.ATTENTION:
-                raise SpecError(
-                    f"region {name!r}: separate K and V buffers need an attention region, "
-                    f"a {self.kind.value} region has one stream"
-                )
-            if pair and self.pool is not None:
-                raise SpecError(
-                    f"region {name!r}: a pooled region cannot keep K and V in separate buffers "
-                    f"(its block must be contiguous in its page of pool {self.pool!r})"
-                )
+            _check_allocation(self)
         if self.pool is not None:  # a block must be contiguous in its page: L, B outermost
             outer = [x for x in order if x not in UNIT_AXES[self.kind]][:2]
             if sorted(outer) != ["B", "L"]:
@@ -380,15 +374,18 @@ class RegionSpec:
         """The shardable pieces of a block, in their order within a slot (see Component)."""
         e = DTYPE_SIZES[self.dtype]
         if self.kind is Kind.ATTENTION:
-            return (Component("kv", self.num_kv_heads, self.head_dim * e, 2),)  # type: ignore[operator]
+            return (Component("kv", self.num_kv_heads, self.head_dim * e,  # type: ignore[operator]
+                              self.streams),)
         if self.kind is Kind.STATE:
             return tuple(Component(p.name, p.units, p.unit_bytes, 1) for p in self.parts or ())
         return (Component(self.kind.value, 1, self.dim * e, 1),)  # type: ignore[operator]
 
     @property
     def streams(self) -> int:
-        """Number of streams per block: 2 (K, V) for attention, 1 otherwise (key only)."""
-        return 2 if self.kind is Kind.ATTENTION else 1
+        """Number of streams per block: 2 (K, V) for attention (1 with ``stream``: K or V
+        alone), 1 otherwise (key only)."""
+        return 2 if self.kind is Kind.ATTENTION and self.stream is None else 1
+
 
     @property
     def heads(self) -> int:
@@ -464,6 +461,7 @@ class RegionSpec:
     def __str__(self) -> str:
         if self.kind is Kind.ATTENTION:
             win = f" window {self.window}" if self.window else ""
+            win += f" {self.stream.upper()} only" if self.stream else ""
             kv = f" {self.kv.value}" if isinstance(self.layout, Layout) else ""
             shape = f"{self.num_kv_heads}x{self.head_dim} {self.layout_name}{kv}{win}"
         elif self.kind is Kind.STATE:
@@ -480,6 +478,44 @@ class RegionSpec:
         return (
             f"{self.name} [{self.kind.value} g{self.group}] {shape} {self.dtype}, "
             f"{self.num_blocks} {blocks}{extra}"
+        )
+
+
+def stream_label(r: RegionSpec) -> str:
+    """What a block's streams hold, as tables name them: ``K+V``, ``K`` (key only, or K
+    alone) or ``V`` (V alone)."""
+    if r.kind is Kind.ATTENTION and r.stream is not None:
+        return r.stream.upper()
+    return "K+V" if r.streams == 2 else "K"
+
+
+def _check_allocation(r: RegionSpec) -> None:
+    """Refuse an ``allocation`` that is neither a buffer name nor a pair ``[k, v]`` of two,
+    or a pair where K and V cannot be apart (one stream, another kind, a pool)."""
+    name, a = r.name, r.allocation
+    pair = isinstance(a, tuple)
+    names = a if pair else (a,)
+    if (pair and len(a) != 2) or not all(isinstance(x, str) and x for x in names):
+        raise SpecError(
+            f"region {name!r}: allocation must be a buffer name or a pair [k, v] of "
+            f"buffer names, got {a!r}"
+        )
+    if pair and a[0] == a[1]:
+        raise SpecError(f"region {name!r}: allocation [k, v] names {a[0]!r} twice")
+    if pair and r.stream is not None:
+        raise SpecError(
+            f"region {name!r}: allocation [k, v] names two buffers but the region "
+            f"holds one stream ({r.stream!r})"
+        )
+    if pair and r.kind is not Kind.ATTENTION:
+        raise SpecError(
+            f"region {name!r}: separate K and V buffers need an attention region, "
+            f"a {r.kind.value} region has one stream"
+        )
+    if pair and r.pool is not None:
+        raise SpecError(
+            f"region {name!r}: a pooled region cannot keep K and V in separate buffers "
+            f"(its block must be contiguous in its page of pool {r.pool!r})"
         )
 
 

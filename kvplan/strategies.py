@@ -15,7 +15,8 @@ a region is one of::
      "parts": [{"name", "units", "unit_bytes"}, ...]}
 
 plus, on any kind, the optional ``"pool"`` / ``"page_bytes"`` (shared pools), ``"stage"``
-(pipeline stage) and, on token kinds, ``"kernel_block_size"``. Keys whose value equals the
+(pipeline stage), on token kinds ``"kernel_block_size"`` and, on attention, ``"stream"``
+(``"k"`` or ``"v"``: the region holds that stream alone). Keys whose value equals the
 default (``group`` 0, ``window`` None, ``layout`` "HND", ``kv`` "split") are sometimes left out,
 to exercise default handling.
 
@@ -137,7 +138,8 @@ def _rank_block_bytes(region: dict, tp: int) -> int:
         return sum(max(1, p["units"] // tp) * p["unit_bytes"] for p in region["parts"])
     bs = region["block_size"]
     if region["kind"] == "attention":
-        return 2 * bs * max(1, region["num_kv_heads"] // tp) * region["head_dim"] * e
+        streams = 1 if region.get("stream") else 2  # K or V alone: one stream
+        return streams * bs * max(1, region["num_kv_heads"] // tp) * region["head_dim"] * e
     return bs * region["dim"] * e
 
 
@@ -183,6 +185,9 @@ def _token_shapes(
         common["num_kv_heads"] = draw(head_counts(src_tp, dst_tp))
         common["head_dim"] = draw(st.integers(2, 16))
         common["window"] = draw(st.none() | st.integers(1, 64)) if windows else None
+        stream = draw(st.sampled_from((None, None, None, "k", "v")))  # K or V alone, at times
+        if stream:
+            common["stream"] = stream
     else:
         common["dim"] = draw(st.integers(3, 40))
     bs_pair = draw(block_size_pairs())
@@ -527,7 +532,7 @@ _LEGACY = (("HND", "split"), ("HND", "joint"), ("NHD", "split"), ("NHD", "joint"
 
 def _slot_shape(r: dict, stage: int) -> tuple:
     keys = ("kind", "num_blocks", "block_size", "kernel_block_size", "num_kv_heads", "head_dim",
-            "dim", "dtype")
+            "dim", "dtype", "stream")
     parts = tuple((p["units"], p["unit_bytes"]) for p in r.get("parts", ()))
     return (*(r.get(k) for k in keys), parts, stage)
 
@@ -549,8 +554,8 @@ def layouts_and_allocations(draw, spec: dict) -> dict:
         by_shape.setdefault(_slot_shape(r, stages.stage_of(i)), []).append(r)
     for k, members in enumerate(by_shape.values()):
         how = draw(st.sampled_from(("own", "own", "alloc", "alloc", "kv")))
-        if how == "kv" and members[0]["kind"] != "attention":
-            how = "alloc"
+        if how == "kv" and (members[0]["kind"] != "attention" or members[0].get("stream")):
+            how = "alloc"  # K and V in two buffers: only a region holding both
         legacy = draw(st.booleans())
         layout, kv = draw(st.sampled_from(_LEGACY)) if legacy else (
             draw(st.sampled_from(LAYOUTS)), None)

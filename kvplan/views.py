@@ -41,6 +41,7 @@ from kvplan.rank_picture import (
     rank_share,
     require_extra,
 )
+from kvplan.regions import stream_label
 from kvplan.request import lane_span
 
 if TYPE_CHECKING:
@@ -86,7 +87,8 @@ def _shape(region: RegionSpec, tp_size: int) -> tuple[str, str]:
     k = region.num_kv_heads
     local = max(1, k // tp_size)  # type: ignore[operator]
     rep = f" (replicated x{tp_size // k})" if k < tp_size else ""  # type: ignore[operator]
-    return f"{k} heads x {region.head_dim}", f"{local} head{'s' * (local > 1)}{rep}"
+    alone = f" ({stream_label(region)} alone)" if region.stream else ""
+    return f"{k} heads x {region.head_dim}{alone}", f"{local} head{'s' * (local > 1)}{rep}"
 
 
 def _layout(region: RegionSpec) -> str:
@@ -201,11 +203,11 @@ def spec_frame(spec: EngineSpec):
 
 
 def _streams(region: RegionSpec) -> str:
-    """The streams column of a table: ``K+V``, ``K``, or a state slot's parts (``conv+ssm``;
-    summaries write :func:`kvplan.planner.stream_notation`, ``parts conv+ssm``)."""
+    """The streams column of a table: ``K+V``, ``K``, ``V``, or a state slot's parts
+    (``conv+ssm``; summaries write :func:`kvplan.planner.stream_notation`, ``parts conv+ssm``)."""
     if region.is_state:
         return "+".join(c.name for c in region.components)
-    return "K+V" if region.streams == 2 else "K"
+    return stream_label(region)
 
 
 def _spec_placement(spec: EngineSpec, r: RegionSpec) -> str:

@@ -82,9 +82,10 @@ STATE_KINDS = ("state",)
 
 _COMMON_DEFAULTS = {"group": 0, "pool": None, "page_bytes": None, "stage": None,
                     "allocation": None, "layout": "HND"}
-_DEFAULTS = {"window": None, "layout": "HND", "kv": "split", "kernel_block_size": None}
+_DEFAULTS = {"window": None, "layout": "HND", "kv": "split", "kernel_block_size": None,
+             "stream": None}
 _TOKEN_ONLY = ("block_size", "kv", "window", "num_kv_heads", "head_dim", "dim",
-               "kernel_block_size")
+               "kernel_block_size", "stream")
 
 #: The legacy names as axis orders (L layer slot, B block, S stream, H head, N token, D bytes).
 LEGACY_ORDERS = {("HND", "split"): "LSBHND", ("HND", "joint"): "LBSHND",
@@ -138,6 +139,8 @@ def normalize_region(region: Mapping) -> dict:
             raise ValueError(f"region {r['name']!r}: kernel_block_size does not divide block_size")
         if kind in SPLIT_KINDS and r["kv"] not in ("split", "joint"):
             raise ValueError(f"bad kv {r['kv']!r}")
+        if r["stream"] not in (None, "k", "v") or (r["stream"] and kind not in SPLIT_KINDS):
+            raise ValueError(f"region {r['name']!r}: bad stream {r['stream']!r}")
     else:
         raise ValueError(f"unknown kind {kind!r}")
     order = [a for a in axis_order(r) if a not in UNIT_AXES[kind]]
@@ -182,7 +185,9 @@ def _local_heads(region: Mapping, tp_size: int) -> int:
 
 
 def _num_streams(region: Mapping) -> int:
-    return 2 if is_split(region) else 1
+    """2 (K and V) for attention, 1 for an attention region holding one ("stream": "k" or
+    "v", e.g. K and V of different head sizes as two regions) and for the other kinds."""
+    return 2 if is_split(region) and not region.get("stream") else 1
 
 
 def _features(region: Mapping) -> int:
@@ -374,15 +379,15 @@ def element_offset(region: Mapping, tp_size: int, s, b, h, t, f, page_bytes: int
         ff = r["dim"]
         return base + ((kb * kbs + tk) * ff + f) * e
     hh = _local_heads(r, tp_size)
-    d = r["head_dim"]
+    d, ns = r["head_dim"], _num_streams(r)
     if r["kv"] == "split" and page_bytes is None:
         if r["layout"] == "NHD":
             return ((((s * nb + kb) * kbs + tk) * hh + h) * d + f) * e
         return ((((s * nb + kb) * hh + h) * kbs + tk) * d + f) * e
     if r["kv"] == "joint" and r["layout"] == "NHD":
-        return base + ((((kb * 2 + s) * kbs + tk) * hh + h) * d + f) * e
+        return base + ((((kb * ns + s) * kbs + tk) * hh + h) * d + f) * e
     if r["kv"] == "joint" and r["layout"] == "HND":
-        return base + ((((kb * 2 + s) * hh + h) * kbs + tk) * d + f) * e
+        return base + ((((kb * ns + s) * hh + h) * kbs + tk) * d + f) * e
     raise ValueError("a pooled attention region must be joint")
 
 
@@ -420,23 +425,23 @@ def token_view(
     e = ELEMENT_SIZE[r["dtype"]]
     nb, kbs, ff = r["num_blocks"], r["kernel_block_size"], _features(r)
     n = r["block_size"] // kbs
-    hh = _local_heads(r, tp_size)
+    hh, ns = _local_heads(r, tp_size), _num_streams(r)
     if is_split(r) and r["kv"] == "split":
         if page_bytes is not None:
             raise ValueError("a pooled attention region must be joint")
         if r["layout"] == "NHD":
-            v = buf.reshape(2, nb, n, kbs, hh, ff, e).transpose(0, 1, 4, 2, 3, 5, 6)
+            v = buf.reshape(ns, nb, n, kbs, hh, ff, e).transpose(0, 1, 4, 2, 3, 5, 6)
         else:
-            v = buf.reshape(2, nb, n, hh, kbs, ff, e).transpose(0, 1, 3, 2, 4, 5, 6)
+            v = buf.reshape(ns, nb, n, hh, kbs, ff, e).transpose(0, 1, 3, 2, 4, 5, 6)
         return _check_view(v, buf)
     block = rank_block_nbytes(r, tp_size)
     m = _paged(buf, page_bytes if page_bytes is not None else block, nb, block)
     if not is_split(r):
         v = m.reshape(nb, n, kbs, ff, e)[None, :, None]
     elif r["layout"] == "NHD":
-        v = m.reshape(nb, n, 2, kbs, hh, ff, e).transpose(2, 0, 4, 1, 3, 5, 6)
+        v = m.reshape(nb, n, ns, kbs, hh, ff, e).transpose(2, 0, 4, 1, 3, 5, 6)
     else:
-        v = m.reshape(nb, n, 2, hh, kbs, ff, e).transpose(2, 0, 3, 1, 4, 5, 6)
+        v = m.reshape(nb, n, ns, hh, kbs, ff, e).transpose(2, 0, 3, 1, 4, 5, 6)
     return _check_view(v, buf)
 
 

@@ -99,7 +99,8 @@ def build_pool(case: dict, tp: int, stage: int = 0, pp: int = 1):
         return memory_pool.MLATokenToKVPool(kv_lora_rank=case["head_dim"] - 4,
                                             qk_rope_head_dim=4, **common)
     return memory_pool.MHATokenToKVPool(head_num=max(1, case["heads"] // tp),
-                                        head_dim=case["head_dim"], **common)
+                                        head_dim=case["head_dim"],
+                                        v_head_dim=case.get("v_head_dim"), **common)
 
 
 def _mamba_pool(case: dict, params_cls: type, shape):
@@ -134,7 +135,8 @@ def buffer_names(pool) -> list[str]:
 
 
 def face(pool) -> dict:
-    """What kvplan's adapter reads of a pool (``SGLangKV.from_pool``), as JSON."""
+    """What kvplan's adapter reads of a pool (``SGLangKV.from_pool``,
+    ``SGLangMamba2.from_pool``), as JSON."""
     out = {"class": type(pool).__name__}
     for a in ("layer_num", "size", "page_size", "head_num", "head_dim", "v_head_dim",
               "start_layer", "kv_cache_layout", "use_hnd", "kv_lora_rank", "qk_rope_head_dim"):
@@ -142,13 +144,19 @@ def face(pool) -> dict:
             out[a] = getattr(pool, a)
     for a in ("k_buffer", "v_buffer", "kv_buffer"):
         if getattr(pool, a, None) is not None:
-            out[a] = [{"shape": list(t.shape), "dtype": str(t.dtype), "ptr": t.data_ptr()}
-                      for t in getattr(pool, a)]
+            out[a] = [_tensor_face(t) for t in getattr(pool, a)]
     out["buf_infos"] = pool.get_contiguous_buf_infos()
     if isinstance(pool, memory_pool.MambaPool):
         out["state_dim_per_tensor"] = pool.get_state_dim_per_tensor()
         out["state_conv_shard_groups"] = pool.get_state_conv_shard_groups()
+        out.update(mamba_layer_ids=pool.mamba_layer_ids, conv_slice_axis=pool.conv_slice_axis,
+                   mamba_cache={"conv": [_tensor_face(t) for t in pool.mamba_cache.conv],
+                                "temporal": _tensor_face(pool.mamba_cache.temporal)})
     return out
+
+
+def _tensor_face(t) -> dict:
+    return {"shape": list(t.shape), "dtype": str(t.dtype), "ptr": t.data_ptr()}
 
 
 class Memory:
@@ -192,7 +200,10 @@ class Memory:
 
 def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
     """A prefill rank's ``KVArgs`` as SGLang fills them from its pool (at this rank's
-    made-up addresses)."""
+    made-up addresses). Under DP attention (``p_dp`` groups, the request in group
+    ``p_group``) ``engine_rank`` is the rank's TP rank over every group, as
+    ``disaggregation/prefill.py`` sets it (``kv_args.engine_rank = self.tp_rank``); the decode
+    sets its rank within its group (``decode.py``: ``self.tp_rank % attn_tp_size``)."""
     n = len(mem.ptrs("p", rank))
     if case["kind"] == "swa":  # the SWA layers' own MHA pool, handed over as SWA state
         return SimpleNamespace(
@@ -220,7 +231,8 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
         kv_data_ptrs=mem.ptrs("p", rank), kv_data_lens=mem.sizes("p", rank),
         kv_item_lens=list(mem.item_lens["p"]), page_size=case["page"],
         total_kv_head_num=case["heads"], kv_head_num=max(1, case["heads"] // case["p"]),
-        engine_rank=rank % case["p"], kv_layer_ids=[], gpu_id=0,
+        engine_rank=case.get("p_group", 0) * case["p"] + rank % case["p"], kv_layer_ids=[],
+        gpu_id=0,
         prefill_start_layer=mem.stage_pools["p"][stage].start_layer,
         swa_kv_cache_layout="nhd", mla_compression_ratios=None, num_draft_entries=0,
         kv_data_mem_kinds=["VRAM"] * n)
@@ -485,7 +497,21 @@ def run(case: dict, backend: str) -> dict:
         if s_side != "p" or d_side not in rows:
             raise AssertionError(f"a copy from {s_side} into {d_side}")  # a driver bug
         rows[d_side].append([s_rank, s_name, s_off, d_rank, d_name, d_off, length])
-    return {"status": "ran", "rows": rows["d"], "rows2": rows.get("e"), "pools": pools}
+    return {"status": "ran", "rows": rows["d"], "rows2": rows.get("e"), "pools": pools,
+            "attention_ranks": attention_ranks(case)}
+
+
+def attention_ranks(case: dict) -> dict[str, list]:
+    """Under DP attention, SGLang's own ``compute_dp_attention_world_info`` for every TP rank
+    of each side: ``[attn_tp_rank, attn_tp_size, attn_dp_rank, attn_dp_size]``."""
+    from sglang.srt.layers.dp_attention import compute_dp_attention_world_info
+
+    out = {}
+    for side in ("p", "d"):
+        dp = case.get(f"{side}_dp", 1)
+        tp = case[side] * dp
+        out[side] = [list(compute_dp_attention_world_info(r, tp, dp)) for r in range(tp)]
+    return out
 
 
 def _break_slicing() -> None:

@@ -13,6 +13,7 @@ from kvplan import SpecError, pull_map
 from kvplan.adapters.sglang import (
     SGLangKV,
     SGLangMamba2,
+    sglang_attention_rank,
     sglang_buffers,
     spec_from_sglang,
     spec_from_sglang_hybrid,
@@ -107,8 +108,8 @@ def test_from_pool_reads_buffers_and_addresses():
     (_pool("SWAKVPool"), "sliding-window"),
     (_pool("MHATokenToKVPool", kv_cache_layout="vectorized_5d"), "vectorized_5d"),
     (_pool("MHATokenToKVPool", layer_num=1, size=16, page_size=16, head_num=1, head_dim=192,
-           v_head_dim=128, k_buffer=[_T((32, 1, 192))], v_buffer=[_T((32, 1, 128))]),
-     "V heads of 128 values beside K heads of 192"),
+           v_head_dim=128, k_buffer=[_T((32, 1, 192))], v_buffer=[_T((32, 1, 192))]),
+     "v_buffer of layer 0 has shape (32, 1, 192), the pool's sizes say (32, 1, 128)"),
     (_pool("MHATokenToKVPool", layer_num=2, size=16, page_size=16, head_num=1, head_dim=8,
            v_head_dim=8, k_buffer=[_T((32, 1, 8))] * 3, v_buffer=[_T((32, 1, 8))] * 3),
      "3 k_buffer tensors for layer_num 2"),
@@ -119,6 +120,43 @@ def test_from_pool_reads_buffers_and_addresses():
 def test_refusals_name_the_pool(obj, words):
     with pytest.raises(SpecError, match=words.replace("(", r"\(").replace(")", r"\)")):
         SGLangKV.from_pool(obj)
+
+
+def mimo(tp, heads, page_size, k_dim=12, v_dim=8):
+    """An SGLang engine whose V heads are narrower than its K heads (MiMo-V2: 192 / 128)."""
+    rows = 6 * page_size
+    pool = _pool("MHATokenToKVPool", layer_num=2, size=rows - page_size, page_size=page_size,
+                 head_num=max(1, heads // tp), head_dim=k_dim, v_head_dim=v_dim,
+                 start_layer=0, kv_cache_layout=None,
+                 k_buffer=[_T((rows, max(1, heads // tp), k_dim), ptr=100 + i)
+                           for i in range(2)],
+                 v_buffer=[_T((rows, max(1, heads // tp), v_dim), ptr=200 + i)
+                           for i in range(2)])
+    return pool, spec_from_sglang(SGLangKV.from_pool(pool), attn_tp_size=tp,
+                                  total_kv_heads=heads)
+
+
+def test_v_heads_narrower_than_k_heads_are_two_streams_of_their_own_sizes():
+    pool, spec = mimo(2, 4, 16)
+    assert [(r.name, r.stream, r.head_dim) for r in spec.regions[:2]] == [
+        ("layers.0.k", "k", 12), ("layers.0.v", "v", 8)]
+    # the buffers are SGLang's entries: K pages of 2 heads x 12, V pages of 2 heads x 8
+    assert sglang_buffers(pool, spec) == {
+        "layers.0.k": (100, 96 * 2 * 12 * 2), "layers.1.k": (101, 96 * 2 * 12 * 2),
+        "layers.0.v": (200, 96 * 2 * 8 * 2), "layers.1.v": (201, 96 * 2 * 8 * 2)}
+    kv = SGLangKV.from_pool(pool)
+    assert (kv.item_len, kv.v_item_len) == (16 * 2 * 12 * 2, 16 * 2 * 8 * 2)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 8])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_v_heads_narrower_than_k_heads_every_tp_pair_is_exact(heads, page_size):
+    for p, d in itertools.product(TPS, TPS):
+        if (heads % p and p % heads) or (heads % d and d % heads):
+            continue
+        src, dst = mimo(p, heads, page_size)[1], mimo(d, heads, page_size)[1]
+        got = judge(src, dst, SRC_PAGES, DST_PAGES, kvplan_rows(src, dst, SRC_PAGES, DST_PAGES))
+        assert got["verdict"] == "exact" and got["writes"] == 1, (p, d, got)
 
 
 def test_head_counts_that_do_not_fit_are_refused():
@@ -223,3 +261,82 @@ def test_hybrid_attention_and_state_in_one_spec_every_tp_pair():
         got = judge(src, dst, src_blocks, dst_blocks,
                     kvplan_rows(src, dst, src_blocks, dst_blocks))
         assert got["verdict"] == "exact" and got["writes"] == 1, (p, d, got)
+
+
+def mamba_pool(tp, *, kind="mamba2", groups=1, heads=8, head_dim=4, state=4, kernel=4,
+               layers=(2, 3), slots=6, extra_entries=0):
+    """A rank's MambaPool as SGLang builds it (configs/nemotron_h.py, qwen3_next.py and
+    kimi_linear.py): conv [layers, slots, channels, taps] (KDA: [.., taps, channels]) in
+    bfloat16, temporal [layers, slots, heads / tp, head_dim, state] in float32, and what it
+    tells its connections: every layer's conv entry, then every layer's temporal entry."""
+    padded = groups if groups % tp == 0 else tp
+    if kind == "kda":
+        dim = 3 * heads * head_dim // tp
+        conv, state = (len(layers), slots, kernel - 1, dim), head_dim
+    else:
+        dim = (heads * head_dim + 2 * padded * state) // tp
+        conv = (len(layers), slots, dim, kernel - 1)
+    temporal = (len(layers), slots, heads // tp, head_dim, state)
+    conv_item, ssm_item = dim * (kernel - 1) * 2, heads // tp * head_dim * state * 4
+    items = [conv_item] * len(layers) + [ssm_item] * len(layers) + [8] * extra_entries
+    ptrs = [1000 * (i + 1) for i in range(len(items))]
+    shard = [groups * state, groups * state, heads * head_dim] if kind == "gdn" else None
+    info = (ptrs, [slots * n for n in items], items)
+    methods = {"get_contiguous_buf_infos": lambda self: info,
+               "get_state_conv_shard_groups": lambda self: [shard] * len(layers)
+               + [None] * len(layers)}
+    return type("MambaPool", (SimpleNamespace,), methods)(
+        mamba_layer_ids=list(layers), size=slots - 1, conv_slice_axis=1 if kind == "kda" else 0,
+        mamba_cache=SimpleNamespace(conv=[_T(conv)],
+                                    temporal=_T(temporal, dtype="torch.float32")))
+
+
+@pytest.mark.parametrize("kind, groups", [("mamba2", 1), ("mamba2", 8), ("gdn", 2),
+                                          ("kda", 1)])
+def test_mamba_pool_read_from_the_pool_is_the_models_numbers(kind, groups):
+    for tp in TPS:
+        pool = mamba_pool(tp, kind=kind, groups=groups)
+        got = SGLangMamba2.from_pool(pool, attn_tp_size=tp,
+                                     n_groups=groups if kind == "mamba2" else None)
+        assert got == SGLangMamba2(layers=(2, 3), slots=6, num_heads=8, head_dim=4,
+                                   state_size=4, n_groups=groups, conv_kernel=4,
+                                   conv_dtype="bfloat16", ssm_dtype="float32", kind=kind)
+        spec = spec_from_sglang_mamba2(got, attn_tp_size=tp)
+        bufs = sglang_buffers(pool, spec)
+        assert bufs["layers.2.conv"][0] == 1000 and bufs["layers.3.ssm"][0] == 4000
+        info = pool.get_contiguous_buf_infos()
+        assert [bufs[b] for b in spec.buffers] == list(zip(info[0], info[1]))
+
+
+def test_mamba_pools_sglang_cannot_describe_are_refused_by_name():
+    with pytest.raises(SpecError, match="pass n_groups from the model config"):
+        SGLangMamba2.from_pool(mamba_pool(2), attn_tp_size=2)
+    with pytest.raises(SpecError, match="6 state entries for 2 layers"):
+        SGLangMamba2.from_pool(mamba_pool(2, extra_entries=2), attn_tp_size=2, n_groups=1)
+    with pytest.raises(SpecError, match="24 conv channels"):  # 8 groups would give 48
+        SGLangMamba2.from_pool(mamba_pool(2), attn_tp_size=2, n_groups=8)
+    with pytest.raises(SpecError, match="with 4 key heads"):
+        SGLangMamba2.from_pool(mamba_pool(1, kind="gdn", groups=2), attn_tp_size=1,
+                               n_groups=4)
+    with pytest.raises(SpecError, match="not SGLang's MambaPool"):
+        SGLangMamba2.from_pool(_pool("HybridLinearKVPool"), attn_tp_size=1)
+
+
+def test_dp_attention_ranks_and_a_plan_between_two_groups():
+    # prefill TP 8 with 4 attention-DP groups of 2, decode TP 8 with 2 groups of 4
+    p = [sglang_attention_rank(r, tp_size=8, dp_size=4) for r in range(8)]
+    assert [(x.attn_dp_rank, x.attn_tp_rank) for x in p] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert {x.attn_tp_size for x in p} == {2}
+    d = sglang_attention_rank(6, tp_size=8, dp_size=2)
+    assert (d.attn_dp_rank, d.attn_tp_rank, d.attn_tp_size) == (1, 2, 4)
+    # a request in prefill group 3 and decode group 1: one spec per group, at its size
+    src, dst = mha(p[7].attn_tp_size, 8, 16), mha(d.attn_tp_size, 8, 16)
+    plan = pull_map(src, dst, d.attn_tp_rank).plan(SRC_PAGES, DST_PAGES)
+    assert plan.map.peers == (1,)  # decode rank 2 of 4 reads heads 4:6, held by rank 1 of 2
+    rows = kvplan_rows(src, dst, SRC_PAGES, DST_PAGES)
+    assert judge(src, dst, SRC_PAGES, DST_PAGES, rows)["verdict"] == "exact"
+    with pytest.raises(SpecError, match="dp_size 3 does not divide tp_size 8"):
+        sglang_attention_rank(0, tp_size=8, dp_size=3)
+    with pytest.raises(SpecError, match=r"tp_rank must be an int in \[0, 8\)"):
+        sglang_attention_rank(8, tp_size=8, dp_size=2)

@@ -33,6 +33,7 @@ from kvplan import SpecError  # noqa: E402
 from kvplan.adapters.sglang import (  # noqa: E402
     SGLangKV,
     SGLangMamba2,
+    sglang_attention_rank,
     sglang_buffers,
     spec_from_sglang,
     spec_from_sglang_mamba2,
@@ -70,6 +71,12 @@ def cases() -> list[dict]:
             out.append({"id": f"mha K{heads} P{p} D{d}+D{d2} page16", "kind": "mha",
                         "heads": heads, "p": p, "d": d, "d2": d2, "page": 16,
                         "head_dim": 8})
+    # MiMo-V2 style pools: V heads narrower than K heads (192 / 128 scaled down to 12 / 8)
+    for page, (p, d), heads in itertools.product((1, 16), itertools.product(TPS, TPS),
+                                                 (2, 4, 8)):
+        out.append({"id": f"mimo K{heads} P{p} D{d} page{page}", "kind": "mha",
+                    "heads": heads, "p": p, "d": d, "page": page, "head_dim": 12,
+                    "v_head_dim": 8})
     # Mamba2 state (Nemotron-H's shapes, scaled down): 8 heads of 4, state 4, conv kernel 4,
     # B/C groups 1 (replicated at TP > 1) or 8
     for groups, (p, d) in itertools.product((1, 8), itertools.product(TPS, TPS)):
@@ -96,6 +103,17 @@ def cases() -> list[dict]:
         out.append({"id": f"{kind}{' K8' if kind == 'mha' else ''} P{p} PP2 D{d} PP{d_pp} "
                           "page16", "kind": kind, "heads": heads, "p": p, "p_pp": 2, "d": d,
                     "d_pp": d_pp, "page": 16, "head_dim": head_dim, "layers": 4})
+    # DP attention: TP ranks in dp groups of tp / dp, the request in the prefill's last group
+    # (the decode's ranks know only their rank in their group); a case's "p" / "d" are the
+    # attention-TP sizes, as before
+    for kind, (p_tp, p_dp), (d_tp, d_dp) in itertools.product(
+            ("mha", "mla"), ((8, 8), (8, 2), (4, 2)), ((8, 4), (4, 1), (2, 2))):
+        heads, head_dim = (8, 8) if kind == "mha" else (1, 12)
+        out.append({"id": f"{kind}{' K8' if kind == 'mha' else ''} P{p_tp} dp{p_dp} "
+                          f"D{d_tp} dp{d_dp} page16", "kind": kind, "heads": heads,
+                    "p": p_tp // p_dp, "p_dp": p_dp, "p_group": p_dp - 1,
+                    "d": d_tp // d_dp, "d_dp": d_dp, "page": 16,
+                    "head_dim": head_dim})
     # sliding-window layers: their own MHA pool (2, 4 or 8 KV heads) handed over as SWA state
     # beside full attention of 8 KV heads, page 16
     for swa, (p, d) in itertools.product((2, 4, 8), itertools.product(TPS, TPS)):
@@ -103,6 +121,12 @@ def cases() -> list[dict]:
             out.append({"id": f"swa K{swa} full K8 P{p} D{d} page16", "kind": "swa",
                         "heads": swa, "full_heads": 8, "p": p, "d": d, "page": 16,
                         "head_dim": 8})
+    # MiMo-V2 style sliding-window layers (V heads narrower than K heads, 12 / 8) beside full
+    # attention of 8 KV heads
+    for swa, (p, d) in itertools.product((4, 8), itertools.product(TPS, TPS)):
+        out.append({"id": f"swa mimo K{swa} full K8 P{p} D{d} page16", "kind": "swa",
+                    "heads": swa, "full_heads": 8, "p": p, "d": d, "page": 16,
+                    "head_dim": 12, "v_head_dim": 8})
     for c in out:
         c.setdefault("layers", 2)
         c.update(pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES, src_slots=SRC_SLOTS,
@@ -122,36 +146,43 @@ class _Tensor:
 
 def pool_object(face: dict):
     """An object that reads like the SGLang pool the driver built (class name, attributes,
-    buffers), for :meth:`SGLangKV.from_pool`."""
+    buffers, what it tells its connections), for :meth:`SGLangKV.from_pool` and
+    :meth:`SGLangMamba2.from_pool`."""
     attrs = {k: v for k, v in face.items() if k not in ("class", "buf_infos")}
     for k in ("k_buffer", "v_buffer", "kv_buffer"):
         if k in attrs:
             attrs[k] = [_Tensor(t) for t in attrs[k]]
-    return type(face["class"], (SimpleNamespace,), {})(**attrs)
+    if "mamba_cache" in attrs:
+        cache = attrs["mamba_cache"]
+        attrs["mamba_cache"] = SimpleNamespace(conv=[_Tensor(t) for t in cache["conv"]],
+                                               temporal=_Tensor(cache["temporal"]))
+    said = {"get_contiguous_buf_infos": face["buf_infos"],
+            "get_state_conv_shard_groups": face.get("state_conv_shard_groups")}
+    methods = {k: (lambda self, v=v: v) for k, v in said.items()}
+    return type(face["class"], (SimpleNamespace,), methods)(**attrs)
 
 
 def spec(case: dict, tp: int, face: dict):
-    """kvplan's spec of one side, read by the adapter from SGLang's own pool of that side;
-    the buffers it names are checked against SGLang's ``get_contiguous_buf_infos``. Mamba2:
-    from the model's numbers, each state tensor's slot and buffer sizes checked against
-    SGLang's ``MambaPool``."""
-    if case["kind"] in STATE:
-        m = case["mamba"]
-        values = SGLangMamba2(layers=tuple(range(case["layers"])), slots=case["pages"],
-                              num_heads=m["heads"], head_dim=m["head_dim"],
-                              state_size=m["state_size"], n_groups=m["n_groups"],
-                              conv_kernel=m["conv_kernel"], conv_dtype="bfloat16",
-                              ssm_dtype="float32", kind=case["kind"])
-        out = spec_from_sglang_mamba2(values, attn_tp_size=tp)
-        _, lens, items = face["buf_infos"]
-        assert [out.rank_buffer_nbytes(b) for b in out.buffers] == lens, (case["id"], lens)
-        assert [n // case["pages"] for n in lens] == items, (case["id"], items)
-        return out
+    """kvplan's spec of one side, read by the adapter from SGLang's own pool of that side
+    (``SGLangKV.from_pool``; Mamba2, GDN and KDA state: ``SGLangMamba2.from_pool``, checked
+    against the model's numbers); the buffers it names are checked against SGLang's
+    ``get_contiguous_buf_infos``."""
     faces = face if isinstance(face, list) else [face]  # one per PP stage
     pools = [pool_object(f) for f in faces]
-    kvs = [SGLangKV.from_pool(p) for p in pools]
-    out = spec_from_sglang(kvs if len(kvs) > 1 else kvs[0], attn_tp_size=tp,
-                           total_kv_heads=case["heads"])
+    if case["kind"] in STATE:
+        m = case["mamba"]
+        values = SGLangMamba2.from_pool(pools[0], attn_tp_size=tp, n_groups=m["n_groups"])
+        assert values == SGLangMamba2(
+            layers=tuple(range(case["layers"])), slots=case["pages"], num_heads=m["heads"],
+            head_dim=m["head_dim"], state_size=m["state_size"],
+            n_groups=1 if case["kind"] == "kda" else m["n_groups"],
+            conv_kernel=m["conv_kernel"], conv_dtype="bfloat16", ssm_dtype="float32",
+            kind=case["kind"]), (case["id"], values)
+        out = spec_from_sglang_mamba2(values, attn_tp_size=tp)
+    else:
+        kvs = [SGLangKV.from_pool(p) for p in pools]
+        out = spec_from_sglang(kvs if len(kvs) > 1 else kvs[0], attn_tp_size=tp,
+                               total_kv_heads=case["heads"])
     for f, pool in zip(faces, pools):
         ptrs, lens, _ = f["buf_infos"]
         got = sglang_buffers(pool, out)
@@ -253,8 +284,31 @@ def documented() -> str:
 
 
 @pytest.fixture(scope="module")
-def parity(sglang_python):
-    return judged(run_sglang(sglang_python))
+def results(sglang_python):
+    return run_sglang(sglang_python)
+
+
+@pytest.fixture(scope="module")
+def parity(results):
+    return judged(results)
+
+
+def test_dp_attention_ranks_are_sglangs(results):
+    """Under DP attention the adapter places every TP rank in its group and at its rank there
+    as SGLang's own ``compute_dp_attention_world_info`` does (reported by the driver)."""
+    seen = 0
+    for c in cases():
+        got = results[(c["id"], "mooncake")].get("attention_ranks")
+        if got is None or "p_dp" not in c:
+            continue
+        for side in ("p", "d"):
+            dp = c[f"{side}_dp"]
+            for r, (tp_rank, tp_size, dp_rank, _) in enumerate(got[side]):
+                mine = sglang_attention_rank(r, tp_size=c[side] * dp, dp_size=dp)
+                assert (mine.attn_tp_rank, mine.attn_tp_size, mine.attn_dp_rank) == (
+                    tp_rank, tp_size, dp_rank), (c["id"], side, r)
+                seen += 1
+    assert seen >= 100
 
 
 def test_kvplan_is_exact_everywhere_and_writes_each_byte_once(parity):

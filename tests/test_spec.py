@@ -112,3 +112,44 @@ def test_rank_buffer_nbytes_takes_a_buffer_name_or_its_index():
         with pytest.raises(SpecError, match=r"'layers\.0\.attn', 'layers\.1\.attn'") as info:
             spec.rank_buffer_nbytes(bad)
         assert "(80 in all)" in str(info.value) and len(str(info.value)) < 300
+
+
+def _one_stream(name, stream, head_dim, **extra):
+    return {"name": name, "kind": "attention", "num_blocks": 6, "block_size": 4,
+            "dtype": "bfloat16", "num_kv_heads": 4, "head_dim": head_dim,
+            "layout": "LBNHD", "stream": stream, **extra}
+
+
+def test_an_attention_region_may_hold_k_or_v_alone():
+    # K heads of 12 values and V heads of 8 (MiMo-V2's 192 / 128): two one-stream regions
+    spec = EngineSpec.from_dict({"tp_size": 2, "regions": [
+        _one_stream("l0.k", "k", 12), _one_stream("l0.v", "v", 8)]})
+    k, v = spec.regions
+    assert (k.streams, v.streams) == (1, 1)
+    assert EngineSpec.from_dict(spec.to_dict()) == spec and spec.to_dict()["regions"][1][
+        "stream"] == "v"
+    # a rank's buffer: 6 blocks x 4 tokens x 2 local heads x head size x 2 bytes, one stream
+    assert [spec.rank_buffer_nbytes(b) for b in spec.buffers] == [6 * 4 * 2 * 12 * 2,
+                                                                  6 * 4 * 2 * 8 * 2]
+    assert "stream" not in EngineSpec.from_dict(ISSUE_EXAMPLE).to_dict()["regions"][0]
+
+
+@pytest.mark.parametrize("region, words", [
+    (_one_stream("a", "kv", 8), "stream 'kv' is not one of 'k', 'v'"),
+    (_one_stream("a", "k", 8, allocation=["x", "y"]), "holds one stream ('k')"),
+    ({**_one_stream("a", "k", 8), "stream": None}, "has no S axis"),
+    ({"name": "a", "kind": "mla", "num_blocks": 4, "block_size": 4, "dtype": "bfloat16",
+      "dim": 8, "stream": "k"}, "unknown field"),
+])
+def test_a_stream_that_cannot_be_is_refused(region, words):
+    with pytest.raises(SpecError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        RegionSpec.from_dict(region)
+
+
+def test_k_alone_does_not_pair_with_v_alone():
+    from kvplan import IncompatibleLayoutError, pull_map
+
+    a = EngineSpec.from_dict({"tp_size": 1, "regions": [_one_stream("l0", "k", 8)]})
+    b = EngineSpec.from_dict({"tp_size": 1, "regions": [_one_stream("l0", "v", 8)]})
+    with pytest.raises(IncompatibleLayoutError, match=r"stream \(K or V alone\) differs"):
+        pull_map(a, b, 0)

@@ -13,6 +13,11 @@ mode is per request):
   NixlConnector decodes garbage for), prompts under one 128-token block (vLLM 0.32's CPU Mamba2
   scan crashes on longer ones with prefix caching on).
 
+vLLM's own router, vllm-router (tests/router_env.py), runs in front of the dense set too, with
+a second prefill beside the first: requests spread over both, a decode leg that fails (the
+prefill's hold then freed by its lease: the router sends no RELEASE), a prefill killed while
+requests come (docs/vllm.md, "In front: vllm-router, or the project's proxy").
+
 Each answer through the proxy must equal the plain run (the same body straight to the prefill),
 no transfer may have failed (equal tokens alone would follow a recompute), and the veth's
 receive counter on the decode's host must have grown by at least the bytes the connector
@@ -22,20 +27,22 @@ tokens while the link carries a fraction of those bytes, so the counter check ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from examples import pd_serve
-from tests import netns, vllm_engine
-from tests.vllm_pool import ENGINE_GIB, prompt
+from tests import netns, router_env, vllm_engine
+from tests.vllm_pool import ENGINE_GIB, cache_root, prompt
 
 REPO = Path(__file__).resolve().parent.parent
 WHY = netns.unavailable()
@@ -47,6 +54,8 @@ TOKENS = 8
 #: what a decode rank logs per pull posted / push received, and per failure
 MOVED = re.compile(r"kvplan: (?:pull req=\S+ remote=.* bytes=(\d+)|push req=\S+ rank=\d+ "
                    r"written by prefill rank\S* \S+: bytes=(\d+))")
+#: a decode rank's pull line: the prefill's id of the request it read
+PULLED_FROM = re.compile(r"kvplan: pull req=\S+ remote=(\S+) ")
 FAILED = re.compile(r"kvplan: pu(ll|sh) req=\S+ from \S+ failed")
 HOOKED = re.compile(r"done layer-wise in \S+ s \(\d+ parts, (\d+) from layer hooks\)")
 WHOLE = re.compile(r"no registration before its forward|decode not connected")
@@ -72,7 +81,7 @@ class Serving:
 
     def __init__(self, hosts: netns.TwoHosts, py: Path, workdir: Path, model: Path, *,
                  decode_tp: int, name: str) -> None:
-        self.hosts, self.name = hosts, name
+        self.hosts, self.name, self.workdir = hosts, name, workdir
         a, b = netns.ADDRS["a"], netns.ADDRS["b"]
         # cores: the prefill pinned to core 0; a TP 2 decode unpinned (pinned beside another
         # engine its workers starve it: docs/vllm.md), a TP 1 decode on core 1; the engine
@@ -92,7 +101,7 @@ class Serving:
                 **env, "HF_HUB_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN",
                 # each engine its own compile and vLLM caches (docs/vllm.md, install notes)
                 "TORCHINDUCTOR_CACHE_DIR": str(workdir / f"inductor-{name}-{role}"),
-                "VLLM_CACHE_ROOT": str(workdir / f"vllm-cache-{name}-{role}")}, workdir)
+                "VLLM_CACHE_ROOT": str(cache_root(workdir, f"{name}-{role}"))}, workdir)
         for mode, port in MODES.items():
             self._spawn(f"proxy-{mode}", "a", pd_serve.proxy_command(self.s, mode, port),
                         pd_serve.proxy_env(self.s), workdir)
@@ -187,9 +196,14 @@ class Serving:
     def via_proxy(self, mode: str, ids: list[int], what: str) -> dict:
         """The plain run of ``ids``, then the same body through ``mode``'s proxy: equal tokens,
         no failed transfer, and at least the moved bytes on the link. Returns the numbers."""
+        return self.via(self.url(MODES[mode]), ids, what)
+
+    def via(self, url: str, ids: list[int], what: str) -> dict:
+        """:meth:`via_proxy` through the front at ``url`` (a proxy's or a router's). Also
+        returns the prefill's request ids the decode pulled (``remote``: its pull lines')."""
         plain = self.complete(self.url(self.s.http_ports[0]), ids, f"{what} plain run")
         since, rx = len(self.lines("decode")), self.rx()
-        got = self.complete(self.url(MODES[mode]), ids, what)
+        got = self.complete(url, ids, what)
         assert got == plain, f"{what}: tokens {got} != plain run {plain}{self.tails()}"
         # a push decode logs its write once its PUSHED came, which may trail the answer
         deadline = time.monotonic() + 10
@@ -200,14 +214,16 @@ class Serving:
         assert not failed, f"{what}: {failed}{self.tails()}"
         assert n > 0, f"{what}: the decode logged no bytes moved{self.tails()}"
         assert crossed >= n, f"{what}: {crossed} bytes crossed the veth < {n} moved"
-        return {"moved": n, "crossed": crossed}
+        remote = sorted({m.group(1) for x in self.lines("decode")[since:]
+                         if (m := PULLED_FROM.search(x))})
+        return {"moved": n, "crossed": crossed, "remote": remote}
 
-    def kv_usage(self, role: str = "prefill") -> float:
+    def kv_usage(self, role: str = "prefill", **at: tuple[str, int]) -> float:
         """``vllm:kv_cache_usage_perc`` of ``role``'s engine (its ``/metrics``, from its host):
         the fraction of its KV blocks in use (held ones included; prefix-cached free ones
-        not)."""
-        host, port = ("a", self.s.http_ports[0]) if role == "prefill" else \
-            ("b", self.s.http_ports[1])
+        not). Another engine's role: ``kv_usage(role, **{role: (host, port)})``."""
+        host, port = {"prefill": ("a", self.s.http_ports[0]),
+                      "decode": ("b", self.s.http_ports[1])}.get(role) or at[role]
         r = self.http(host, f"http://127.0.0.1:{port}/metrics", None, timeout=10)
         assert r["status"] == 200, f"{role} /metrics: HTTP {r['status']}: {r['body'][:200]}"
         m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", r["body"], re.M)
@@ -225,6 +241,42 @@ class Serving:
         while _group_alive(p.pid):
             assert time.monotonic() < end, f"{self.name} {role}: alive 30 s after SIGKILL"
             time.sleep(0.1)
+
+    def drop(self, role: str) -> None:
+        """SIGKILL the session of ``role``, a process a test added to the set, wait until none
+        of it runs, and forget it: unlike :meth:`kill` the set stays alive."""
+        p = self.procs.pop(role)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=30)
+        end = time.monotonic() + 30
+        while _group_alive(p.pid):
+            assert time.monotonic() < end, f"{self.name} {role}: alive 30 s after SIGKILL"
+            time.sleep(0.1)
+
+    def wait_health(self, role: str, host: str, port: int) -> None:
+        """Until ``/health`` at ``port`` on ``host`` answers 200 (``role``: the process that
+        serves it, which must not exit meanwhile)."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while (r := self.http(host, f"http://{netns.ADDRS[host]}:{port}/health", None,
+                              timeout=5))["status"] != 200:
+            assert self.procs[role].poll() is None and time.monotonic() < deadline, (
+                f"{self.name} {role} not ready ({r['body'][:200]}){self.tails()}")
+            time.sleep(1)
+
+    def released_by(self, rid: str, roles: tuple[str, ...], since: dict[str, int]) -> str:
+        """Which of the prefills ``roles`` logged its hold of request ``rid`` released (its
+        decode's CONFIRM), past their lines ``since``; within 10 s (the log may trail)."""
+        line = f"kvplan: prefill req={rid} released"
+        deadline = time.monotonic() + 10
+        while not (who := [r for r in roles if any(line in x for x in
+                                                   self.lines(r)[since[r]:])]):
+            assert time.monotonic() < deadline, f"no prefill released req={rid}{self.tails()}"
+            time.sleep(0.2)
+        assert len(who) == 1, (rid, who)
+        return who[0]
 
     def stop(self) -> None:
         """SIGTERM every process's session (vLLM shuts its workers down), SIGKILL what is
@@ -360,6 +412,209 @@ def test_layerwise_requests_are_written_from_the_layer_hooks(sets):
     whole = [x for x in s.lines("prefill")[since:] if WHOLE.search(x)]
     print(f"layer-wise: {sum(h > 0 for h in hooked)} of {n} written from layer hooks")
     assert not whole and len(hooked) == n and min(hooked) >= 1, (hooked, whole)
+
+
+#: vllm-router (tests/router_env.py) in front of the llama set, on host A: ``router`` over
+#: both prefills and the set's decode; ``router-deadleg`` over the second prefill and a decode
+#: killed before its leg. The second prefill (host A, core 0 beside the first) has its own
+#: engine id and ports, and the lease docs/vllm.md recommends behind the router (which sends
+#: no RELEASE): ``lease_s`` 30.
+ROUTER_PORT, DEADLEG_PORT, FAKE_DECODE_PORT = 8010, 8011, 8299
+SECOND = {"engine_id": "prefill-1", "http": 8101, "side": 5710}
+ROUTER_LEASE_S = 30.0
+#: the router's health checks (default: every 60 s, 3 failures): how soon it stops routing to
+#: a dead prefill (docs/vllm.md)
+ROUTER_HEALTH = ["--health-check-interval-secs", "2", "--health-failure-threshold", "2"]
+
+#: a decode's stand-in for ``router-deadleg``: answers the router's start-up GETs (``/health``,
+#: ``/metrics``), then is killed, so that the router's decode leg finds nothing listening
+FAKE_DECODE = r"""
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *a):
+        pass
+ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), H).serve_forever()
+"""
+
+
+def second_prefill(s: Serving) -> tuple[dict, list[str]]:
+    """(environment, argv) of a second prefill beside the set's, built by pd_serve as the
+    first is, with its own HTTP and side channel ports, engine id and ``lease_s``."""
+    setup = dataclasses.replace(
+        s.s, http_ports=(SECOND["http"], *s.s.http_ports[1:]),
+        side_ports=(SECOND["side"], s.s.side_ports[1]),
+        extra_config={**s.s.extra_config, "lease_s": ROUTER_LEASE_S})
+    env, argv = pd_serve.engine_command(setup, "prefill")
+    assert argv[-2] == "--kv-transfer-config", argv
+    argv[-1] = json.dumps({**json.loads(argv[-1]), "engine_id": SECOND["engine_id"]})
+    return {**env, "HF_HUB_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN",
+            "TORCHINDUCTOR_CACHE_DIR": str(s.workdir / f"inductor-{s.name}-prefill-1"),
+            "VLLM_CACHE_ROOT": str(cache_root(s.workdir, f"{s.name}-prefill-1"))}, argv
+
+
+def router_command(binary: Path, prefills: list[str], decodes: list[str], port: int,
+                   extra: list[str]) -> list[str]:
+    """vllm-router's P/D line (docs/vllm.md), round robin so that requests alternate."""
+    argv = [str(binary), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+            "--policy", "round_robin"]
+    for u in prefills:
+        argv += ["--prefill", u]
+    for u in decodes:
+        argv += ["--decode", u]
+    return [*argv, "--host", netns.ADDRS["a"], "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 21000), *extra]
+
+
+@pytest.mark.engines("http")
+def test_dense_behind_vllm_router_two_prefills_a_dead_decode_leg_and_a_killed_prefill(sets,
+                                                                                        pool):
+    """vllm-router 0.1.17 in front of the llama set and a second prefill (one engine start
+    more), pull mode, on the two hosts:
+
+    - requests through the router alternate over both prefills (round robin), each answer
+      equal to the plain run, its KV pulled (bytes logged moved and crossing the veth, no
+      failed transfer), and the prefill that served it is the one whose hold its decode's
+      CONFIRM ended;
+    - a decode leg that fails (``router-deadleg``'s decode killed after the router started):
+      the router answers 500 naming the decode and sends no RELEASE, so the prefill keeps the
+      request's blocks until its lease (30 s, docs/vllm.md's advice behind the router) runs
+      out, logged ``lease of 30 s ran out`` (not ``released``) no sooner than the lease and
+      within 15 s after it; its KV usage then back to idle. Measured from the router's answer;
+    - the second prefill SIGKILLed while requests keep coming: every 200 equal to the plain
+      run, every other answer a 500 naming that prefill (vllm-router's P/D mode does not
+      retry: docs/vllm.md), and once its health checks marked it down every request goes to
+      the first prefill and pulls its KV.
+
+    The set stays alive (the second prefill, the routers and the stand-in are this test's)."""
+    try:
+        binary = router_env.ensure()
+    except router_env.EnvUnavailable as e:
+        print(f"skipped: vllm-router unavailable: {e}")
+        pytest.skip(f"vllm-router unavailable: {e}")
+    s = sets("llama")
+    t0 = time.monotonic()  # the set's own start (if this test is its first) not counted
+    a, b = netns.ADDRS["a"], netns.ADDRS["b"]
+    p0, p1 = f"http://{a}:{s.s.http_ports[0]}", f"http://{a}:{SECOND['http']}"
+    decode, fake = f"http://{b}:{s.s.http_ports[1]}", f"http://{b}:{FAKE_DECODE_PORT}"
+    router, deadleg = (f"http://{a}:{p}/v1/completions" for p in (ROUTER_PORT, DEADLEG_PORT))
+    prefills = ("prefill", "prefill-1")
+    pool.make_room(ENGINE_GIB[1])
+    try:
+        env, argv = second_prefill(s)
+        s._spawn("prefill-1", "a", argv, env, s.workdir)
+        s._spawn("fake-decode", "b", [sys.executable, "-c", FAKE_DECODE, b,
+                                      str(FAKE_DECODE_PORT)], {}, s.workdir)
+        s.wait_health("prefill-1", "a", SECOND["http"])
+        started = time.monotonic() - t0
+        s.wait_health("fake-decode", "b", FAKE_DECODE_PORT)
+        s._spawn("router", "a", router_command(binary, [p0, p1], [decode], ROUTER_PORT,
+                                               ROUTER_HEALTH), {}, s.workdir)
+        s._spawn("router-deadleg", "a", router_command(binary, [p1], [fake], DEADLEG_PORT, []),
+                 {}, s.workdir)
+        s.wait_health("router", "a", ROUTER_PORT)
+        s.wait_health("router-deadleg", "a", DEADLEG_PORT)
+
+        # the decode leg fails: the stand-in killed (its router checks health every 60 s)
+        s.drop("fake-decode")
+        idle1 = s.kv_usage("prefill-1", **{"prefill-1": ("a", SECOND["http"])})
+        since1 = len(s.lines("prefill-1"))
+        r = s.http("a", deadleg, pd_serve.request_body(s.s, prompt(9100, N), TOKENS))
+        failed_at = time.monotonic()
+        assert r["status"] == 500 and f"Decode request failed to {fake}/v1/completions" in \
+            r["body"], f"dead decode leg: HTTP {r['status']}: {r['body'][:300]}{s.tails()}"
+        held = s.kv_usage("prefill-1", **{"prefill-1": ("a", SECOND["http"])})
+        assert held > idle1, f"prefill-1 holds nothing after the failed leg: {held} <= {idle1}"
+
+        # while its lease runs: requests spread over both prefills, each KV pulled
+        served = {p: 0 for p in prefills}
+        for i in range(4):
+            since = {p: len(s.lines(p)) for p in prefills}
+            got = s.via(router, prompt(9200 + i, N), f"router request {i}")
+            assert len(got["remote"]) == 1, got
+            served[s.released_by(got["remote"][0], prefills, since)] += 1
+        print(f"vllm-router: 4 requests, served by {served}, each pulled")
+        assert all(served.values()), f"round robin left a prefill idle: {served}"
+
+        # the failed leg's hold: freed by the lease, not by a RELEASE
+        lease = re.compile(r"kvplan: prefill req=(\S+) (lease of \S+ s ran out|released)")
+        while not (ended := [m.groups() for x in s.lines("prefill-1")[since1:]
+                             if (m := lease.search(x)) and m.group(2).startswith("lease")]):
+            assert time.monotonic() < failed_at + ROUTER_LEASE_S + 15, (
+                f"prefill-1 kept the dead leg's hold {ROUTER_LEASE_S + 15} s{s.tails()}")
+            time.sleep(0.2)
+        freed = time.monotonic() - failed_at
+        assert len(ended) == 1 and ended[0][1] == f"lease of {ROUTER_LEASE_S:g} s ran out", ended
+        assert freed >= ROUTER_LEASE_S - 2, f"hold ended {freed:.1f} s after the failed leg"
+        released = [x for x in s.lines("prefill-1")[since1:]
+                    if f"req={ended[0][0]} released" in x]
+        assert not released, released
+        while (usage := s.kv_usage("prefill-1", **{"prefill-1": ("a", SECOND["http"])})) \
+                > idle1:
+            assert time.monotonic() < failed_at + ROUTER_LEASE_S + 25, (usage, idle1)
+            time.sleep(0.5)
+        print(f"dead decode leg: 500 from the router; prefill-1 req={ended[0][0]} held until "
+              f"its lease ran out, seen {freed:.1f} s after the answer (lease_s "
+              f"{ROUTER_LEASE_S:g}); KV usage {held} while held, back to {usage} (idle "
+              f"{idle1})")
+
+        # the second prefill killed while requests keep coming
+        k = 8
+        plain = [s.complete(s.url(s.s.http_ports[0]), prompt(9300 + i, N), f"plain run {i}")
+                 for i in range(k)]
+        answers: list[tuple[int, dict]] = []
+
+        def client() -> None:
+            for i in range(k):
+                answers.append((i, s.http("a", router, pd_serve.request_body(
+                    s.s, prompt(9300 + i, N), TOKENS))))
+
+        th = threading.Thread(target=client)
+        th.start()
+        try:
+            while len(answers) < 2 and th.is_alive():
+                time.sleep(0.05)
+            s.drop("prefill-1")
+            killed_after = len(answers)
+        finally:
+            th.join(timeout=600)
+        ok = errors = 0
+        for i, r in answers:
+            if r["status"] == 200:
+                got = json.loads(r["body"])["choices"][0]["token_ids"]
+                assert got == plain[i], f"request {i}: {got} != plain run {plain[i]}"
+                ok += 1
+            else:
+                assert r["status"] == 500 and p1 in r["body"], (
+                    f"request {i}: HTTP {r['status']}: {r['body'][:300]}")
+                errors += 1
+        print(f"prefill-1 killed after {killed_after} of {k} answers: {ok} answered 200, equal "
+              f"to the plain run; {errors} answered 500 naming {p1}")
+        assert ok + errors == k and ok >= k // 2, (ok, errors)
+        # marked down within its health checks: then everything goes to the first prefill
+        deadline = time.monotonic() + 30
+        while True:
+            w = s.http("a", f"http://{a}:{ROUTER_PORT}/workers", None, timeout=10)
+            down = [x["url"] for x in json.loads(w["body"])["workers"] if not x["is_healthy"]]
+            if down == [p1]:
+                break
+            assert time.monotonic() < deadline, f"router's workers after the kill: {w['body']}"
+            time.sleep(0.5)
+        for i in range(2):
+            since = {"prefill": len(s.lines("prefill"))}
+            got = s.via(router, prompt(9400 + i, N), f"after the kill, request {i}")
+            assert s.released_by(got["remote"][0], ("prefill",), since) == "prefill"
+        print(f"vllm-router test: the second prefill started in {started:.0f} s, the test "
+              f"took {time.monotonic() - t0:.0f} s with it (the set's start not counted)")
+    finally:
+        for role in ("router", "router-deadleg", "fake-decode", "prefill-1"):
+            if role in s.procs:
+                s.drop(role)
 
 
 #: the engines' lease_s: pd_serve sets none, so the connector's default (kvplan_nixl.vllm)

@@ -581,9 +581,11 @@ def test_confirmed_pulls_and_stats_add_up(pool):
     p, d = pool.only(P, D)
     m0, pm0 = d.metrics(), p.metrics()
     done0 = len(d.log_lines(r"kvplan: pull req=\S+ done in .*confirmed by prefill rank"))
-    pulls = []
+    pulls, pulls_runs = [], []
     for seed in (21, 22):
+        t0 = time.monotonic()
         pulls.append(pd_equals_plain(p, d, prompt(seed), f"P -> D, seed {seed}")[-1])
+        pulls_runs.append((seed, time.monotonic() - t0))  # prefill leg, decode leg, plain run
     # each pull was confirmed by the prefill before it was reported
     deadline = time.monotonic() + 10
     while len(d.log_lines(r"kvplan: pull req=\S+ done in .*confirmed by prefill rank"
@@ -605,6 +607,26 @@ def test_confirmed_pulls_and_stats_add_up(pool):
         for k in ("num_failed_transfers", "num_confirmations_refused", "num_kv_expired_reqs"):
             assert _metric(m, f"vllm:kvplan_{k}") == _metric(m0 if m is m1 else pm0,
                                                              f"vllm:kvplan_{k}"), k
+    # each pull's timeline (stats.PHASES): two of every phase, none negative, the phases
+    # adding up to the handover, the read and the CONFIRM inside it; per request, the log's
+    # phases add up to its handover, which is below the decode's whole run of the request
+    phases = ("handshake", "post", "read", "confirm", "report")
+    sums = {k: _metric(m1, f"vllm:kvplan_phase_{k}_seconds", "sum")
+            - _metric(m0, f"vllm:kvplan_phase_{k}_seconds", "sum") for k in (*phases, "handover")}
+    for k in (*phases, "handover"):
+        name = f"vllm:kvplan_phase_{k}_seconds"
+        assert _metric(m1, name, "count") - _metric(m0, name, "count") == 2, (k, m1.get(name))
+        assert sums[k] >= 0, (k, sums)
+    assert abs(sum(sums[k] for k in phases) - sums["handover"]) < 1e-6, sums
+    assert sums["read"] > 0 and sums["confirm"] > 0 and sums["handover"] < 10, sums
+    timeline = re.compile(r"kvplan: pull req=\S+ reported after ([\d.]+) ms: handshake ([\d.]+), "
+                          r"post ([\d.]+), read ([\d.]+), confirm ([\d.]+), report ([\d.]+) ms")
+    logged = [[float(x) for x in timeline.search(ln).groups()]
+              for ln in d.log_lines(timeline.pattern)[-2:]]
+    assert len(logged) == 2, d.tail()
+    for (total, *parts), (_, run) in zip(logged, pulls_runs):
+        assert abs(sum(parts) - total) < 0.05 and min(parts) >= 0, (total, parts)
+        assert parts[2] > 0 and parts[3] > 0 and total < run * 1e3, (total, parts, run)
     # vLLM's own log line carries them
     lines = d.log_lines(r"KV Transfer metrics: .*Num successful transfers=[1-9]")
     assert lines and "Num confirmations refused=" in lines[-1], d.tail()

@@ -50,3 +50,18 @@ def test_prometheus_series_add_up(stats):
     assert prom["vllm:kvplan_num_failed_transfers_total"] == 1
     assert prom["vllm:kvplan_num_confirmations_refused_total"] == 2
     assert prom["vllm:kvplan_num_kv_expired_reqs_total"] == 1
+
+
+def test_the_timeline_adds_up(stats):
+    # handshake, post, read, confirm, report, then the handover (their sum), in seconds
+    got = stats["phases"]
+    want = [0.001, 0.002, 0.010, 0.030, 0.002, 0.045]
+    assert all(abs(a - b) < 1e-9 for a, b in zip(got, want)) and len(got) == 6, got
+    assert stats["short_timeline_refused"]
+    r = stats["reduce"]  # the second pull's read counts 0, never negative: 0.013 s in all
+    assert r["Avg handover (ms)"] == 29.0 and r["Avg confirm (ms)"] == 20.0
+    prom = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in stats["prom"]}
+    for k in ("handshake", "post", "read", "confirm", "report", "handover"):
+        assert prom[f"vllm:kvplan_phase_{k}_seconds_count"] == 2, k
+    assert abs(prom["vllm:kvplan_phase_handover_seconds_sum"] - 0.058) < 1e-9
+    assert abs(prom["vllm:kvplan_phase_read_seconds_sum"] - 0.010) < 1e-9

@@ -152,7 +152,7 @@ def free_base_port(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high + n})")
 
 
-def _cache_root(workdir: Path, name: str) -> Path:
+def cache_root(workdir: Path, name: str) -> Path:
     """Engine ``name``'s ``VLLM_CACHE_ROOT``, its own but for ``modelinfos``, shared by all
     engines: vLLM inspects a model's class in a subprocess that imports vLLM (8-10 s of a
     core) unless that directory has its answer (written atomically, keyed by the model file's
@@ -214,7 +214,7 @@ class Engine:
             # engines compiling at once); kernels differ by source (threads included), so
             # engines share only identical ones
             TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor"),
-            VLLM_CACHE_ROOT=str(_cache_root(workdir, name)),
+            VLLM_CACHE_ROOT=str(cache_root(workdir, name)),
             VLLM_LOG_STATS_INTERVAL="1",
             **more_env,
         )

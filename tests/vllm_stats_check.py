@@ -22,9 +22,18 @@ def main() -> None:
     w0.record_transfer(0.010, 0.001, 3 << 20, 8, 16)
     w0.record_transfer(0.030, 0.003, 1 << 20, 4, 8)
     w1.record_transfer(0.020, 0.002, 2 << 20, 6, 12)
+    # rank 0's two pulls reported: admitted, started, posted, read, confirmed, reported (s)
+    phases = w0.record_timeline((10.0, 10.001, 10.003, 10.013, 10.043, 10.045))
+    w0.record_timeline((20.0, 20.0, 20.002, 20.0015, 20.012, 20.013))  # read "before" posted
+    try:
+        w0.record_timeline((1.0, 2.0))
+        short_refused = False
+    except ValueError:
+        short_refused = True
     w1.record("num_failed_transfers")
     w1.record("num_confirmations_refused", 2)
-    out = {"empty_new": KvplanStats().is_empty(), "failures_only_empty": None}
+    out = {"empty_new": KvplanStats().is_empty(), "failures_only_empty": None,
+           "phases": phases, "short_timeline_refused": short_refused}
     f = KvplanStats()
     f.record("num_kv_expired_reqs")
     out["failures_only_empty"] = f.is_empty()

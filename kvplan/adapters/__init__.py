@@ -8,10 +8,11 @@ objects through their attributes, so it never imports the engine (or torch).
   ``KVCacheConfig``), ``spec_from_vllm``.
 - :mod:`kvplan.adapters.vllm_nixl`: a stock vLLM NixlConnector prefill's spec and buffer
   addresses from the ``NixlAgentMetadata`` it publishes, ``prefill_from_nixl``.
-- :mod:`kvplan.adapters.sglang`: SGLang's token pools (``MHATokenToKVPool``,
-  ``MLATokenToKVPool``) read into ``SGLangKV`` values, ``spec_from_sglang``; Mamba2 / GDN
-  state (``SGLangMamba2``, ``spec_from_sglang_mamba2``) and both in one spec
-  (``spec_from_sglang_hybrid``).
+- :mod:`kvplan.adapters.sglang`: SGLang's token pools (``MHATokenToKVPool``, V heads of
+  their own size included, ``MLATokenToKVPool``) read into ``SGLangKV`` values,
+  ``spec_from_sglang``; Mamba2 / GDN / KDA state read from its ``MambaPool``
+  (``SGLangMamba2.from_pool``, ``spec_from_sglang_mamba2``) and both in one spec
+  (``spec_from_sglang_hybrid``); DP attention's groups (``sglang_attention_rank``).
 
 Layer 5 (adapters, beside hf): imports the values below (spec, regions, layout, errors); no
 value imports an adapter back.

@@ -11,7 +11,10 @@ entry per buffer, ``item_len`` = the bytes of one page). What the pools allocate
   rank's share of the model's KV heads over the *attention* TP size: ``max(1, K //
   attn_tp_size)``, rank ``r`` holding head ``r * K // attn_tp_size`` when ``K <
   attn_tp_size`` (replicated heads). kvplan writes each layer as one region with separate K
-  and V buffers, ``"layout": "LBNHD"``, ``"allocation": [<layer>.k, <layer>.v]``.
+  and V buffers, ``"layout": "LBNHD"``, ``"allocation": [<layer>.k, <layer>.v]``. When V's
+  head size differs from K's (``v_head_dim``, MiMo-V2 style: K 192, V 128) a layer is two
+  regions of one stream each, ``<layer>.k`` (``"stream": "k"``, K's head size) and
+  ``<layer>.v`` (``"stream": "v"``, V's), each its own buffer of the same names.
 - ``MLATokenToKVPool`` (DeepSeek, Kimi): per layer one ``kv_buffer`` of ``[size + page_size,
   1, kv_lora_rank + qk_rope_head_dim]``, the same on every rank: one ``mla`` region per
   layer.
@@ -21,7 +24,8 @@ entry per buffer, ``item_len`` = the bytes of one page). What the pools allocate
   tp, head_dim, state_size]``, one slot per request. A rank's conv channels are its share of
   x (``heads * head_dim`` channels), then of B and of C (``n_groups`` groups of
   ``state_size`` channels each; with fewer groups than ranks every rank holds the group its
-  heads need: replicated). :class:`SGLangMamba2` describes it; :func:`spec_from_sglang_mamba2`
+  heads need: replicated). :class:`SGLangMamba2` describes it (:meth:`SGLangMamba2.from_pool`
+  reads it from the pool object); :func:`spec_from_sglang_mamba2`
   makes a ``state`` region per layer and tensor (``layers.<n>.conv`` with parts ``x``, ``B``,
   ``C``; ``layers.<n>.ssm`` with part ``ssm``).
 
@@ -39,14 +43,19 @@ plans the transfers SGLang's Mooncake and NIXL connections make between two such
 sizes), byte for byte, including the cases those connections get wrong or refuse
 (docs/sglang.md).
 
-Refused with a :class:`~kvplan.SpecError` naming the pool (not described yet): a V head size
-different from K's (MiMo-V2 style; ``kvplan``'s attention regions have one head size),
-layouts other than NHD (``SGLANG_USE_HND_KVCACHE``, ``vectorized_5d``), the FP4 / MXFP8 pools
-and their scale buffers, ``PageMajorMHATokenToKVPool``, hybrid pools as objects
-(``HybridLinearKVPool``, ``MambaPool``: Mamba2, GDN and KDA are described from values
-instead; Mamba1 states; ``SWAKVPool``), draft buffers appended to a pool, DP attention's
-pools of several attention-TP groups (give this adapter one group's ``attn_tp_size``), and a
-head count neither dividing nor divided by the attention TP size.
+Refused with a :class:`~kvplan.SpecError` naming the pool (not described yet): layouts other
+than NHD (``SGLANG_USE_HND_KVCACHE``, ``vectorized_5d``), the FP4 / MXFP8 pools and their scale
+buffers, ``PageMajorMHATokenToKVPool``, hybrid pools as objects (``HybridLinearKVPool``,
+``SWAKVPool``; ``MambaPool`` is read by :meth:`SGLangMamba2.from_pool` instead, Mamba1
+states are not), draft buffers appended to a pool, and a head count neither dividing nor
+divided by the attention TP size.
+
+DP attention (``--enable-dp-attention``: ``dp_size`` attention groups of ``tp_size //
+dp_size`` ranks, each with its own pools and requests) is one spec per attention-TP group:
+:func:`spec_from_sglang` at the group's ``attn_tp_size``, and
+:func:`sglang_attention_rank` maps an SGLang ``tp_rank`` to its group and to its flat rank in
+that spec, as SGLang's ``compute_dp_attention_world_info`` does. A request lives in one
+group on each side, so a plan is made between the two groups that hold it.
 
 Layer 5 (adapters, beside hf): imports spec, constants and errors.
 """
@@ -71,8 +80,8 @@ REFUSED_POOLS: Mapping[str, str] = {
     "PageMajorMHATokenToKVPool": "page-major buffers",
     "NoOpMHATokenToKVPool": "a pool without KV buffers",
     "HybridLinearKVPool": "a hybrid pool (Mamba / GDN state beside attention)",
-    "MambaPool": "a recurrent-state pool (Mamba2, GDN, KDA: describe it with SGLangMamba2 "
-                 "and spec_from_sglang_mamba2)",
+    "MambaPool": "a recurrent-state pool (Mamba2, GDN, KDA: read it with "
+                 "SGLangMamba2.from_pool and spec_from_sglang_mamba2)",
     "SWAKVPool": "a sliding-window pool beside a full-attention pool",
 }
 
@@ -100,8 +109,13 @@ class SGLangKV:
 
     @property
     def item_len(self) -> int:
-        """Bytes of one page of one K (or V, or MLA) buffer: SGLang's ``kv_item_len``."""
+        """Bytes of one page of one K (or MLA) buffer: SGLang's ``kv_item_len``."""
         return self.page_size * self.head_num * self.head_dim * DTYPE_SIZES[self.dtype]
+
+    @property
+    def v_item_len(self) -> int:
+        """Bytes of one page of one V buffer (SGLang's ``kv_item_lens`` of its V entries)."""
+        return self.page_size * self.head_num * self.v_head_dim * DTYPE_SIZES[self.dtype]
 
     @classmethod
     def mha(cls, *, layer_num: int, size: int, page_size: int, dtype: str, head_num: int,
@@ -131,11 +145,6 @@ class SGLangKV:
                 raise SpecError(f"{pool}: {field} must be at least 1, got {value}")
         if size < 0 or (size + page_size) % page_size:
             raise SpecError(f"{pool}: size {size} + page_size {page_size} is not whole pages")
-        if v_head_dim != head_dim:
-            raise SpecError(
-                f"{pool}: V heads of {v_head_dim} values beside K heads of {head_dim} "
-                "(MiMo-V2 style) are not described by kvplan's SGLang adapter yet: its "
-                "attention regions have one head size")
         return cls(kind, tuple(range(start, start + layer_num)), (size + page_size) // page_size,
                    page_size, dtype, head_num, head_dim, v_head_dim)
 
@@ -190,6 +199,36 @@ def _check_shapes(pool: str, field: str, tensors: Sequence[Any], kv: SGLangKV,
                             f"the pool's sizes say {want}")
 
 
+@attrs.frozen
+class SGLangAttentionRank:
+    """Where an SGLang ``tp_rank`` sits under DP attention: its attention-DP group
+    (``attn_dp_rank``: which spec), its rank in that group (``attn_tp_rank``: the flat rank of
+    that spec, PP aside) and the group's size (``attn_tp_size``: the spec's ``tp_size``)."""
+
+    attn_dp_rank: int
+    attn_tp_rank: int
+    attn_tp_size: int
+
+
+def sglang_attention_rank(tp_rank: int, *, tp_size: int, dp_size: int = 1
+                          ) -> SGLangAttentionRank:
+    """SGLang's attention topology for ``tp_rank`` of ``tp_size`` with ``dp_size``
+    attention-DP groups (1 without DP attention): ``attn_tp_size = tp_size // dp_size``,
+    ``attn_tp_rank = tp_rank % attn_tp_size``, ``attn_dp_rank = tp_rank // attn_tp_size``
+    (``runtime_context.py`` ``derive_attn_tp_size`` / ``derive_attention_ranks``; attention
+    CP is not described). Raises :class:`~kvplan.SpecError` when ``dp_size`` does not divide
+    ``tp_size`` or ``tp_rank`` is out of range."""
+    for name, v in (("tp_size", tp_size), ("dp_size", dp_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SpecError(f"{name} must be a positive integer, got {v!r}")
+    if tp_size % dp_size:
+        raise SpecError(f"DP attention: dp_size {dp_size} does not divide tp_size {tp_size}")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise SpecError(f"tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}")
+    attn = tp_size // dp_size
+    return SGLangAttentionRank(tp_rank // attn, tp_rank % attn, attn)
+
+
 def region_name(layer: int) -> str:
     """The region name of global layer ``layer``: ``layers.<layer>``."""
     return f"layers.{layer}"
@@ -207,7 +246,9 @@ def spec_from_sglang(kv: SGLangKV | Sequence[SGLangKV], *, attn_tp_size: int,
     KV head count (``model_config.get_total_num_kv_heads()``, SGLang's ``total_kv_head_num``),
     needed for MHA pools when heads are replicated (fewer heads than ranks), else read as
     ``head_num * attn_tp_size``. One region per layer (:func:`region_name`); MHA layers have
-    buffers ``<region>.k`` and ``<region>.v``, MLA layers one buffer named as the region.
+    buffers ``<region>.k`` and ``<region>.v``, MLA layers one buffer named as the region. An
+    MHA pool whose ``v_head_dim`` is not its ``head_dim`` gives two regions per layer,
+    ``<region>.k`` and ``<region>.v``, each holding one stream in the buffer of its name.
 
     Raises :class:`~kvplan.SpecError` when ``head_num`` is not this engine's share of
     ``total_kv_heads`` (SGLang's ``max(1, K // attn_tp_size)``), the head count and TP size
@@ -246,6 +287,11 @@ def spec_from_sglang(kv: SGLangKV | Sequence[SGLangKV], *, attn_tp_size: int,
             if st.kind == "mla":
                 regions.append({"name": region_name(n), "kind": "mla", "dim": st.head_dim,
                                 **block})
+            elif st.v_head_dim != st.head_dim:  # K and V of different widths: one each
+                regions += [{"name": f"{region_name(n)}.{stream}", "kind": "attention",
+                             "num_kv_heads": heads, "head_dim": dim, "layout": "LBNHD",
+                             "stream": stream, **block}
+                            for stream, dim in (("k", st.head_dim), ("v", st.v_head_dim))]
             else:
                 regions.append({"name": region_name(n), "kind": "attention",
                                 "num_kv_heads": heads, "head_dim": st.head_dim,
@@ -260,7 +306,17 @@ def sglang_buffers(pool: Any, spec: EngineSpec) -> dict[str, tuple[int, int]]:
     """``{buffer name: (address, nbytes)}`` of one rank's ``pool`` for ``spec`` (made by
     :func:`spec_from_sglang` from this pool's values; under PP, from every stage's: a rank
     gets the buffers of its stage): what an executor registers, the same addresses as
-    SGLang's ``kv_data_ptrs`` / ``kv_data_lens``."""
+    SGLang's ``kv_data_ptrs`` / ``kv_data_lens``. For a ``MambaPool`` (a spec of
+    :func:`spec_from_sglang_mamba2` or :func:`spec_from_sglang_hybrid`), its state buffers
+    at the addresses of its ``get_contiguous_buf_infos`` (SGLang's ``state_data_ptrs``)."""
+    if type(pool).__name__ == "MambaPool":  # its entries: every layer's conv, then temporal
+        ptrs = pool.get_contiguous_buf_infos()[0]
+        ids = list(pool.mamba_layer_ids)
+        names = [f"{region_name(n)}.{t}" for t in ("conv", "ssm") for n in ids]
+        if len(ptrs) != len(names) or not set(names) <= set(spec.buffers):
+            raise SpecError(f"the MambaPool's {len(ptrs)} state entries are not the spec's "
+                            f"buffers {names}")
+        return {b: (int(a), spec.rank_buffer_nbytes(b)) for b, a in zip(names, ptrs)}
     kv = SGLangKV.from_pool(pool)
     tensors: dict[str, Any] = {}
     for i, layer in enumerate(kv.layers):
@@ -323,6 +379,77 @@ class SGLangMamba2:
                * (self.head_dim if self.kind == "kda" else self.state_size)
                * DTYPE_SIZES[self.ssm_dtype])
         return conv, ssm
+
+    @classmethod
+    def from_pool(cls, pool: Any, *, attn_tp_size: int, n_groups: int | None = None
+                  ) -> SGLangMamba2:
+        """The values of one rank's SGLang ``MambaPool`` at attention TP ``attn_tp_size``,
+        read from the pool itself: its layer ids and slots, the shapes and dtypes of its conv
+        and temporal tensors (``mamba_cache.conv`` / ``.temporal``), what it tells its
+        disaggregation connections (``get_contiguous_buf_infos``,
+        ``get_state_conv_shard_groups``) and its conv slice axis. KDA is the pool whose conv
+        slice axis is 1 (taps-major), GDN the one whose conv state comes in shard groups
+        ``[key_dim, key_dim, value_dim]`` (``n_groups`` = key heads, read from them), Mamba2
+        the other: its B/C groups are padded to the TP size on a rank, so ``n_groups`` (the
+        model config's) must be given. Nothing is imported: attributes, ``.shape`` and
+        ``.dtype`` only.
+
+        Raises :class:`~kvplan.SpecError` naming the pool for another class, state entries
+        beyond one conv and one temporal tensor per layer (ReplaySSM rings, sibling states,
+        several conv tensors), or sizes that do not match the values read.
+        """
+        name = type(pool).__name__
+        if name != "MambaPool":
+            raise SpecError(f"{name}: not SGLang's MambaPool")
+        layers = tuple(int(n) for n in pool.mamba_layer_ids)
+        convs = list(pool.mamba_cache.conv)
+        if len(convs) != 1:
+            raise SpecError(f"MambaPool: {len(convs)} conv state tensors; one is described")
+        conv, temporal = convs[0], pool.mamba_cache.temporal
+        _, lens, items = pool.get_contiguous_buf_infos()
+        if len(items) != 2 * len(layers):
+            raise SpecError(f"MambaPool: {len(items)} state entries for {len(layers)} layers; "
+                            "one conv and one temporal entry per layer are described (not "
+                            "ReplaySSM rings or sibling states)")
+        cshape, tshape = tuple(map(int, conv.shape)), tuple(map(int, temporal.shape))
+        slots = int(pool.size) + 1
+        if cshape[:2] != (len(layers), slots) or tshape[:2] != (len(layers), slots) \
+                or len(cshape) != 4 or len(tshape) != 5:
+            raise SpecError(f"MambaPool: conv {cshape} and temporal {tshape} are not "
+                            f"[{len(layers)} layers, {slots} slots, ...]")
+        tp = attn_tp_size
+        groups = pool.get_state_conv_shard_groups()[0]
+        if int(getattr(pool, "conv_slice_axis", 0) or 0) == 1:
+            kind, (taps, dim), n_groups = "kda", cshape[2:], 1
+        else:
+            (dim, taps), kind = cshape[2:], "mamba2" if groups is None else "gdn"
+        heads, head_dim, state = tshape[2] * tp, tshape[3], tshape[4]
+        if kind == "gdn":
+            key = int(groups[0])
+            if len(groups) != 3 or groups[1] != key or groups[2] != heads * head_dim \
+                    or key % state or n_groups not in (None, key // state):
+                raise SpecError(f"MambaPool: conv shard groups {list(groups)} are not [key "
+                                f"heads x {state}, the same, {heads} value heads x {head_dim}]"
+                                + ("" if n_groups is None else f" with {n_groups} key heads"))
+            n_groups = key // state
+        if n_groups is None:
+            raise SpecError("MambaPool: a Mamba2 rank's B/C groups are padded to the TP size; "
+                            "pass n_groups from the model config")
+        m = cls(layers=layers, slots=slots, num_heads=heads, head_dim=head_dim,
+                state_size=state, n_groups=n_groups, conv_kernel=taps + 1,
+                conv_dtype=_dtype(name, [conv]), ssm_dtype=_dtype(name, [temporal]),
+                kind=kind)
+        for label in (m.conv_dtype, m.ssm_dtype):
+            if label not in DTYPE_SIZES:
+                raise SpecError(f"MambaPool: dtype {label!r} is not one of "
+                                f"{', '.join(DTYPE_SIZES)}")
+        want = (m.item_lens(tp), m.conv_dim(tp))
+        if (items[0], items[len(layers)]) != want[0] or dim != want[1] \
+                or lens[0] != slots * items[0]:
+            raise SpecError(f"MambaPool: entries of {items[0]} / {items[len(layers)]} bytes "
+                            f"per slot and {dim} conv channels; {m} at attention TP {tp} "
+                            f"gives {want[0]} and {want[1]}")
+        return m
 
 
 def spec_from_sglang_mamba2(m: SGLangMamba2, *, attn_tp_size: int, group: int = 0

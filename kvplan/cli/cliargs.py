@@ -86,7 +86,8 @@ LEGEND_ENTRIES = (
     LegendEntry("HND, NHD, BLHNC", "a cache layout: the order of the axes of a region's (or an "
                 "allocation's) buffer, outermost first (docs/concepts.md)",
                 r"\b(HND|NHD|[LBSHNDC]{5,6})\b"),
-    LegendEntry("K+V", "key and value streams; K = one stream (a latent)",
+    LegendEntry("K+V", "key and value streams; K = one stream (a latent, or K alone); V = V "
+                "alone",
                 r"(?<![\w+])K(\+V)?(?![\w+])"),
     LegendEntry("run", "one contiguous byte copy (one NIXL descriptor)", r"\bruns?\b"),
     LegendEntry("group", "KV-cache group (layers sharing one block table)", r"\bgroups?\b"),

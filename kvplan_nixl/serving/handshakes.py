@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from kvplan_nixl import metadata as md
 from kvplan_nixl.errors import ArgumentError, ClosedError, MetadataError, ParamsError
 from kvplan_nixl.serving.host_pools import HostPool
+from kvplan_nixl.serving.locks import FairLock
 from kvplan_nixl.serving.sidechannel import (
     SideChannelClosed,
     SideChannelTimeout,
@@ -201,7 +202,7 @@ class Handshakes:
     ``admit(engine, host, port)``: why that address may not be dialled, or None (it may).
     """
 
-    def __init__(self, connect: Connect, *, lock: threading.Lock, identify: Identify,
+    def __init__(self, connect: Connect, *, lock: threading.Lock | FairLock, identify: Identify,
                  timeout: float = 5.0, workers: int = 32, per_host: int = 8,
                  queued: int = 64, retry_after_s: float = 5.0, attempts: int = 2,
                  warn: Callable[[str], None] | None = None,

@@ -54,6 +54,7 @@ from urllib.parse import quote, unquote
 from kvplan_nixl.errors import ArgumentError, ExecutorError
 from kvplan_nixl.metadata import MAX_BLOB_BYTES, check_secret
 from kvplan_nixl.serving.holds import Holds, Verdict
+from kvplan_nixl.serving.locks import FairLock
 
 __all__ = [
     "MAX_METADATA", "VERBS", "PortInUseError", "SideChannelClosed", "SideChannelError",
@@ -214,7 +215,7 @@ class SideChannelServer:
 
     def __init__(self, host: str, port: int, identity: str, *, metadata: bytes = b"",
                  secret: bytes | str | None = None, holds: Holds | None = None,
-                 lock: threading.Lock | None = None, max_connections: int = 64,
+                 lock: threading.Lock | FairLock | None = None, max_connections: int = 64,
                  max_line: int = 2048, deadline_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(identity, str) or not identity:

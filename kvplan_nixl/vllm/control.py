@@ -7,7 +7,6 @@ behind a RELEASE (the class docstring says why).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from kvplan_nixl.errors import ArgumentError, ExecutorError
 from kvplan_nixl.serving import sidechannel as sc
 from kvplan_nixl.serving.holds import Holds, Verdict
 from kvplan_nixl.serving.host_pools import HostPool
+from kvplan_nixl.serving.locks import FairLock
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.scheduler import Load
@@ -42,7 +42,9 @@ class Sends:
     def __init__(self, host: str, port: int, identity: str, metadata: bytes, *,
                  secret: str | None, lease: float) -> None:
         self.lease = lease
-        self.lock = threading.Lock()  # the table's: the server's thread answers from it
+        # the table's: the server's thread answers from it (fair: a step never makes a
+        # CONFIRM's answer wait behind its own repeated holds)
+        self.lock = FairLock()
         self.holds = Holds(floor=time.time_ns())  # an old instance's generations: NO at once
         self.unheld: set[str] = set()  # whose hold could not be made: freed at once
         # a taken port raises PortInUseError, naming it and the config key to change

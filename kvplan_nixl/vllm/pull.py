@@ -26,6 +26,9 @@ class Pull:
     runs: int
     descriptors: int
     next_beat: float
+    admitted: float = 0.0  # the timeline (stats.MARKS, monotonic): the worker got the load,
+    started: float = 0.0  # started planning it (its prefill connected),
+    posted: float = 0.0  # Endpoint.read returned
     confirming: bool = False
     seen_done: float = 0.0  # monotonic time the read was seen complete (the CONFIRM's start)
     beating: bool = False  # a heartbeat job is running (never two at once)

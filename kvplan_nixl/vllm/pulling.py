@@ -58,6 +58,7 @@ class Pulls:
     def post(self, load: Load, tmap: Any, counts: list[int]) -> None:
         """Plan ``load`` with the pull map ``tmap`` of its connected prefill and post it."""
         w = self.w
+        started = time.monotonic()
         try:
             src = w.groups.remote(load.remote_ids, load.remote_first)
             dst = w.groups.local(load.local_ids)
@@ -70,6 +71,7 @@ class Pulls:
                 tell_unposted(w, load, tmap.peers, counts)
             raise
         post_s = time.perf_counter() - t0
+        posted = time.monotonic()
         written = lacking(w.groups, dst, start, end)
         blocks = max((len(x) for x, k in zip(written, w.groups.kinds) if k != "state"),
                      default=0)
@@ -85,8 +87,9 @@ class Pulls:
         # a pull shorter than heartbeat_s (the usual one) sends no RENEW at all; a
         # NixlConnector prefill's is beaten at once (its queued beats stopped at scheduling)
         beat = time.monotonic() + (0.0 if load.peer == "nixl" else w.heartbeat)
-        self.inflight[load.req_id] = Pull(load, t, counts, tuple(tmap.peers), post_s,
-                                          len(plan), sum(t.runs().values()), beat)
+        self.inflight[load.req_id] = Pull(
+            load, t, counts, tuple(tmap.peers), post_s, len(plan), sum(t.runs().values()), beat,
+            admitted=w.admitted.get(load.req_id, started), started=started, posted=posted)
 
     def progress(self, now: float) -> None:
         """Poll the reads in flight: heartbeats while pending, CONFIRM once complete."""
@@ -140,6 +143,7 @@ class Pulls:
             w.fail(load, str(p.t.error()), p.peers)
             return
         w.recv_done.add(req_id)
+        w.reporting[req_id] = (p.admitted, p.started, p.posted, now, now)  # no CONFIRM
         w.stats.record_transfer(p.t.seconds or 0.0, p.post_s, p.t.plan.nbytes, p.runs,
                                 p.descriptors)
         w.stats.record("num_unconfirmed_pulls")
@@ -225,12 +229,15 @@ class Pulls:
                        if v is not Verdict.YES}
         except Exception as e:  # never leave the pull unreported: not confirmed
             refused = {"?": f"{type(e).__name__}: {e}"}
+        confirmed = time.monotonic()
         with w.lock:
             if self.inflight.pop(p.load.req_id, None) is None or w.ep is None \
                     or w.ep.closed:
                 return
             if not refused:
                 w.recv_done.add(p.load.req_id)
+                w.reporting[p.load.req_id] = (p.admitted, p.started, p.posted, p.seen_done,
+                                              confirmed)
                 w.stats.record_transfer(p.t.seconds or 0.0, p.post_s, p.t.plan.nbytes,
                                         p.runs, p.descriptors)
                 logger.info("kvplan: pull req=%s done in %.4f s, confirmed by prefill "

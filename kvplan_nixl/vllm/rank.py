@@ -8,8 +8,9 @@ instead of the worker, so the worker imports its parts and no part imports the w
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, Protocol
+
+from kvplan_nixl.serving.locks import FairLock
 
 if TYPE_CHECKING:
     from kvplan.adapters.vllm import TransferGroups
@@ -26,7 +27,7 @@ class Rank(Protocol):
 
     c: Settings
     rank: int
-    lock: threading.Lock  # held for every Endpoint call
+    lock: FairLock  # held for every Endpoint call (first come, first served)
     ep: Any  # kvplan_nixl.Endpoint
     groups: TransferGroups
     whole: bool  # the backend moves whole pages only
@@ -45,6 +46,8 @@ class Rank(Protocol):
     cuda: bool  # the KV caches are CUDA tensors
     engines: dict[str, tuple[Any, list[int]]]  # prefill engine -> pull map, readers per rank
     recv_done: set[str]  # decode requests whose KV is loaded (or failed), to report
+    admitted: dict[str, float]  # decode loads -> when the worker got them (monotonic)
+    reporting: dict[str, tuple[float, ...]]  # loaded pulls to report -> their timeline marks
     waiting: dict[str, tuple[Load, float]]  # decode loads whose handshake is pending
     writes: Any  # Writes (kvplan_nixl.vllm.pushing): pushes to write, their handshakes
     restarts: Any  # Restarts (kvplan_nixl.vllm.restarts): prefills connected afresh

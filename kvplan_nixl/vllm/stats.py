@@ -31,7 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["COUNTS", "SERIES", "KvplanPromMetrics", "KvplanStats", "KvplanStatsMixin"]
+__all__ = ["COUNTS", "MARKS", "PHASES", "SERIES", "KvplanPromMetrics", "KvplanStats",
+           "KvplanStatsMixin", "phases"]
 
 #: One entry per successful pull (a decode rank's read of one request).
 SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_runs",
@@ -41,6 +42,35 @@ SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_runs",
 #: (kvplan_nixl.vllm.outcomes); the other failures by each worker rank that saw them.
 #: ``num_unconfirmed_pulls``: pulls from a prefill running vLLM's own NixlConnector, used
 #: without a CONFIRM (such a prefill holds no lease of ours: docs/vllm.md, "Migrating a fleet").
+#: A pulled request's timeline on a decode rank, one entry per phase per pull reported loaded
+#: (seconds, the worker's monotonic clock): between the events of :data:`MARKS`, in order, and
+#: ``phase_handover`` from the first to the last (their sum). A NixlConnector prefill's pull
+#: has no CONFIRM: its ``phase_confirm`` is 0.
+PHASES = ("phase_handshake", "phase_post", "phase_read", "phase_confirm", "phase_report",
+          "phase_handover")
+#: The events a pulled request's timeline is measured between, each where it happens on the
+#: decode worker: ``admitted`` (the scheduler's metadata handed the load to the worker,
+#: ``start_load_kv``), ``started`` (its prefill connected, the worker starts planning it: the
+#: handshake's end as the worker saw it), ``posted`` (``Endpoint.read`` returned), ``read``
+#: (a poll saw the read complete), ``confirmed`` (every prefill rank read answered its
+#: CONFIRM), ``reported`` (``get_finished`` handed it to the scheduler).
+MARKS = ("admitted", "started", "posted", "read", "confirmed", "reported")
+
+
+def phases(marks: tuple[float, ...] | list[float]) -> tuple[float, ...]:
+    """The :data:`PHASES` of one pull from its :data:`MARKS` times (seconds, one clock): the
+    gaps between consecutive marks (a mark earlier than the one before it counts as equal to
+    it: no phase is negative), then their sum."""
+    if len(marks) != len(MARKS):
+        raise ValueError(f"a timeline has {len(MARKS)} marks {MARKS}, got {len(marks)}")
+    gaps, last = [], float(marks[0])
+    for m in marks[1:]:
+        m = max(last, float(m))
+        gaps.append(m - last)
+        last = m
+    return (*gaps, last - float(marks[0]))
+
+
 COUNTS = ("num_failed_transfers", "num_failed_handshakes", "num_kv_expired_reqs",
           "num_confirmations_refused", "num_side_channel_dropped", "num_failed_loads",
           "num_unconfirmed_pulls")
@@ -57,12 +87,12 @@ class KvplanStats(KVConnectorStats):
             self.reset()
         else:  # rebuilt from a dict: copied (aggregate extends lists in place, and the
             # caller may use its dict again), keys it lacks added
-            self.data = {k: list(self.data.get(k, ())) for k in (*SERIES, *COUNTS)} | {
-                k: list(v) for k, v in self.data.items() if k not in SERIES + COUNTS}
+            self.data = {k: list(self.data.get(k, ())) for k in (*SERIES, *PHASES, *COUNTS)} | {
+                k: list(v) for k, v in self.data.items() if k not in SERIES + PHASES + COUNTS}
 
     def reset(self) -> None:
         """Empty every list."""
-        self.data = {k: [] for k in (*SERIES, *COUNTS)}
+        self.data = {k: [] for k in (*SERIES, *PHASES, *COUNTS)}
 
     def record_transfer(self, seconds: float, post_seconds: float, nbytes: int, runs: int,
                         descriptors: int) -> None:
@@ -71,6 +101,14 @@ class KvplanStats(KVConnectorStats):
         for k, v in zip(SERIES, (float(seconds), float(post_seconds), int(nbytes), int(runs),
                                  int(descriptors))):
             self.data[k].append(v)
+
+    def record_timeline(self, marks: tuple[float, ...] | list[float]) -> tuple[float, ...]:
+        """A pull reported loaded: its :data:`PHASES` from its :data:`MARKS` times
+        (:func:`phases`), recorded and returned."""
+        got = phases(marks)
+        for k, v in zip(PHASES, got):
+            self.data[k].append(v)
+        return got
 
     def record(self, key: str, n: int = 1) -> None:
         """``n`` events of ``key`` (one of :data:`COUNTS`); nothing for ``n == 0``."""
@@ -92,7 +130,7 @@ class KvplanStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """Nothing recorded (failures alone are not empty: they must be logged)."""
-        return not any(self.data[k] for k in (*SERIES, *COUNTS))
+        return not any(self.data[k] for k in (*SERIES, *PHASES, *COUNTS))
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Add ``other``'s observations (another worker's, or a later step's) to these."""
@@ -103,7 +141,8 @@ class KvplanStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         """The log line's values: successful pulls, mean and p90 times (ms), MB and
-        throughput, mean runs and descriptors; the counts summed."""
+        throughput, mean runs and descriptors; the mean and p90 handover (:data:`PHASES`:
+        from admission to the report, ms) and the mean CONFIRM (ms); the counts summed."""
         counts = {
             "Num failed transfers": sum(self.data["num_failed_transfers"])
             + sum(self.data["num_failed_handshakes"]),
@@ -112,6 +151,14 @@ class KvplanStats(KVConnectorStats):
             "Num side channel dropped": sum(self.data["num_side_channel_dropped"]),
             "Num failed loads": sum(self.data["num_failed_loads"]),
             "Num unconfirmed pulls": sum(self.data["num_unconfirmed_pulls"]),
+        }
+        hand = np.asarray(self.data["phase_handover"], dtype=np.float64)
+        conf = np.asarray(self.data["phase_confirm"], dtype=np.float64)
+        counts |= {  # reported at get_finished: maybe in another interval than the transfer
+            "Avg handover (ms)": round(float(hand.mean()) * 1e3, 3) if len(hand) else 0,
+            "P90 handover (ms)": round(float(np.percentile(hand, 90)) * 1e3, 3)
+            if len(hand) else 0,
+            "Avg confirm (ms)": round(float(conf.mean()) * 1e3, 3) if len(conf) else 0,
         }
         n = self.num_successful_transfers
         if n == 0:
@@ -138,13 +185,16 @@ class KvplanStats(KVConnectorStats):
 
 
 _TIME_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
+_PHASE_BUCKETS = [0.0001, 0.0005, *_TIME_BUCKETS]
 _COUNT_BUCKETS = [1, 10, 30, 100, 300, 1000, 3000, 10000, 30000, 100000]
 
 
 class KvplanPromMetrics(KVConnectorPromMetrics):
     """Prometheus metrics of KvplanConnector: histograms ``vllm:kvplan_xfer_time_seconds``,
     ``vllm:kvplan_post_time_seconds``, ``vllm:kvplan_bytes_transferred``,
-    ``vllm:kvplan_num_runs``, ``vllm:kvplan_num_descriptors``; counters
+    ``vllm:kvplan_num_runs``, ``vllm:kvplan_num_descriptors``, a pulled request's timeline
+    ``vllm:kvplan_<phase>_seconds`` for each of :data:`PHASES` (e.g.
+    ``vllm:kvplan_phase_confirm_seconds``); counters
     ``vllm:kvplan_<count>`` for each of :data:`COUNTS` (``..._num_kv_expired_reqs`` is
     counted on the prefill, ``..._num_confirmations_refused`` too)."""
 
@@ -161,6 +211,8 @@ class KvplanPromMetrics(KVConnectorPromMetrics):
             "num_runs": ("num_runs", "planned runs of a KV pull", _COUNT_BUCKETS),
             "num_descriptors": ("num_descriptors", "NIXL descriptors of a KV pull",
                                 _COUNT_BUCKETS),
+            **{k: (f"{k}_seconds", f"time of a pulled request's {k.removeprefix('phase_')} "
+                   "phase", _PHASE_BUCKETS) for k in PHASES},
         }
         self.histograms = {
             k: create_metric_per_engine(self._histogram_cls(

@@ -36,6 +36,7 @@ from kvplan_nixl.serving.handshakes import (
     HandshakeState,
     identity,
 )
+from kvplan_nixl.serving.locks import FairLock
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
 from kvplan_nixl.vllm.nixl_peer import NixlPrefills, compat_hash, stock_backend
@@ -76,7 +77,10 @@ class Worker:
                 f"lease_s / 3 = {self.lease / 3:g}: one lost heartbeat would let the prefill's "
                 "lease run out under a live pull; lower heartbeat_s or raise lease_s")
         self.backends = c.backends()
-        self.lock = threading.Lock()  # every Endpoint call: it is used by one thread at a time
+        # every Endpoint call: it is used by one thread at a time; fair, so that the step,
+        # which takes it again at once, never starves a handshake's connect or the progress
+        # loop on a loaded machine (kvplan_nixl.serving.locks)
+        self.lock = FairLock()
         self.ep = None
         self.sends: Sends | None = None  # prefill: the holds and the side channel
         self.stop = threading.Event()
@@ -93,6 +97,10 @@ class Worker:
         self.restarts = Restarts(self)  # prefills restarted in place: connected afresh
         self.pulls = Pulls(self)
         self.recv_done: set[str] = set()
+        # the timeline of each pull (stats.MARKS): when the worker got a load (until it is
+        # reported), the marks of a loaded pull up to its CONFIRM (until get_finished)
+        self.admitted: dict[str, float] = {}
+        self.reporting: dict[str, tuple[float, ...]] = {}
         self.recv_failed: set[str] = set()
         self.errors: set[int] = set()
         self.stats = KvplanStats()
@@ -209,6 +217,8 @@ class Worker:
         with self.lock:
             now = time.monotonic()
             for load in meta.loads:
+                if load.local_ids and not load.push:
+                    self.admitted.setdefault(load.req_id, now)
                 if load.refused:  # bad params: nobody named in them is contacted
                     self.fail(load, f"kv_transfer_params refused: {load.refused}")
                     continue
@@ -270,6 +280,8 @@ class Worker:
         # push's holds end when its write ends, or at their lease)
         # (a NixlConnector prefill has no hold of ours: it frees them at our notification,
         # or at its own timeout)
+        self.admitted.pop(load.req_id, None)
+        self.reporting.pop(load.req_id, None)
         if not load.push and not load.refused and load.peer == "kvplan":
             self.ctl.release(load, range(load.remote_tp) if self.rank == 0 else peers)
         if not load.parked:
@@ -300,11 +312,27 @@ class Worker:
                 self._count("num_side_channel_dropped", "dropped",
                             counts["dropped"] + self.ep.ignored_notices)
             self.restarts.reported(self.recv_done)
+            if self.recv_done:
+                self._timelines(time.monotonic())
             out = KVConnectorTransferResults(finished_sending=sending,
                                              finished_recving=self.recv_done,
                                              failed_recving=self.recv_failed)
             self.recv_done, self.recv_failed = set(), set()
             return out
+
+    def _timelines(self, now: float) -> None:
+        """The pulls about to be reported (``recv_done``) at ``now``: each loaded one's
+        timeline recorded (:data:`~kvplan_nixl.vllm.stats.PHASES`) and logged; what is kept of
+        every one of them forgotten."""
+        for req in self.recv_done:
+            self.admitted.pop(req, None)
+            marks = self.reporting.pop(req, None)
+            if marks is None:  # failed, or a push
+                continue
+            ph = self.stats.record_timeline((*marks, now))
+            logger.info("kvplan: pull req=%s reported after %.2f ms: handshake %.2f, post "
+                        "%.2f, read %.2f, confirm %.2f, report %.2f ms", req, ph[-1] * 1e3,
+                        *(x * 1e3 for x in ph[:-1]))
 
     def _count(self, key: str, name: str, total: int) -> None:
         """Record what a cumulative counter gained since the last report."""
