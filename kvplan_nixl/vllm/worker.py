@@ -313,26 +313,12 @@ class Worker:
                             counts["dropped"] + self.ep.ignored_notices)
             self.restarts.reported(self.recv_done)
             if self.recv_done:
-                self._timelines(time.monotonic())
+                _timelines(self, time.monotonic())
             out = KVConnectorTransferResults(finished_sending=sending,
                                              finished_recving=self.recv_done,
                                              failed_recving=self.recv_failed)
             self.recv_done, self.recv_failed = set(), set()
             return out
-
-    def _timelines(self, now: float) -> None:
-        """The pulls about to be reported (``recv_done``) at ``now``: each loaded one's
-        timeline recorded (:data:`~kvplan_nixl.vllm.stats.PHASES`) and logged; what is kept of
-        every one of them forgotten."""
-        for req in self.recv_done:
-            self.admitted.pop(req, None)
-            marks = self.reporting.pop(req, None)
-            if marks is None:  # failed, or a push
-                continue
-            ph = self.stats.record_timeline((*marks, now))
-            logger.info("kvplan: pull req=%s reported after %.2f ms: handshake %.2f, post "
-                        "%.2f, read %.2f, confirm %.2f, report %.2f ms", req, ph[-1] * 1e3,
-                        *(x * 1e3 for x in ph[:-1]))
 
     def _count(self, key: str, name: str, total: int) -> None:
         """Record what a cumulative counter gained since the last report."""
@@ -442,6 +428,21 @@ def _free_stock(w: Worker, load: Load, *, aborted: bool) -> bool:
     else:
         tell_unposted(w, load, tuple(tmap.peers), counts)
     return True
+
+
+def _timelines(w: Worker, now: float) -> None:
+    """The pulls about to be reported (``w.recv_done``) at ``now``: each loaded one's
+    timeline recorded (:data:`~kvplan_nixl.vllm.stats.PHASES`) and logged; what is kept of
+    every one of them forgotten."""
+    for req in w.recv_done:
+        w.admitted.pop(req, None)
+        marks = w.reporting.pop(req, None)
+        if marks is None:  # failed, or a push
+            continue
+        ph = w.stats.record_timeline((*marks, now))
+        logger.info("kvplan: pull req=%s reported after %.2f ms: handshake %.2f, post "
+                    "%.2f, read %.2f, confirm %.2f, report %.2f ms", req, ph[-1] * 1e3,
+                    *(x * 1e3 for x in ph[:-1]))
 
 
 def _hs_start(w: Worker, load: Load) -> HandshakeState:
