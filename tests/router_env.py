@@ -12,14 +12,13 @@ out of the engines' environment.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: the checkout root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.vllm_env import EnvUnavailable, build, python_of
+from tests.vllm_env import EnvUnavailable, build, cached, python_of
 
 ROUTER_VERSION = "0.1.17"
 MARKER = "kvplan-router-env-complete"
@@ -27,10 +26,7 @@ MARKER = "kvplan-router-env-complete"
 
 def venv_dir() -> Path:
     """Where the venv lives: ``$KVPLAN_ROUTER_VENV`` or the per-user cache."""
-    env = os.environ.get("KVPLAN_ROUTER_VENV")
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "kvplan" / f"vllm-router-{ROUTER_VERSION}"
+    return cached("KVPLAN_ROUTER_VENV", f"vllm-router-{ROUTER_VERSION}")
 
 
 def ensure(root: Path | None = None) -> Path:

@@ -19,14 +19,13 @@ so the install is small:
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script from tests/: make `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.vllm_env import EnvUnavailable, build, python_of
+from tests.vllm_env import EnvUnavailable, build, cached, python_of
 
 __all__ = ["SGLANG_VERSION", "EnvUnavailable", "ensure", "venv_dir"]
 
@@ -40,10 +39,7 @@ MARKER = "kvplan-sglang-env-complete"
 
 def venv_dir() -> Path:
     """Where the venv lives: ``$KVPLAN_SGLANG_VENV`` or the per-user cache."""
-    env = os.environ.get("KVPLAN_SGLANG_VENV")
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "kvplan" / f"sglang-venv-{SGLANG_VERSION}"
+    return cached("KVPLAN_SGLANG_VENV", f"sglang-venv-{SGLANG_VERSION}")
 
 
 def ensure(root: Path | None = None) -> Path:

@@ -34,12 +34,16 @@ class EnvUnavailable(RuntimeError):
     """The venv could not be built here (no network, pip failure); the message says why."""
 
 
+def cached(variable: str, name: str) -> Path:
+    """Where a test venv lives: the environment ``variable`` if set, else ``name`` in the
+    per-user cache (``~/.cache/kvplan``)."""
+    env = os.environ.get(variable)
+    return Path(env) if env else Path.home() / ".cache" / "kvplan" / name
+
+
 def venv_dir() -> Path:
     """Where the venv lives: ``$KVPLAN_VLLM_VENV`` or the per-user cache."""
-    env = os.environ.get("KVPLAN_VLLM_VENV")
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "kvplan" / f"vllm-venv-{VLLM_VERSION}"
+    return cached("KVPLAN_VLLM_VENV", f"vllm-venv-{VLLM_VERSION}")
 
 
 def python_of(root: Path) -> Path:
