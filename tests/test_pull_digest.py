@@ -107,6 +107,7 @@ class Decode:  # what Pulls reads of a decode worker rank; fail() records the ve
         self.stats, self.ctl = Stats(), Control(None, 5.0)
         self.hs = SimpleNamespace(forget=lambda engine: None)
         self.engines, self.recv_done, self.waiting, self.failed = {}, set(), {}, []
+        self.admitted, self.reporting = {}, {}  # the pulls' timelines (rank.Rank)
         # its metadata, served as a decode rank's side channel serves it (the prefill fetches)
         self.server = SideChannelServer("127.0.0.1", base, server_identity("decode", 0),
                                         metadata=ep.metadata())
