@@ -437,7 +437,7 @@ groups = TransferGroups(index=(0,), kinds=("full",), block_sizes=(16,), windows=
                         scratch=(0,))
 w = SimpleNamespace(rank=0, ep=ep, groups=groups, whole=False, timeout=10.0, heartbeat=20.0,
                     nixl_heartbeat=5.0, stats=Stats(), failed=[], recv_done=set(), engines={},
-                    nixl=SimpleNamespace(forget=lambda engine: None))
+                    nixl=SimpleNamespace(forget=lambda engine: None), admitted={}, reporting={})
 w.fail = lambda load, why, peers=(): w.failed.append(why)
 pulls, tmap, counts = Pulls(w), ep.map("stock"), [1, 1]  # decode rank 0 reads both ranks
 
@@ -480,7 +480,7 @@ wk = Worker.__new__(Worker)  # its state as register() leaves it, around the sam
 wk.__dict__.update(rank=0, ep=ep, groups=groups, lock=threading.Lock(), sends=None,
                    answers=None, writes=None, digester=object(), waiting={}, stats=Stats(),
                    engines={"stock": (tmap, counts)}, recv_done=set(), recv_failed=set(),
-                   errors=set(), ctl=None)
+                   errors=set(), ctl=None, admitted={}, reporting={})
 for b in bares:
     b.got.clear()
 wk.start(KvplanMetadata(loads=[load("cmpl-dig", [4, 5, 6])]))
