@@ -386,7 +386,6 @@ class RegionSpec:
         alone), 1 otherwise (key only)."""
         return 2 if self.kind is Kind.ATTENTION and self.stream is None else 1
 
-
     @property
     def heads(self) -> int:
         """Global KV heads (attention); a replicated region is one head every rank holds."""

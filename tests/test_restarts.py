@@ -360,7 +360,7 @@ def allowed(v):
 assert allowed(None) is None and allowed("a:1, p@[::1]:2/tp4") == ((None, "a", 1, None),
                                                                    ("p", "::1", 2, 4))
 for bad in ("a", "a:0", "a:70000", "@a:1", [5], {"a": 1}, "a:1/", "a:1/2", "a:1/tp0",
-            "a:1/tpx"):
+            "a:1/tpx", "p@a:1/tp1, q@a:1/tp2"):
     try:
         allowed(bad)
         raise AssertionError(bad)

@@ -110,6 +110,11 @@ class Settings:
                     "@" in item and not engine):
                 raise bad
             out.append((engine or None, host, int(port), int(tp[2:]) if slash else None))
+        sizes: dict[tuple[str, int], int] = {}
+        for _, host, port, tp in out:  # one prefill an address: one TP size
+            if tp is not None and sizes.setdefault((host, port), tp) != tp:
+                raise ValueError(f"kv_connector_extra_config['stock_prefills'] gives {host}:"
+                                 f"{port} two TP sizes, {sizes[host, port]} and {tp}")
         return tuple(out)
 
     def backends(self) -> tuple[str, ...]:
