@@ -164,6 +164,17 @@ assert isinstance(ctl.send(load("x", g3), 1, "RENEW"), str)    # wrong rank's id
 assert sends.finished()[1]["dropped"] == 1
 sends.hold([("c", 5)])                                   # a generation below the floor
 assert sends.finished()[0] == {"c"}                      # freed at once, never confirmable
+g4 = new_generation()                                    # a LEASE pins the hold:
+sends.hold([("d", g4)])
+before = time.monotonic()
+v, sent = ctl.lease(load("d", g4), 0, 2.0)
+assert v is Verdict.YES and before <= sent <= time.monotonic(), (v, sent)
+assert ctl.send(load("d", g4), 0, "RELEASE") is Verdict.YES   # deferred under the pin
+assert sends.finished()[0] == set()
+assert ctl.send(load("d", g4), 0, "RETURN", 1) is Verdict.YES  # the reader returns it
+done, counts = sends.finished()
+assert done == {"d"} and counts["deferred"] == 1 and counts["leased"] == 1, counts
+assert isinstance(Control("other", timeout=1.0).lease(load("d", g4), 0, 2.0)[0], str)
 ctl.close(); sends.close()
 print("ok")
 """

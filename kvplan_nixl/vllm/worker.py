@@ -6,9 +6,11 @@ Never serving freed KV (docs/vllm.md, "Holds, CONFIRM and heartbeats"): a prefil
 each request under the generation its scheduler chose (:class:`kvplan_nixl.serving.holds.Holds`) and
 reports the send finished only once the hold ended; a decode rank renews the holds it reads
 while its pull is in flight, and reports the pull finished only after every prefill rank it
-read confirmed the hold was live throughout. Nothing that talks to another engine runs on the
-engine step: handshakes on :class:`kvplan_nixl.serving.handshakes.Handshakes`' threads, RENEW,
-CONFIRM and RELEASE on a small pool of their own.
+read confirmed the hold was live throughout, or granted it a LEASE that covers the read
+(docs/vllm.md, "Reporting inside a lease": then the CONFIRM follows the report). Nothing
+that talks to another engine runs on the engine step: handshakes on
+:class:`kvplan_nixl.serving.handshakes.Handshakes`' threads, LEASE, RENEW, CONFIRM, RETURN
+and RELEASE on a small pool of their own.
 """
 
 from __future__ import annotations
