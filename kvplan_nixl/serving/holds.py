@@ -333,12 +333,12 @@ class Holds:
 
     def expire(self, now: float) -> list[str]:
         """End every hold whose lease ran out by ``now``; returns those requests (they also
-        come out of :meth:`finished`)."""
+        come out of :meth:`finished`, as do releases deferred to a pin that ended by ``now``,
+        which are not returned: they were released, not expired)."""
         _check_now(now)
-        out = [r for r, h in self._holds.items() if h.deadline <= now]
-        for r in out:
-            self._run_out(r)
-        return out
+        due = [r for r, h in self._holds.items() if h.deadline <= now]
+        # a release deferred to its pin's end ends now too, as released (not returned)
+        return [r for r in due if self._run_out(r)]
 
     def finished(self, now: float) -> list[str]:
         """Every request whose hold ended since the last call (expired at ``now`` included),
@@ -361,12 +361,14 @@ class Holds:
             return None
         return h
 
-    def _run_out(self, req: str) -> None:
+    def _run_out(self, req: str) -> bool:
         """End ``req``'s hold at its deadline: a deferred release's (the pin's end) counts as
-        released, any other as expired."""
+        released, any other as expired (True)."""
         h = self._holds[req]
-        self.counts["released" if h.pin is not None and h.pin.released else "expired"] += 1
+        expired = h.pin is None or not h.pin.released
+        self.counts["expired" if expired else "released"] += 1
         self._end(req)
+        return expired
 
     def _end(self, req: str) -> None:
         del self._holds[req]

@@ -151,8 +151,9 @@ class Pulls:
                 continue  # asked, or waiting for the prefill ranks' digests
             if p.t.ok:  # the read completed: reported inside its lease, or once confirmed
                 lease = p.lease.value
-                if lease.state is LeaseState.ASKING:
+                if lease.state is LeaseState.ASKING and now < p.seen_done + w.timeout:
                     continue  # its answers were sent for before the read: they come first
+                # (still asking after transfer_timeout_s: a job the closing pool dropped)
                 if lease.state is LeaseState.HELD and p.seen_done < lease.until:
                     self._report_leased(p, lease)
                     continue
@@ -271,6 +272,14 @@ class Pulls:
         """Ask each rank in ``peers`` for a LEASE of ``load`` (a pool job); fill ``slot``
         with what they proved: HELD (every one said yes) with the time a read must be seen
         complete before, else REFUSED (the first that did not; the rest are not asked)."""
+        try:
+            self._ask(slot, load, peers)
+        finally:  # whatever went wrong, the pull never waits for a lease nobody asks
+            if slot.value.state is LeaseState.ASKING:
+                slot.value = Lease(LeaseState.REFUSED, answered=time.monotonic(),
+                                   why="the LEASE job failed")
+
+    def _ask(self, slot: LeaseSlot, load: Load, peers: tuple[int, ...]) -> None:
         w = self.w
         granted: list[int] = []
         first = float("inf")  # the earliest send: its pin binds first
