@@ -104,6 +104,9 @@ class Decode:  # what Pulls reads of a decode worker rank; fail() records the ve
         self.rank, self.ep, self.groups, self.whole, self.digester = 0, ep, groups, False, d
         self.lock, self.timeout, self.hs_timeout = threading.Lock(), 10.0, 5.0
         self.secret, self.lease, self.heartbeat, self.sends = None, 60.0, 20.0, None
+        # no LEASE: this test counts CONFIRMs at the report (tests/test_lease_report.py
+        # reports inside a lease)
+        self.lease_pin, self.lease_margin = 0.0, 0.1
         self.stats, self.ctl = Stats(), Control(None, 5.0)
         self.hs = SimpleNamespace(forget=lambda engine: None)
         self.engines, self.recv_done, self.waiting, self.failed = {}, set(), {}, []

@@ -124,6 +124,73 @@ def test_lease_runs_out_without_heartbeats_and_not_with_them():
         assert holds.counts["expired"] == 1 and holds.counts["refused"] == 1
 
 
+def test_a_lease_pins_the_hold_and_its_reader_returns_it():
+    """LEASE (docs/vllm.md, "Reporting inside a lease"): a yes renews and pins the hold; a
+    RELEASE meanwhile is deferred (answered yes: it will end), and the leasing reader's RETURN
+    (its CONFIRM) ends it; the time the client returns was taken before the message left."""
+    with server() as (srv, holds):
+        g = held(holds, srv, lease=0.2, readers=2)
+        kw = dict(identity=ID, secret=SECRET)
+        before = time.monotonic()
+        v, sent = sc.lease(HOST, srv.port, "r", g, 5.0, **kw)
+        assert v is Verdict.YES and before <= sent <= time.monotonic()
+        assert sc.control(HOST, srv.port, "RELEASE", "r", g, **kw) is Verdict.YES
+        time.sleep(0.3)  # past the hold's own lease: the pin keeps it
+        assert "r" in holds and holds.counts["deferred"] == 1
+        assert sc.control(HOST, srv.port, "RENEW", "r", g, **kw) is Verdict.NO  # released
+        assert sc.confirm(HOST, srv.port, "r", g, readers=2, leased=True, **kw)
+        assert "r" not in holds and holds.finished(time.monotonic()) == ["r"]
+        assert sc.lease(HOST, srv.port, "r", g, 5.0, **kw)[0] is Verdict.NO  # ended
+        # a generation not held yet: asked again until the timeout, then LATER
+        assert sc.lease(HOST, srv.port, "r", g + 10**9, 1.0, timeout=0.05,
+                        **kw)[0] is Verdict.LATER
+        with pytest.raises(ArgumentError, match="pin_s"):
+            sc.lease(HOST, srv.port, "r", g, 601.0, **kw)
+
+
+def test_a_server_without_lease_refuses_it_and_acts_on_nothing():
+    """An older kvplan prefill knows RELEASE, RENEW and CONFIRM only: its parser answers an
+    unknown verb ``ERR malformed`` and acts on nothing (as _parse_control did before LEASE);
+    the client raises SideChannelRejected, and the decode waits for its CONFIRM."""
+    old_verbs = ("RELEASE", "RENEW", "CONFIRM")
+
+    class OldServer(sc.SideChannelServer):  # today's server with the old parser's verbs
+        def _answer(self, c, line):
+            if line.split(b" ", 1)[0].decode(errors="replace") not in (*old_verbs, "MD"):
+                return self._refuse("malformed")
+            return super()._answer(c, line)
+
+    holds, lock = Holds(), threading.Lock()
+    with OldServer(HOST, 0, ID, secret=SECRET, holds=holds, lock=lock) as srv:
+        g = held(holds, srv, readers=1)
+        with pytest.raises(sc.SideChannelRejected, match="malformed") as e:
+            sc.lease(HOST, srv.port, "r", g, 5.0, identity=ID, secret=SECRET)
+        assert e.value.reason == "malformed" and holds.counts["leased"] == 0
+        assert sc.control(HOST, srv.port, "RELEASE", "r", g, identity=ID,
+                          secret=SECRET) is Verdict.YES  # not pinned: ends at once
+        assert "r" not in holds
+
+
+def test_a_forged_or_unsigned_lease_is_refused_and_pins_nothing():
+    with server() as (srv, holds):
+        g = held(holds, srv)
+        with pytest.raises(sc.SideChannelRejected, match="forged"):
+            sc.lease(HOST, srv.port, "r", g, 5.0, identity=ID, secret=b"other")
+        _, ans = raw(srv.port, f"LEASE r {g} 5000 {'0' * 32} {'1' * 32} -\n".encode())
+        assert ans == b"ERR unsigned\n"
+        with closing(socket.create_connection((HOST, srv.port))) as s:  # signed, pin too long
+            f = s.makefile("rb")
+            nonce = f.readline().split()[1].decode()
+            line = signed_line(nonce, "LEASE", gen=g).replace(b" 0 " + nonce.encode(),
+                                                              b" 600001 " + nonce.encode())
+            s.sendall(line)
+            assert f.read() == b"ERR malformed\n"
+        assert holds.counts["leased"] == 0
+        assert sc.control(HOST, srv.port, "RELEASE", "r", g, identity=ID,
+                          secret=SECRET) is Verdict.YES and "r" not in holds  # not deferred
+        assert (srv.stats["forged"], srv.stats["unsigned"], srv.stats["malformed"]) == (1, 1, 1)
+
+
 def test_identity_mismatch_is_refused_by_the_client():
     with server() as (srv, _):
         with pytest.raises(sc.SideChannelRejected, match="serves 'prefill#0', not 'prefill#1'"):
@@ -316,7 +383,8 @@ def test_an_oversized_line_closes_the_connection_and_the_server_keeps_serving():
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(line=st.one_of(
     st.binary(max_size=300),
-    st.lists(st.sampled_from(["RELEASE", "CONFIRM", "RENEW", "r", "1", "-", "0" * 32, "x" * 64,
+    st.lists(st.sampled_from(["RELEASE", "CONFIRM", "RENEW", "LEASE", "RETURN", "r", "1", "-",
+                              "0" * 32, "x" * 64,
                               "%ff", "", "99999999999999999999"]),
              max_size=8).map(lambda p: " ".join(p).encode())))
 def test_malformed_lines_are_dropped_and_never_acted_on(shared_server, line):
@@ -325,6 +393,7 @@ def test_malformed_lines_are_dropped_and_never_acted_on(shared_server, line):
     _, ans = raw(srv.port, line)
     assert ans.startswith(b"ERR ") or ans == b"\x00\x00\x00\x04blob"  # MD alone: the blob
     assert holds.generation("r") == g and holds.counts["released"] == 0
+    assert holds.counts["leased"] == 0
 
 
 @pytest.fixture(scope="module")

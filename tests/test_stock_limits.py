@@ -436,8 +436,9 @@ for r, b in enumerate(bares):
 groups = TransferGroups(index=(0,), kinds=("full",), block_sizes=(16,), windows=(None,),
                         scratch=(0,))
 w = SimpleNamespace(rank=0, ep=ep, groups=groups, whole=False, timeout=10.0, heartbeat=20.0,
-                    nixl_heartbeat=5.0, stats=Stats(), failed=[], recv_done=set(), engines={},
-                    nixl=SimpleNamespace(forget=lambda engine: None), admitted={}, reporting={})
+                    nixl_heartbeat=5.0, lease_pin=5.0, lease_margin=0.1, stats=Stats(), failed=[],
+                    recv_done=set(), engines={}, nixl=SimpleNamespace(forget=lambda engine: None),
+                    admitted={}, reporting={})
 w.fail = lambda load, why, peers=(): w.failed.append(why)
 pulls, tmap, counts = Pulls(w), ep.map("stock"), [1, 1]  # decode rank 0 reads both ranks
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.vllm_pool import check_equal, failures, pd, prompt
 
-DONE = r"kvplan: pull req=\S+ done in \S+ s, confirmed by prefill"
+DONE = r"kvplan: pull req=\S+ done in \S+ s, (confirmed by|inside its lease on) prefill"
 POLICY = r"its blocks go to vLLM's kv_load_failure_policy"
 AGAIN = r"connecting the prefill afresh and posting once more"
 GONE = r"went \(peer closed its endpoint\): the next request naming it connects afresh"

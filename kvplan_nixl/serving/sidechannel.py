@@ -10,11 +10,16 @@ One request per connection, so that no connection outlives one exchange::
     server -> client   YES|NO|LATER <mac>\\n   or   ERR <reason>\\n
 
 ``VERB`` is ``RELEASE`` (nobody will read the request: end its hold), ``RENEW`` (a decode's
-heartbeat: extend the lease) or ``CONFIRM`` (the read completed: was the request held the whole
-time? yes counts as the reader's release; ``readers``, 0 for the other verbs, is how many decode
-ranks read this prefill rank, so the last one's CONFIRM ends the hold); ``req`` is %-quoted;
-the answers are :class:`~kvplan_nixl.serving.holds.Verdict`
-values (see :mod:`kvplan_nixl.serving.holds`).
+heartbeat: extend the lease), ``CONFIRM`` (the read completed: was the request held the whole
+time? yes counts as the reader's release; ``readers``, 0 for RELEASE and RENEW, is how many
+decode ranks read this prefill rank, so the last one's CONFIRM ends the hold), ``LEASE`` (a
+RENEW that also pins the hold for ``readers`` milliseconds: a RELEASE meanwhile is deferred,
+so that the decode may report a read that completed inside the pin without waiting for its
+CONFIRM) or ``RETURN`` (the CONFIRM of a reader that holds a LEASE, which it returns);
+``req`` is %-quoted; the answers are :class:`~kvplan_nixl.serving.holds.Verdict` values (see
+:mod:`kvplan_nixl.serving.holds`). A server older than LEASE and RETURN answers them ``ERR
+malformed`` (an unknown verb) and acts on nothing: :func:`lease` raises
+:class:`SideChannelRejected`, and its decode waits for the CONFIRM as before.
 
 **Under a deployment secret** every control message carries ``mac`` = HMAC-SHA256, under a key
 derived from the secret, over the receiver's identity (engine and rank), the verb, request,
@@ -53,18 +58,21 @@ from urllib.parse import quote, unquote
 
 from kvplan_nixl.errors import ArgumentError, ExecutorError
 from kvplan_nixl.metadata import MAX_BLOB_BYTES, check_secret
-from kvplan_nixl.serving.holds import Holds, Verdict
+from kvplan_nixl.serving.holds import MAX_PIN_S, Holds, Verdict
 from kvplan_nixl.serving.locks import FairLock
 
 __all__ = [
     "MAX_METADATA", "VERBS", "PortInUseError", "SideChannelClosed", "SideChannelError",
     "SideChannelProtocolError", "SideChannelRejected", "SideChannelServer", "SideChannelTimeout",
     "confirm", "control",
-    "fetch_metadata", "server_identity", "side_channel_port",
+    "fetch_metadata", "lease", "server_identity", "side_channel_port",
 ]
 
-#: The control verbs.
-VERBS = ("RELEASE", "RENEW", "CONFIRM")
+#: The control verbs (LEASE and RETURN: docs/vllm.md, "Reporting inside a lease").
+VERBS = ("RELEASE", "RENEW", "CONFIRM", "LEASE", "RETURN")
+#: The longest pin a LEASE may ask, in milliseconds (its ``readers`` field); longer is
+#: malformed.
+MAX_PIN_MS = int(MAX_PIN_S * 1000)
 #: The most metadata bytes a client reads (a larger length prefix is refused unread).
 MAX_METADATA = MAX_BLOB_BYTES
 #: Request ids longer than this (UTF-8 bytes) are refused.
@@ -175,7 +183,10 @@ def _parse_control(parts: list[str]) -> tuple[str, str, int, int] | None:
     verb, req_q, gen, readers, ns, nc, mac = parts
     if not (gen.isascii() and gen.isdigit() and len(gen) <= 19 and int(gen) < 1 << 63):
         return None
-    if not (readers.isascii() and readers.isdigit() and len(readers) <= 4):
+    if not (readers.isascii() and readers.isdigit() and len(readers) <= 6):
+        return None
+    # LEASE's field is its pin in ms (> 0); the others' a reader count below 10**4
+    if not (0 < int(readers) <= MAX_PIN_MS if verb == "LEASE" else int(readers) < 10**4):
         return None
     if not (_is_hex(ns, 2 * _NONCE) and _is_hex(nc, 2 * _NONCE)
             and (mac == "-" or _is_hex(mac, 64))) or len(req_q) > 3 * MAX_REQUEST_ID:
@@ -391,15 +402,17 @@ class SideChannelServer:
             return b"ERR no-holds\n"
         now = self._clock()
         with self.lock:
-            if verb == "CONFIRM":
+            if verb in ("CONFIRM", "RETURN"):
                 v = self.holds.verdict(req, gen, now)
                 if v is not Verdict.LATER:  # LATER is asked again: not counted as refused
-                    v = Verdict.YES if self.holds.confirm(req, gen, now, readers) \
-                        else Verdict.NO
+                    v = Verdict.YES if self.holds.confirm(
+                        req, gen, now, readers, leased=verb == "RETURN") else Verdict.NO
+            elif verb == "LEASE":
+                v = self.holds.lease(req, gen, now, readers / 1000)
             elif verb == "RENEW":
                 v = self.holds.verdict(req, gen, now)
-                if v is Verdict.YES:
-                    self.holds.renew(req, gen, now)
+                if v is Verdict.YES and not self.holds.renew(req, gen, now):
+                    v = Verdict.NO  # released under a pin: it ends at the pin's end
             else:
                 v = Verdict.YES if self.holds.release(req, gen, now) else Verdict.NO
         self.stats["control"] += 1
@@ -557,12 +570,15 @@ def control(host: str, port: int, verb: str, req: str, generation: int, *, ident
     """Send one control message (``verb`` of :data:`VERBS`) to the rank ``identity`` at
     ``host:port`` and return its verdict, within ``timeout`` seconds. Under ``secret`` the
     message is signed and the answer checked. Raises :class:`SideChannelRejected` on ``ERR``.
-    ``readers`` (CONFIRM): decode ranks that read this prefill rank (0: not counted).
+    ``readers`` (CONFIRM, RETURN): decode ranks that read this prefill rank (0: not counted);
+    for LEASE the pin in milliseconds (use :func:`lease`).
     """
-    if isinstance(readers, bool) or not isinstance(readers, int) or not 0 <= readers < 10**4:
-        raise ArgumentError(f"readers must be an int in [0, 10000), got {readers!r}")
     if verb not in VERBS:
         raise ArgumentError(f"verb must be one of {VERBS}, got {verb!r}")
+    low, high = (1, MAX_PIN_MS + 1) if verb == "LEASE" else (0, 10**4)
+    if isinstance(readers, bool) or not isinstance(readers, int) or not low <= readers < high:
+        raise ArgumentError(f"readers must be an int in [{low}, {high}) for {verb}, got "
+                            f"{readers!r}")
     if not isinstance(req, str) or not req or len(req.encode()) > MAX_REQUEST_ID:
         raise ArgumentError(f"req must be a non-empty str of at most {MAX_REQUEST_ID} bytes, "
                             f"got {req!r:.80}")
@@ -597,19 +613,45 @@ def control(host: str, port: int, verb: str, req: str, generation: int, *, ident
 
 def confirm(host: str, port: int, req: str, generation: int, *, identity: str,
             secret: bytes | str | None = None, timeout: float = 5.0,
-            retry_s: float = 0.005, readers: int = 0) -> bool:
+            retry_s: float = 0.005, readers: int = 0, leased: bool = False) -> bool:
     """CONFIRM a completed read: True only on the prefill's YES. LATER (the hold has not
     reached that worker yet) is asked again every ``retry_s`` until ``timeout`` has passed
     in all, then False. Transport and protocol errors raise (a caller treats them as not
-    confirmed: the pull goes to the failure policy). ``readers``: see :func:`control`."""
+    confirmed: the pull goes to the failure policy). ``readers``: see :func:`control`.
+    ``leased``: this reader holds a LEASE of the hold (sent as RETURN, which returns it)."""
     end = time.monotonic() + timeout
     while True:
         left = end - time.monotonic()
-        v = control(host, port, "CONFIRM", req, generation, identity=identity, secret=secret,
-                    timeout=max(left, 1e-3), readers=readers)
+        v = control(host, port, "RETURN" if leased else "CONFIRM", req, generation,
+                    identity=identity, secret=secret, timeout=max(left, 1e-3),
+                    readers=readers)
         if v is not Verdict.LATER:
             return v is Verdict.YES
         if end - time.monotonic() <= retry_s:
             return False
         time.sleep(retry_s)
 
+
+
+def lease(host: str, port: int, req: str, generation: int, pin_s: float, *, identity: str,
+          secret: bytes | str | None = None, timeout: float = 5.0,
+          retry_s: float = 0.005) -> tuple[Verdict, float]:
+    """LEASE ``req``: renew its hold and pin it for ``pin_s`` seconds (rounded down to the
+    millisecond). Returns the verdict and the client's ``time.monotonic()`` taken just before
+    the attempt that got it was sent: a YES promises the hold until at least that time plus
+    the pin, measured on the prefill's clock (the decode allows for the two clocks' rates).
+    LATER is asked again every ``retry_s`` until ``timeout``, then returned. Errors raise as
+    :func:`control`'s; a server older than LEASE raises :class:`SideChannelRejected` with the
+    reason ``malformed``."""
+    ms = int(pin_s * 1000) if isinstance(pin_s, (int, float)) and pin_s == pin_s else 0
+    if isinstance(pin_s, bool) or not 1 <= ms <= MAX_PIN_MS:
+        raise ArgumentError(f"pin_s must be a number of seconds in [0.001, {MAX_PIN_S:g}], "
+                            f"got {pin_s!r}")
+    end = time.monotonic() + timeout
+    while True:
+        sent = time.monotonic()  # before the message leaves: the pin starts after it
+        v = control(host, port, "LEASE", req, generation, identity=identity, secret=secret,
+                    timeout=max(end - sent, 1e-3), readers=ms)
+        if v is not Verdict.LATER or end - time.monotonic() <= retry_s:
+            return v, sent
+        time.sleep(retry_s)

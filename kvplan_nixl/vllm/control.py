@@ -1,6 +1,7 @@
 """The two sides of the hold protocol in ``KvplanConnector`` (docs/vllm.md, "Never serving
 freed KV"): :class:`Sends`, a prefill rank's hold table and the side channel server that
-answers from it; :class:`Control`, a decode rank's RENEW / CONFIRM / RELEASE messages, sent on
+answers from it; :class:`Control`, a decode rank's RENEW / LEASE / CONFIRM / RETURN / RELEASE
+messages, sent on
 bounded pools of threads so that none runs on the engine step, and CONFIRM / RENEW never wait
 behind a RELEASE (the class docstring says why).
 """
@@ -32,6 +33,9 @@ URGENT_QUEUE = 1024
 RELEASE_QUEUE = 1024
 #: Threads sending RELEASE messages.
 RELEASE_WORKERS = 8
+#: What :meth:`Control.lease` answers for a prefill that does not know LEASE (an older
+#: kvplan: its side channel answers an unknown verb ``ERR malformed``).
+UNKNOWN_VERB = "the prefill rank does not know LEASE (an older kvplan)"
 
 
 class Sends:
@@ -126,14 +130,30 @@ class Control:
         kw = dict(identity=sc.server_identity(load.engine, rank), secret=self.secret,
                   timeout=self.timeout)
         try:
-            if verb == "CONFIRM":
+            if verb in ("CONFIRM", "RETURN"):  # RETURN: a leasing reader's, returns its pin
                 ok = sc.confirm(load.host, load.port + rank, load.remote_req, load.generation,
-                                readers=readers, **kw)
+                                readers=readers, leased=verb == "RETURN", **kw)
                 return Verdict.YES if ok else Verdict.NO
             return sc.control(load.host, load.port + rank, verb, load.remote_req,
                               load.generation, **kw)
         except (ExecutorError, OSError) as e:
             return f"{type(e).__name__}: {e}"
+
+    def lease(self, load: Load, rank: int, pin: float) -> tuple[Verdict | str, float]:
+        """LEASE ``load`` on prefill rank ``rank`` for ``pin`` seconds (blocking, in a pool
+        thread): its verdict, or why it failed (:data:`UNKNOWN_VERB` for a prefill that lacks
+        LEASE), and this thread's ``time.monotonic()`` taken just before the answered message
+        was sent (the pin runs from after it)."""
+        kw = dict(identity=sc.server_identity(load.engine, rank), secret=self.secret,
+                  timeout=self.timeout)
+        try:
+            return sc.lease(load.host, load.port + rank, load.remote_req, load.generation,
+                            pin, **kw)
+        except sc.SideChannelRejected as e:
+            return (UNKNOWN_VERB if e.reason == "malformed" else f"{type(e).__name__}: {e}",
+                    0.0)
+        except (ExecutorError, OSError) as e:
+            return f"{type(e).__name__}: {e}", 0.0
 
     def release(self, load: Load, ranks: Iterable[int]) -> None:
         """End ``load``'s holds on ``ranks`` (nobody reads them, or the pull failed): one

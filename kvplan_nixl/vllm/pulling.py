@@ -5,11 +5,14 @@ serving freed KV").
 Each pull is one kvplan plan over every KV-cache group: the prefill's handed lists and the
 decode's own blocks become kvplan lists (:class:`kvplan.adapters.vllm.TransferGroups`: null
 blocks absent, a state group's running slot), ``tokens=(held, end)`` bounds the token
-groups, and state slots move whole. A read that completed is reported only once every
-prefill rank it read answered its CONFIRM yes; RENEW and CONFIRM run on the rank's
+groups, and state slots move whole. A read that completed is reported only once the prefill
+ranks it read proved they held its blocks throughout: by a LEASE each answered yes before the
+read was seen complete, within the lease's margin (reported at once; its CONFIRM, sent as a
+RETURN, follows off the critical path), else by every CONFIRM answered yes (docs/vllm.md,
+"Reporting inside a lease"). LEASE, RENEW, CONFIRM and RETURN run on the rank's
 :class:`kvplan_nixl.vllm.control.Control` pool, never on the engine step. With the transfer
-digest on, the CONFIRM waits for each prefill rank's digest of what it read, and is never sent
-for a read that does not match (:mod:`kvplan_nixl.vllm.pull_digest`).
+digest on, the report waits for each prefill rank's digest of what it read, and no CONFIRM is
+sent for a read that does not match (:mod:`kvplan_nixl.vllm.pull_digest`).
 
 A prefill running vLLM's own NixlConnector (``load.peer == "nixl"``) speaks its own protocol
 instead, over NIXL notifications (``pull_worker.py``): no RENEW, CONFIRM or RELEASE; while the
@@ -36,7 +39,8 @@ from vllm.logger import init_logger
 from kvplan_nixl.serving.holds import Verdict
 from kvplan_nixl.serving.pull_digests import parse_answer
 from kvplan_nixl.vllm import pull_digest
-from kvplan_nixl.vllm.pull import Pull
+from kvplan_nixl.vllm.control import UNKNOWN_VERB
+from kvplan_nixl.vllm.pull import ASKING, Lease, LeaseSlot, LeaseState, Pull
 from kvplan_nixl.vllm.spans import lacking, span
 
 if TYPE_CHECKING:
@@ -46,6 +50,14 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.kvplan_nixl")
 
+#: How far the two hosts' monotonic clocks may differ in rate (NTP slews a clock by at most
+#: 500 ppm): the pin a prefill grants for ``pin`` of its seconds lasts at least
+#: ``pin * (1 - RHO)`` of this rank's.
+RHO = 1e-3
+#: A prefill that answered LEASE as an unknown verb is not asked again for this long (s):
+#: an older kvplan, or one upgraded in place, is probed once a minute, not every request.
+LEASE_RETRY_S = 60.0
+
 
 class Pulls:
     """A decode rank's pulls in flight (see the module docstring)."""
@@ -54,6 +66,9 @@ class Pulls:
         self.w = rank
         self.inflight: dict[str, Pull] = {}
         self.pool: ThreadPoolExecutor | None = None  # the digests of reads (made when needed)
+        # prefill engines that lack LEASE -> when to ask again (one entry per engine read)
+        self.no_lease: dict[str, float] = {}
+        self.unreturned: list[Pull] = []  # reported inside a lease, RETURN not queued yet
 
     def post(self, load: Load, tmap: Any, counts: list[int]) -> None:
         """Plan ``load`` with the pull map ``tmap`` of its connected prefill and post it."""
@@ -64,6 +79,9 @@ class Pulls:
             dst = w.groups.local(load.local_ids)
             start, end = span(w.groups, w.whole, load.start, load.end, src, dst)
             plan = tmap.plan(src, dst, tokens=(start, end))
+            # the LEASEs leave before the read is posted: their round trips overlap the post
+            # and the read (a job that outlives a refused post only pins the hold a while)
+            lease = self._ask_lease(load, tuple(tmap.peers), started)
             t0 = time.perf_counter()
             t = w.ep.read(plan, load.engine, timeout=w.timeout)
         except Exception:  # refused before anything was posted: the caller fails the load
@@ -89,15 +107,37 @@ class Pulls:
         beat = time.monotonic() + (0.0 if load.peer == "nixl" else w.heartbeat)
         self.inflight[load.req_id] = Pull(
             load, t, counts, tuple(tmap.peers), post_s, len(plan), sum(t.runs().values()), beat,
-            admitted=w.admitted.get(load.req_id, started), started=started, posted=posted)
+            admitted=w.admitted.get(load.req_id, started), started=started, posted=posted,
+            lease=lease)
+
+    def _ask_lease(self, load: Load, peers: tuple[int, ...], now: float) -> LeaseSlot:
+        """Send ``load``'s LEASE to each prefill rank in ``peers`` on the pool (a kvplan
+        prefill, leases on, not known to lack LEASE); the slot its answers fill."""
+        w = self.w
+        slot = LeaseSlot()
+        if load.peer != "kvplan" or not w.lease_pin or not peers \
+                or self.no_lease.get(load.engine, 0.0) > now:
+            return slot
+        slot.value = ASKING
+        if not w.ctl.submit(load, self._lease, slot, load, peers):  # the pool is full
+            slot.value = Lease(LeaseState.NONE)
+        return slot
 
     def progress(self, now: float) -> None:
-        """Poll the reads in flight: heartbeats while pending, CONFIRM once complete."""
+        """Poll the reads in flight: heartbeats while pending; once complete, reported at
+        once inside its lease, else after its CONFIRM."""
         w = self.w
+        if self.unreturned:  # RETURNs the pool could not take: queued again
+            self.unreturned = [p for p in self.unreturned
+                               if not w.ctl.submit(p.load, self._return, p)]
         for req_id, p in list(self.inflight.items()):
             if p.confirming:
                 continue
             p.t.poll()
+            if p.t.done and not p.seen_done:
+                # taken after the poll that saw it: the read ended before this time (``now``
+                # came before the poll, maybe before the read ended; a lease needs after)
+                p.seen_done = time.monotonic()
             if p.load.peer == "nixl":
                 self._nixl(req_id, p, now)
                 continue
@@ -109,8 +149,15 @@ class Pulls:
                 continue
             if p.t.ok and w.digester is not None and not self._digested(p, now):
                 continue  # asked, or waiting for the prefill ranks' digests
-            if p.t.ok:  # the read completed: reported only once every rank read confirms
-                p.confirming, p.seen_done = True, p.seen_done or now
+            if p.t.ok:  # the read completed: reported inside its lease, or once confirmed
+                lease = p.lease.value
+                if lease.state is LeaseState.ASKING and now < p.seen_done + w.timeout:
+                    continue  # its answers were sent for before the read: they come first
+                # (still asking after transfer_timeout_s: a job the closing pool dropped)
+                if lease.state is LeaseState.HELD and p.seen_done < lease.until:
+                    self._report_leased(p, lease)
+                    continue
+                p.confirming = True
                 if not w.ctl.submit(p.load, self._confirm, p):  # the pool is full
                     p.confirming = False  # asked again at the next poll
             else:
@@ -161,7 +208,7 @@ class Pulls:
         if p.verified:
             return True
         if not p.asked_until:
-            p.asked_until, p.seen_done = now + w.timeout, now
+            p.asked_until, p.seen_done = now + w.timeout, p.seen_done or now
             try:
                 pull_digest.ask(w, p)
             except Exception as e:  # cannot ask: never used unchecked
@@ -221,10 +268,81 @@ class Pulls:
         finally:
             p.beating = False
 
+    def _lease(self, slot: LeaseSlot, load: Load, peers: tuple[int, ...]) -> None:
+        """Ask each rank in ``peers`` for a LEASE of ``load`` (a pool job); fill ``slot``
+        with what they proved: HELD (every one said yes) with the time a read must be seen
+        complete before, else REFUSED (the first that did not; the rest are not asked)."""
+        try:
+            self._ask(slot, load, peers)
+        finally:  # whatever went wrong, the pull never waits for a lease nobody asks
+            if slot.value.state is LeaseState.ASKING:
+                slot.value = Lease(LeaseState.REFUSED, answered=time.monotonic(),
+                                   why="the LEASE job failed")
+
+    def _ask(self, slot: LeaseSlot, load: Load, peers: tuple[int, ...]) -> None:
+        w = self.w
+        granted: list[int] = []
+        first = float("inf")  # the earliest send: its pin binds first
+        for r in peers:
+            v, sent = w.ctl.lease(load, r, w.lease_pin)
+            if v is not Verdict.YES:
+                why = getattr(v, "value", v)
+                if v == UNKNOWN_VERB:  # an older kvplan: CONFIRM as before, asked again later
+                    with w.lock:
+                        self.no_lease[load.engine] = time.monotonic() + LEASE_RETRY_S
+                logger.info("kvplan: pull req=%s not leased by prefill rank %d (%s): reported "
+                            "after its CONFIRM", load.req_id, r, why)
+                slot.value = Lease(LeaseState.REFUSED, granted=frozenset(granted),
+                                   answered=time.monotonic(), why=f"rank {r}: {why}")
+                return
+            granted.append(r)
+            first = min(first, sent)
+        # the pin, as sent (whole ms), lasts at least pin * (1 - RHO) of this clock from
+        # before the first LEASE left; the margin keeps a read seen complete near its end out
+        pin = int(w.lease_pin * 1000) / 1000
+        slot.value = Lease(LeaseState.HELD, until=first + pin * (1 - RHO) - w.lease_margin,
+                           granted=frozenset(granted), answered=time.monotonic())
+
+    def _report_leased(self, p: Pull, lease: Lease) -> None:
+        """``p``'s read was seen complete inside its lease: reported loaded now (under the
+        rank's lock, by the progress loop); its RETURNs follow on the pool."""
+        w = self.w
+        del self.inflight[p.load.req_id]
+        w.recv_done.add(p.load.req_id)
+        w.reporting[p.load.req_id] = (p.admitted, p.started, p.posted, p.seen_done,
+                                      max(p.seen_done, lease.answered))
+        w.stats.record_transfer(p.t.seconds or 0.0, p.post_s, p.t.plan.nbytes, p.runs,
+                                p.descriptors)
+        w.stats.record("num_leased_pulls")
+        logger.info("kvplan: pull req=%s done in %.4f s, inside its lease on prefill rank(s) "
+                    "%s (%.1f ms to spare); its RETURN follows", p.load.req_id,
+                    p.t.seconds or 0.0, list(p.peers), (lease.until - p.seen_done) * 1e3)
+        if not w.ctl.submit(p.load, self._return, p):  # the pool is full: queued again
+            self.unreturned.append(p)
+
+    def _return(self, p: Pull) -> None:
+        """The CONFIRM of a pull reported inside its lease, as the reader's release (RETURN:
+        its pin ends too). Awaited by nothing: a refusal is logged and counted, no more (the
+        read was inside the lease; the hold then ends at the pin's or the lease's end)."""
+        w = self.w
+        granted = p.lease.value.granted
+        answers = {r: w.ctl.send(p.load, r, "RETURN" if r in granted else "CONFIRM",
+                                 p.counts[r]) for r in p.peers}
+        refused = {r: getattr(v, "value", v) for r, v in answers.items()
+                   if v is not Verdict.YES}
+        if refused:
+            logger.warning("kvplan: pull req=%s, reported inside its lease: its RETURN was "
+                           "answered %s (the read was covered; the prefill frees the blocks "
+                           "at the pin's end)", p.load.req_id, refused)
+            with w.lock:
+                w.stats.record("num_returns_refused")
+
     def _confirm(self, p: Pull) -> None:
         w = self.w
+        granted = p.lease.value.granted  # ranks that pinned it: RETURN ends their pins too
         try:
-            answers = {r: w.ctl.send(p.load, r, "CONFIRM", p.counts[r]) for r in p.peers}
+            answers = {r: w.ctl.send(p.load, r, "RETURN" if r in granted else "CONFIRM",
+                                     p.counts[r]) for r in p.peers}
             refused = {r: getattr(v, "value", v) for r, v in answers.items()
                        if v is not Verdict.YES}
         except Exception as e:  # never leave the pull unreported: not confirmed

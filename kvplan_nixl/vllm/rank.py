@@ -36,6 +36,8 @@ class Rank(Protocol):
     secret: str | None  # the deployment secret (signs metadata and control messages)
     lease: float  # lease_s
     heartbeat: float  # heartbeat_s
+    lease_pin: float  # lease_pin_s: the pin a LEASE asks (0: no LEASE, CONFIRM before report)
+    lease_margin: float  # lease_margin_s: a leased read must be seen complete this much early
     nixl_heartbeat: float  # a NixlConnector prefill's: kv_lease_duration / 6
     stats: KvplanStats
     digester: Digester | None  # the transfer digest's, None when it is off

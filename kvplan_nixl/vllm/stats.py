@@ -42,18 +42,25 @@ SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_runs",
 #: (kvplan_nixl.vllm.outcomes); the other failures by each worker rank that saw them.
 #: ``num_unconfirmed_pulls``: pulls from a prefill running vLLM's own NixlConnector, used
 #: without a CONFIRM (such a prefill holds no lease of ours: docs/vllm.md, "Migrating a fleet").
+#: ``num_leased_pulls``: pulls reported inside their LEASE, before their CONFIRM (a RETURN,
+#: sent after the report); ``num_returns_refused``: such RETURNs answered other than yes
+#: (logged; the read was inside the lease, so nothing was served from freed KV).
 #: A pulled request's timeline on a decode rank, one entry per phase per pull reported loaded
 #: (seconds, the worker's monotonic clock): between the events of :data:`MARKS`, in order, and
-#: ``phase_handover`` from the first to the last (their sum). A NixlConnector prefill's pull
-#: has no CONFIRM: its ``phase_confirm`` is 0.
+#: ``phase_handover`` from the first to the last (their sum). ``phase_confirm`` is what the
+#: report waited for after the read: every CONFIRM's yes, or for a pull reported inside its
+#: lease (``num_leased_pulls``) the LEASE answers still missing when the read completed (0
+#: when they came first: the CONFIRM then runs after the report, off the critical path). A
+#: NixlConnector prefill's pull has no CONFIRM: its ``phase_confirm`` is 0.
 PHASES = ("phase_handshake", "phase_post", "phase_read", "phase_confirm", "phase_report",
           "phase_handover")
 #: The events a pulled request's timeline is measured between, each where it happens on the
 #: decode worker: ``admitted`` (the scheduler's metadata handed the load to the worker,
 #: ``start_load_kv``), ``started`` (its prefill connected, the worker starts planning it: the
 #: handshake's end as the worker saw it), ``posted`` (``Endpoint.read`` returned), ``read``
-#: (a poll saw the read complete), ``confirmed`` (every prefill rank read answered its
-#: CONFIRM), ``reported`` (``get_finished`` handed it to the scheduler).
+#: (a poll saw the read complete), ``confirmed`` (the pull proven read from held blocks: every
+#: prefill rank read answered its CONFIRM, or inside a lease the later of ``read`` and its
+#: last LEASE answer), ``reported`` (``get_finished`` handed it to the scheduler).
 MARKS = ("admitted", "started", "posted", "read", "confirmed", "reported")
 
 
@@ -73,7 +80,7 @@ def phases(marks: tuple[float, ...] | list[float]) -> tuple[float, ...]:
 
 COUNTS = ("num_failed_transfers", "num_failed_handshakes", "num_kv_expired_reqs",
           "num_confirmations_refused", "num_side_channel_dropped", "num_failed_loads",
-          "num_unconfirmed_pulls")
+          "num_unconfirmed_pulls", "num_leased_pulls", "num_returns_refused")
 
 
 @dataclass
@@ -142,7 +149,8 @@ class KvplanStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         """The log line's values: successful pulls, mean and p90 times (ms), MB and
         throughput, mean runs and descriptors; the mean and p90 handover (:data:`PHASES`:
-        from admission to the report, ms) and the mean CONFIRM (ms); the counts summed."""
+        from admission to the report, ms) and the mean wait after the read (``phase_confirm``,
+        ms); the counts summed."""
         counts = {
             "Num failed transfers": sum(self.data["num_failed_transfers"])
             + sum(self.data["num_failed_handshakes"]),
@@ -151,6 +159,8 @@ class KvplanStats(KVConnectorStats):
             "Num side channel dropped": sum(self.data["num_side_channel_dropped"]),
             "Num failed loads": sum(self.data["num_failed_loads"]),
             "Num unconfirmed pulls": sum(self.data["num_unconfirmed_pulls"]),
+            "Num leased pulls": sum(self.data["num_leased_pulls"]),
+            "Num returns refused": sum(self.data["num_returns_refused"]),
         }
         hand = np.asarray(self.data["phase_handover"], dtype=np.float64)
         conf = np.asarray(self.data["phase_confirm"], dtype=np.float64)

@@ -6,9 +6,11 @@ Never serving freed KV (docs/vllm.md, "Holds, CONFIRM and heartbeats"): a prefil
 each request under the generation its scheduler chose (:class:`kvplan_nixl.serving.holds.Holds`) and
 reports the send finished only once the hold ended; a decode rank renews the holds it reads
 while its pull is in flight, and reports the pull finished only after every prefill rank it
-read confirmed the hold was live throughout. Nothing that talks to another engine runs on the
-engine step: handshakes on :class:`kvplan_nixl.serving.handshakes.Handshakes`' threads, RENEW,
-CONFIRM and RELEASE on a small pool of their own.
+read confirmed the hold was live throughout, or granted it a LEASE that covers the read
+(docs/vllm.md, "Reporting inside a lease": then the CONFIRM follows the report). Nothing
+that talks to another engine runs on the engine step: handshakes on
+:class:`kvplan_nixl.serving.handshakes.Handshakes`' threads, LEASE, RENEW, CONFIRM, RETURN
+and RELEASE on a small pool of their own.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvplan_nixl.serving.handshakes import (
     HandshakeState,
     identity,
 )
+from kvplan_nixl.serving.holds import MAX_PIN_S
 from kvplan_nixl.serving.locks import FairLock
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
@@ -71,6 +74,19 @@ class Worker:
         self.layer_wait = c.seconds("layerwise_wait_s", 1.0, zero=True)
         self.heartbeat = c.seconds("heartbeat_s", self.lease / 3)
         self.nixl_heartbeat = c.nixl_heartbeat()  # a NixlConnector prefill's: its lease / 6
+        # reporting inside a lease (docs/vllm.md): the pin each LEASE asks, 0 for none, and
+        # how long before the pin's end a read must be seen complete to be reported at once
+        # (by default no longer than lease_s: a LEASE then keeps a hold no longer than a
+        # RENEW at the same moment would; a lease_s too short to leave a margin: no LEASE)
+        self.lease_margin = c.seconds("lease_margin_s", 0.1, zero=True)
+        self.lease_pin = c.seconds("lease_pin_s", min(5.0, self.lease), zero=True)
+        if "lease_pin_s" not in c.extra and self.lease_pin <= self.lease_margin:
+            self.lease_pin = 0.0
+        if self.lease_pin and not self.lease_margin < self.lease_pin <= MAX_PIN_S:
+            raise ValueError(
+                f"kv_connector_extra_config['lease_pin_s'] = {self.lease_pin:g} must be 0 "
+                f"(no leases) or above lease_margin_s = {self.lease_margin:g} and at most "
+                f"{MAX_PIN_S:g}")
         if self.heartbeat > self.lease / 3:
             raise ValueError(
                 f"kv_connector_extra_config['heartbeat_s'] = {self.heartbeat:g} is above "
