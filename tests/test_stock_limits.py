@@ -237,6 +237,31 @@ def test_a_claimed_tp_size_is_checked_against_rank_0s_block_lengths():
         check_first_rank(dspec, meta1, 0, backend="CPU_ATTN")
 
 
+@pytest.mark.parametrize(("mla", "heads", "tp", "claim", "fits"), [
+    (False, 2, 2, 2, None), (False, 2, 2, 4, 2), (False, 2, 2, 128, 2), (False, 2, 1, 1, None),
+    (False, 4, 4, 4, None),  # TP 3 would read alike, but vLLM cannot run 4 heads at TP 3
+    (False, 4, 2, 2, None), (True, 2, 1, 2, 1), (True, 2, 2, 2, 1), (True, 2, 4, 4, 1),
+    (True, 2, 1, 1, None)])
+def test_a_claim_rank_0_cannot_tell_from_fewer_ranks_is_found(mla, heads, tp, claim, fits):
+    """Gap (a'): :func:`kvplan.adapters.vllm_nixl.fewer_ranks_fit` says the smallest TP size
+    below the claim that rank 0's metadata fits as well (the claim then unverified): an MLA
+    latent fits TP 1 at any size, a head a rank fits every size above the head count."""
+    from kvplan.adapters.vllm import spec_from_vllm
+    from kvplan.adapters.vllm_nixl import check_first_rank, fewer_ranks_fit
+    from tests.test_vllm_adapter import fake_engine
+    from tests.test_vllm_nixl_metadata import nixl_metadata
+
+    backend = "CPU_MLA" if mla else "CPU_ATTN"
+    model = {"layout": "LBHNC", "mla": mla, "heads": heads, "block": 4, "num_blocks": 6}
+    kv, cfg, raw = fake_engine(tp=tp, **model)
+    dec = fake_engine(tp=1, **{**model, "num_blocks": 9})
+    dspec = spec_from_vllm(dec[0], dec[1], tp_size=1, backend=backend,
+                           total_num_kv_heads=heads)
+    meta = nixl_metadata(kv, cfg, raw.size, layout="LBHNC", backend=backend)
+    check_first_rank(dspec, meta, claim, backend=backend)  # the claim alone passes
+    assert fewer_ranks_fit(dspec, meta, claim, backend=backend) == fits
+
+
 # -- items 4 and 7 against vLLM 0.32's own listener (in the vLLM venv) ------------------------
 
 #: vLLM 0.32's handshake listener (``_nixl_handshake_listener``, run as its scheduler runs it),
@@ -612,3 +637,70 @@ def test_a_staged_open_claiming_the_wrong_size_is_refused_before_planning(monkey
         t.wait(30, progress=list(pr.stagers.values()))
         pr.check(sb, db)
     print(f"refused in {took * 1e3:.1f} ms of CPU")
+
+
+# -- item 7 where rank 0 cannot tell the size: an unlisted prefill's unverified claim ---------
+
+#: A stock TP 2 prefill of a 2-KV-head model (a head a rank: rank 0's metadata is the same at
+#: TP 2 and TP 4) read by the connector's decode ``Worker`` (tests/restart_peer.py: real NIXL
+#: agents, vLLM 0.32's own listener in a process of its own), no ``stock_prefills``.
+UNVERIFIED = r"""
+from kvplan_nixl.vllm.nixl_peer import fetch_nixl_metadata
+from tests.restart_peer import HASH
+
+w, kv = worker("decode", port())
+X = port()
+p = Prefill("stock", X, "prefill-0", 2, 7, 16)
+
+def outcome(ld):
+    before = len(log.lines)
+    ok, took = pull(w, ld)
+    return ok, took, "\n".join(log.lines[before:])
+
+# claimed TP 4: rank 0 alone is asked for, then the handshake fails by name; before, ranks 1
+# to 3 were asked for and vLLM's listener thread died at rank 2 (the prefill answered nobody)
+ok, took, why = outcome(load("x4", "prefill-0", X, [2], [22], tp=4))
+assert not ok and "NixlTpSizeUnverified: tp_size 4 (the request's)" in why, why
+assert "fits TP 2 as well" in why and "ranks 2 to 3 were not asked for" in why, why
+assert f"'prefill-0@127.0.0.1:{X}/tp4'" in why and "kv_load_failure_policy" in why, why
+for r in range(2):  # the listener still answers each rank it has
+    fetch_nixl_metadata("127.0.0.1", X, r, tp_size=2, expected_hash=HASH, timeout_s=5)
+# the genuine claim connects at once: the failed claim is not its failure (before, its retry
+# would have asked for TP 4 again, for every request, for good)
+ld = load("g0", "prefill-0", X, [2, 3], [20, 21], tp=2)
+ok, took, why = outcome(ld)
+assert ok and read_back(kv, ld, 7, 2), why
+# connected as TP 2: a claim of 4 fails by name, nothing asked; a claim of 2 still reads
+ok, _, why = outcome(load("x5", "prefill-0", X, [2], [22], tp=4))
+assert not ok and "tp_size 4 (the request's): NixlConnector prefill 'prefill-0' at " \
+    f"127.0.0.1:{X} is connected as TP 2" in why, why
+ld = load("g1", "prefill-0", X, [4, 5], [24, 25], tp=2)
+ok, _, why = outcome(ld)
+assert ok and read_back(kv, ld, 7, 2), why
+w.close()
+
+# listed with /tp2, the same prefill is read at 2 without the check; a claim of 4 is refused
+# before anything is dialled
+w, kv = worker("decode-2", port(), extra={"stock_prefills": [f"127.0.0.1:{X}/tp2"]})
+ok, _, why = outcome(load("y4", "prefill-0", X, [2], [22], tp=4))
+assert not ok and "stock_prefills says it runs TP 2, the request's tp_size is 4" in why, why
+ld = load("g2", "prefill-0", X, [6, 7], [26, 27], tp=2)
+ok, _, why = outcome(ld)
+assert ok and read_back(kv, ld, 7, 2), why
+w.close()
+p.kill()
+print("ok")
+"""
+
+
+def test_an_unverified_tp_claim_asks_for_no_rank_beyond_rank_0(vllm_python):
+    """Gap (a') of issue 45 item 7: where rank 0's metadata fits a smaller TP size too (a head
+    a rank here; an MLA latent alike), an unlisted stock prefill's claimed ``tp_size`` is
+    unverified: the handshake fails with ``NixlTpSizeUnverified`` naming both sizes and the
+    ``stock_prefills`` entry that would vouch for it, rank 0 the only rank asked for, and
+    vLLM's listener keeps answering; the genuine claim then connects at once and reads right,
+    and a claim other than the connected size fails by name."""
+    from tests.test_restarts import DRIVER_SETUP
+    from tests.test_vllm_serving import _in_vllm_venv
+
+    _in_vllm_venv(vllm_python, DRIVER_SETUP + UNVERIFIED)

@@ -294,6 +294,20 @@ class Handshakes:
                     del self._states[key]
                     self._epochs.pop(key, None)
 
+    def drop_failed(self, engine: str, host: str, port: int) -> bool:
+        """Drop the handshake with ``engine`` at ``host``, ``port`` if it failed, so that the
+        next :meth:`start` connects afresh at once, not after ``retry_after_s``: for a caller
+        whose next start asks for something else than the failed one did (a stock prefill's
+        handshake for another claimed TP size). True if one was dropped."""
+        key = (engine, host, port)
+        with self._mu:
+            s = self._states.get(key)
+            if s is None or not s.failed:
+                return False
+            del self._states[key]
+            self._epochs.pop(key, None)
+            return True
+
     def pinned(self, engine: str) -> Pin | None:
         """Where ``engine`` is bound (with ``pin``), or None."""
         with self._mu:
