@@ -276,12 +276,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata, NixlHandshakePayload)
 genuine, big, many, digest = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-meta = json.loads(sys.argv[5])
+meta, mid = json.loads(sys.argv[5]), int(sys.argv[6])
 meta["agent_metadata"] = b"not read: this check fails before any rank is connected"
 enc = msgspec.msgpack.Encoder()
 payload = NixlHandshakePayload(compatibility_hash=digest,
                                agent_metadata_bytes=enc.encode(NixlAgentMetadata(**meta)))
-for port, data in ((genuine, {(0, 0): enc.encode(payload)}), (big, {(0, 0): b"x" * (256 << 20)})):
+for port, data in ((genuine, {(0, 0): enc.encode(payload)}), (big, {(0, 0): b"x" * (256 << 20)}),
+                   (mid, {(0, 0): b"x" * (5 << 20)})):
     ready = threading.Event()
     threading.Thread(target=NixlBaseConnectorScheduler._nixl_handshake_listener, daemon=True,
                      args=(data, ready, threading.Event(), "127.0.0.1", port)).start()
@@ -307,9 +308,9 @@ from kvplan_nixl.serving.sidechannel import SideChannelTimeout
 from kvplan_nixl.vllm.nixl_peer import (MAX_ANSWER, NixlAnswerTooLarge, NixlPrefills,
                                         fetch_nixl_metadata)
 
-genuine, big, idle, many, dspec, meta = json.loads(sys.argv[1])
+genuine, big, idle, many, mid, dspec, meta = json.loads(sys.argv[1])
 listeners = subprocess.Popen([sys.executable, "-c", LISTENERS, str(genuine), str(big), str(many),
-                              "h" * 64, json.dumps(meta)], stdin=subprocess.PIPE,
+                              "h" * 64, json.dumps(meta), str(mid)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
 assert listeners.stdout.readline().strip() == "ready"
 got = fetch_nixl_metadata("127.0.0.1", genuine, 0, tp_size=1, expected_hash="h" * 64)
@@ -325,8 +326,16 @@ except NixlAnswerTooLarge as e:
 else:
     raise AssertionError("a 256 MiB answer was taken")
 grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
-assert limit == MAX_ANSWER == 20 * 2**20 + 50 and "20 MiB" in why and f":{big}" in why, why
+assert limit == MAX_ANSWER == 4_259_840 and "4 MiB" in why and f":{big}" in why, why
 assert took < 5 and grew < 32 << 10, (took, grew)
+# gap (e): 5 MiB, below the side channel's 20 MiB that capped it before, above what 1,024
+# regions of stock metadata take (about 4 MiB with room): refused unread too
+try:
+    fetch_nixl_metadata("127.0.0.1", mid, 0, tp_size=1, expected_hash="h" * 64, timeout_s=20)
+except NixlAnswerTooLarge as e:
+    assert "4259840 byte cap" in str(e), e
+else:
+    raise AssertionError("a 5 MiB answer was taken")
 # 20 frames of 19 MiB: bounded in all (a ZMQ socket's MAXMSGSIZE bounds one frame: 400 MiB)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
@@ -342,6 +351,27 @@ try:
     fetch_nixl_metadata("127.0.0.1", idle, 0, tp_size=1, expected_hash="h" * 64, timeout_s=0.5)
 except SideChannelTimeout as e:
     assert not isinstance(e, NixlAnswerTooLarge) and "no handshake answer in 0.5 s" in str(e)
+
+# gap (e): a host name whose lookup hangs (getaddrinfo takes no timeout) fails by the fetch's
+# deadline, and a numeric address is never looked up; the lookup left running is bounded
+import socket
+real_gai = socket.getaddrinfo
+def gai(host, port, *a, flags=0, **k):
+    if host == "hangs.example" and not flags & socket.AI_NUMERICHOST:
+        time.sleep(8)  # a DNS server that answers nothing (glibc: 5 s a try)
+    return real_gai(host, port, *a, flags=flags, **k)
+socket.getaddrinfo = gai
+t0 = time.monotonic()
+try:
+    fetch_nixl_metadata("hangs.example", genuine, 0, tp_size=1, expected_hash="h" * 64,
+                        timeout_s=0.5)
+except SideChannelTimeout as e:
+    assert "resolving 'hangs.example': no answer by the deadline" in str(e), e
+else:
+    raise AssertionError("resolved")
+assert time.monotonic() - t0 < 1.5, time.monotonic() - t0
+assert fetch_nixl_metadata("127.0.0.1", genuine, 0, tp_size=1, expected_hash="h" * 64) == got
+socket.getaddrinfo = real_gai
 
 # item 7: a request claiming tp_size 2 for this TP 1 prefill, through the connector's own
 # NixlPrefills: refused from rank 0's block lengths, rank 1 never asked for
@@ -387,9 +417,11 @@ print(f"refused 256 MiB in {took:.3f} s, maxrss +{grew} KiB; 20 x 19 MiB: +{many
 
 def test_stock_listener_answers_are_capped_and_tp_size_checked_first(vllm_python):
     """Item 4: vLLM's own listener serving a 256 MiB frame makes the fetch raise
-    NixlAnswerTooLarge (naming the 20 MiB cap) at once, its memory not grown by the frame
-    (before: 511 MiB held, then refused); 20 frames of 19 MiB likewise, at most one frame
-    held (a ZMQ socket with MAXMSGSIZE held all 400 MiB). Item 7: a request's tp_size 2 for
+    NixlAnswerTooLarge (naming the 4 MiB cap) at once, its memory not grown by the frame
+    (before: 511 MiB held, then refused); 20 frames of 19 MiB likewise, none held (a ZMQ
+    socket with MAXMSGSIZE held all 400 MiB). Gap (e): 5 MiB, which the 20 MiB cap of before
+    took, is refused as well; a host name whose lookup hangs fails by the fetch's deadline
+    (before: the lookup's own timeouts, 8 s here). Item 7: a request's tp_size 2 for
     a TP 1 prefill fails its handshake on rank 0's metadata, and the listener, never asked for
     rank 1, still answers."""
     import json
@@ -400,10 +432,12 @@ def test_stock_listener_answers_are_capped_and_tp_size_checked_first(vllm_python
 
     dspec, (meta,), _ = _stock(num_blocks=9)  # a prefill with the decode's block count
     meta = dict(meta, engine_id="stock-p", agent_metadata=None)
-    base = free_base_port(4)  # the genuine listener, the 256 MiB one, one nobody serves, frames
+    # the genuine listener, the 256 MiB one, one nobody serves, frames, the 5 MiB one
+    base = free_base_port(5)
     script = f"LISTENERS = {LISTENERS!r}\n" + FETCH_LIMITS
     r = subprocess.run([str(vllm_python), "-c", script,
-                        json.dumps([base, base + 1, base + 2, base + 3, dspec.to_dict(), meta])],
+                        json.dumps([base, base + 1, base + 2, base + 3, base + 4,
+                                    dspec.to_dict(), meta])],
                        capture_output=True, text=True, timeout=300, cwd=REPO,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

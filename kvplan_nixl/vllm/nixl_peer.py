@@ -31,11 +31,13 @@ after that. So a rank out of range is refused here, before anything is sent.
 
 An answer is capped before it is read: the exchange speaks ZMTP 3.0 itself (a REQ socket's
 greeting, NULL mechanism and frames, over a plain TCP socket) so that every frame's length is
-read before its body and the answer is bounded in all, :data:`MAX_ANSWER` bytes (the project's
-own side channel's metadata cap, ``MAX_METADATA``) and a few frames: a larger one raises
+read before its body and the answer is bounded in all, :data:`MAX_ANSWER` bytes (what 1,024
+regions of vLLM's metadata may take, about 4 MiB) and a few frames: a larger one raises
 :class:`NixlAnswerTooLarge` at once, holding none of it. (A ``zmq`` REQ socket's
 ``ZMQ_MAXMSGSIZE`` bounds each frame alone: a listener answering 20 frames of 19 MiB made it
-hold 400 MiB.)
+hold 400 MiB.) The host's name is resolved under the same deadline
+(:func:`kvplan_nixl.serving.resolve.resolve`: a request names it, and ``getaddrinfo`` takes no
+timeout).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from kvplan.adapters.vllm_nixl import (
     fewer_ranks_fit,
     prefill_from_nixl,
 )
+from kvplan.constants import MAX_REGIONS
 from kvplan_nixl.errors import ArgumentError, MetadataError, ParamsError
 from kvplan_nixl.metadata import nixl_agent_name
 from kvplan_nixl.serving.handshakes import (
@@ -71,8 +74,8 @@ from kvplan_nixl.serving.handshakes import (
     Handshakes,
     HandshakeState,
 )
+from kvplan_nixl.serving.resolve import ResolveError, ResolveTimeout, resolve
 from kvplan_nixl.serving.sidechannel import (
-    MAX_METADATA,
     SideChannelClosed,
     SideChannelError,
     SideChannelProtocolError,
@@ -92,10 +95,19 @@ __all__ = ["MAX_ANSWER", "NixlAnswerTooLarge", "NixlHashMismatch", "NixlPrefills
 
 logger = init_logger("vllm.kvplan_nixl")
 
-#: Largest frame a stock prefill's handshake answer may carry (bytes): the project's own side
-#: channel's metadata cap (20 MiB). vLLM's own metadata is a few KiB per rank (a region is
-#: three ints); a model of thousands of layers stays far below it.
-MAX_ANSWER = MAX_METADATA
+#: Bytes a region's share of a stock rank's answer may take: its NIXL memory registration in
+#: ``agent_metadata`` (UCX's packed keys) and its columns, name and member names. Measured with
+#: vLLM 0.32's own ``NixlAgentMetadata`` and ``NixlHandshakePayload`` around a real NIXL agent
+#: (UCX over TCP, DRAM): 1,224 bytes for 2 regions, 9,718 for 64, 143,184 for 1,024 (140 a
+#: region, 44 of them the registration); a CUDA agent's keys for several transports and NICs
+#: are larger, so 4 KiB, about 29 times that, leaves room for them.
+_REGION_BYTES = 4096
+#: Largest handshake answer a stock prefill may send, in all (bytes): :data:`MAX_REGIONS` regions
+#: (more are refused by :func:`~kvplan.adapters.vllm_nixl.prefill_from_nixl` anyway) of
+#: :data:`_REGION_BYTES` each and 64 KiB for the rest (the agent's own address, the engine's
+#: fields, the clock frame): 4,259,840 bytes, about 4 MiB. Before it was the project's own side
+#: channel's cap, 20 MiB, five times as much to hold for each of up to 32 fetches at once.
+MAX_ANSWER = 64 * 1024 + MAX_REGIONS * _REGION_BYTES
 
 
 class NixlPrefills:
@@ -396,10 +408,12 @@ def _ask(host: str, port: int, msg: bytes, timeout_s: float) -> list[bytes]:
     bounded as it arrives: at most :data:`MAX_ANSWER` bytes and :data:`_MAX_FRAMES` frames in
     all (libzmq's ``ZMQ_MAXMSGSIZE`` bounds one frame, not how many a message has)."""
     deadline = time.monotonic() + timeout_s
-    try:
-        # an IPv6 address in brackets, as a request's remote_host may give it
-        addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
-    except (OSError, UnicodeError) as e:
+    try:  # under the deadline too: a request names the host (getaddrinfo has no timeout)
+        addr = resolve(host, port, deadline)
+    except ResolveTimeout as e:
+        raise SideChannelTimeout(f"NixlConnector prefill at {host}:{port}: {e} (within "
+                                 f"{timeout_s:g} s)", host, port) from None
+    except ResolveError as e:
         raise SideChannelError(f"NixlConnector prefill at {host}:{port}: {e}", host,
                                port) from None
     zmtp = _Zmtp(host, port, deadline, timeout_s)
