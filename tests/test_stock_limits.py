@@ -722,6 +722,13 @@ ld = load("g2", "prefill-0", X, [6, 7], [26, 27], tp=2)
 ok, _, why = outcome(ld)
 assert ok and read_back(kv, ld, 7, 2), why
 w.close()
+
+# gap (c): an empty list refuses every stock prefill, nothing dialled
+w, kv = worker("decode-3", port(), extra={"stock_prefills": []})
+ok, took, why = outcome(load("z2", "prefill-0", X, [2], [22], tp=2))
+assert not ok and "AddressRefused" in why and f"127.0.0.1:{X} is not in " \
+    "kv_connector_extra_config['stock_prefills'] (0 address(es))" in why, why
+w.close()
 p.kill()
 print("ok")
 """
@@ -733,7 +740,8 @@ def test_an_unverified_tp_claim_asks_for_no_rank_beyond_rank_0(vllm_python):
     unverified: the handshake fails with ``NixlTpSizeUnverified`` naming both sizes and the
     ``stock_prefills`` entry that would vouch for it, rank 0 the only rank asked for, and
     vLLM's listener keeps answering; the genuine claim then connects at once and reads right,
-    and a claim other than the connected size fails by name."""
+    and a claim other than the connected size fails by name. Gap (c): ``stock_prefills: []``
+    refuses every stock prefill by name."""
     from tests.test_restarts import DRIVER_SETUP
     from tests.test_vllm_serving import _in_vllm_venv
 

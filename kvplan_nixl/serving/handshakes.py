@@ -39,8 +39,10 @@ connected again, its new agents replacing the old ones. With ``pin`` (peers whos
 not signed: a stock NixlConnector prefill, a kvplan one without a secret) an engine id is
 bound to the first address whose handshake connected it, and stays bound for the life of the
 decode, forget included: a request naming that engine at another address fails at once,
-:class:`AddressConflict`, nothing dialled. ``admit`` may refuse an address before anything is
-dialled (an allow-list).
+:class:`AddressConflict`, nothing dialled, until another engine id completes a handshake at
+that address (the engine there restarted under a new id: the old id's pin is dropped, so that
+restarts under vLLM's default ids, a new one each start, never fill the table). ``admit`` may
+refuse an address before anything is dialled (an allow-list).
 
 No NIXL, no vLLM: the standard library, the side channel client and the metadata format.
 """
@@ -411,9 +413,20 @@ class Handshakes:
                 and step(cur.kind, event) == s.kind
             if live:
                 self._states[key] = s
+            if live and event == DONE:  # one port serves one engine: another id's handshake
+                # there is an earlier incarnation's (kept, it would fill MAX_STATES for good)
+                for k in [k for k in self._states if k[1:] == key[1:] and k[0] != engine]:
+                    del self._states[k]
+                    self._epochs.pop(k, None)
             pin = self._pins.get(engine)
             if live and event == DONE and self.pin:
                 self._pins[engine] = Pin(host, port, held=True)
+                # the address now serves this engine (its fetched metadata said so): an engine
+                # id held there before is gone (a restart in place under a new id, vLLM's
+                # default), and its pin would only fill the table (MAX_STATES), for good
+                for e in [e for e, p in self._pins.items()
+                          if e != engine and (p.host, p.port) == (host, port) and p.held]:
+                    del self._pins[e]
             elif pin is not None and not pin.held and (pin.host, pin.port) == (host, port) \
                     and self._epochs.get(key) in (None, epoch):
                 del self._pins[engine]
