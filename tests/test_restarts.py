@@ -108,6 +108,33 @@ def test_an_unsigned_engine_is_bound_to_its_first_address_and_restarts_there():
         wait_for(hs, ("q", HOST, 6000), READY)
 
 
+def test_an_address_serving_a_new_engine_id_frees_the_old_ones_pin():
+    """Gap (c) of issue 45: vLLM's default engine id is a new one at each start, so a prefill
+    restarted in place comes back under another id. Its old id's pin and handshake state are
+    dropped once the new id completes a handshake there (the address serves the new one now),
+    so 1,100 restarts at one address fit the tables of MAX_STATES (1,024); before, every id's
+    pin and READY state were kept for the decode's life and the 1,025th engine was refused. A
+    pin at another address stays."""
+    from kvplan_nixl.serving.handshakes import MAX_STATES
+
+    fake = Fake()
+    with table(fake, pin=True) as hs:
+        hs.start("other", HOST, 6000)
+        wait_for(hs, ("other", HOST, 6000), READY)
+        for i in range(MAX_STATES + 76):
+            hs.start(f"p{i}", HOST, 5000)
+            wait_for(hs, (f"p{i}", HOST, 5000), READY)
+            if i:  # the earlier id's pin and handshake state are gone
+                assert hs.pinned(f"p{i - 1}") is None
+                assert hs.state(f"p{i - 1}", HOST, 5000) is None
+        assert hs.pinned(f"p{MAX_STATES + 75}").address == f"{HOST}:5000"
+        # still bound: the live one elsewhere, the other one here
+        with pytest.raises(AddressConflict):
+            hs.start("other", HOST, 5000)
+        with pytest.raises(AddressConflict):
+            hs.start(f"p{MAX_STATES + 75}", HOST, 6000)
+
+
 def test_a_failed_handshake_binds_nothing_and_signed_peers_are_not_bound():
     fake = Fake()
     fake.fail.add((HOST, 5000))

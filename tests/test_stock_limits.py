@@ -237,6 +237,31 @@ def test_a_claimed_tp_size_is_checked_against_rank_0s_block_lengths():
         check_first_rank(dspec, meta1, 0, backend="CPU_ATTN")
 
 
+@pytest.mark.parametrize(("mla", "heads", "tp", "claim", "fits"), [
+    (False, 2, 2, 2, None), (False, 2, 2, 4, 2), (False, 2, 2, 128, 2), (False, 2, 1, 1, None),
+    (False, 4, 4, 4, None),  # TP 3 would read alike, but vLLM cannot run 4 heads at TP 3
+    (False, 4, 2, 2, None), (True, 2, 1, 2, 1), (True, 2, 2, 2, 1), (True, 2, 4, 4, 1),
+    (True, 2, 1, 1, None)])
+def test_a_claim_rank_0_cannot_tell_from_fewer_ranks_is_found(mla, heads, tp, claim, fits):
+    """Gap (a'): :func:`kvplan.adapters.vllm_nixl.fewer_ranks_fit` says the smallest TP size
+    below the claim that rank 0's metadata fits as well (the claim then unverified): an MLA
+    latent fits TP 1 at any size, a head a rank fits every size above the head count."""
+    from kvplan.adapters.vllm import spec_from_vllm
+    from kvplan.adapters.vllm_nixl import check_first_rank, fewer_ranks_fit
+    from tests.test_vllm_adapter import fake_engine
+    from tests.test_vllm_nixl_metadata import nixl_metadata
+
+    backend = "CPU_MLA" if mla else "CPU_ATTN"
+    model = {"layout": "LBHNC", "mla": mla, "heads": heads, "block": 4, "num_blocks": 6}
+    kv, cfg, raw = fake_engine(tp=tp, **model)
+    dec = fake_engine(tp=1, **{**model, "num_blocks": 9})
+    dspec = spec_from_vllm(dec[0], dec[1], tp_size=1, backend=backend,
+                           total_num_kv_heads=heads)
+    meta = nixl_metadata(kv, cfg, raw.size, layout="LBHNC", backend=backend)
+    check_first_rank(dspec, meta, claim, backend=backend)  # the claim alone passes
+    assert fewer_ranks_fit(dspec, meta, claim, backend=backend) == fits
+
+
 # -- items 4 and 7 against vLLM 0.32's own listener (in the vLLM venv) ------------------------
 
 #: vLLM 0.32's handshake listener (``_nixl_handshake_listener``, run as its scheduler runs it),
@@ -251,12 +276,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata, NixlHandshakePayload)
 genuine, big, many, digest = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-meta = json.loads(sys.argv[5])
+meta, mid = json.loads(sys.argv[5]), int(sys.argv[6])
 meta["agent_metadata"] = b"not read: this check fails before any rank is connected"
 enc = msgspec.msgpack.Encoder()
 payload = NixlHandshakePayload(compatibility_hash=digest,
                                agent_metadata_bytes=enc.encode(NixlAgentMetadata(**meta)))
-for port, data in ((genuine, {(0, 0): enc.encode(payload)}), (big, {(0, 0): b"x" * (256 << 20)})):
+for port, data in ((genuine, {(0, 0): enc.encode(payload)}), (big, {(0, 0): b"x" * (256 << 20)}),
+                   (mid, {(0, 0): b"x" * (5 << 20)})):
     ready = threading.Event()
     threading.Thread(target=NixlBaseConnectorScheduler._nixl_handshake_listener, daemon=True,
                      args=(data, ready, threading.Event(), "127.0.0.1", port)).start()
@@ -282,9 +308,9 @@ from kvplan_nixl.serving.sidechannel import SideChannelTimeout
 from kvplan_nixl.vllm.nixl_peer import (MAX_ANSWER, NixlAnswerTooLarge, NixlPrefills,
                                         fetch_nixl_metadata)
 
-genuine, big, idle, many, dspec, meta = json.loads(sys.argv[1])
+genuine, big, idle, many, mid, dspec, meta = json.loads(sys.argv[1])
 listeners = subprocess.Popen([sys.executable, "-c", LISTENERS, str(genuine), str(big), str(many),
-                              "h" * 64, json.dumps(meta)], stdin=subprocess.PIPE,
+                              "h" * 64, json.dumps(meta), str(mid)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
 assert listeners.stdout.readline().strip() == "ready"
 got = fetch_nixl_metadata("127.0.0.1", genuine, 0, tp_size=1, expected_hash="h" * 64)
@@ -300,8 +326,16 @@ except NixlAnswerTooLarge as e:
 else:
     raise AssertionError("a 256 MiB answer was taken")
 grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB
-assert limit == MAX_ANSWER == 20 * 2**20 + 50 and "20 MiB" in why and f":{big}" in why, why
+assert limit == MAX_ANSWER == 4_259_840 and "4 MiB" in why and f":{big}" in why, why
 assert took < 5 and grew < 32 << 10, (took, grew)
+# gap (e): 5 MiB, below the side channel's 20 MiB that capped it before, above what 1,024
+# regions of stock metadata take (about 4 MiB with room): refused unread too
+try:
+    fetch_nixl_metadata("127.0.0.1", mid, 0, tp_size=1, expected_hash="h" * 64, timeout_s=20)
+except NixlAnswerTooLarge as e:
+    assert "4259840 byte cap" in str(e), e
+else:
+    raise AssertionError("a 5 MiB answer was taken")
 # 20 frames of 19 MiB: bounded in all (a ZMQ socket's MAXMSGSIZE bounds one frame: 400 MiB)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
@@ -317,6 +351,27 @@ try:
     fetch_nixl_metadata("127.0.0.1", idle, 0, tp_size=1, expected_hash="h" * 64, timeout_s=0.5)
 except SideChannelTimeout as e:
     assert not isinstance(e, NixlAnswerTooLarge) and "no handshake answer in 0.5 s" in str(e)
+
+# gap (e): a host name whose lookup hangs (getaddrinfo takes no timeout) fails by the fetch's
+# deadline, and a numeric address is never looked up; the lookup left running is bounded
+import socket
+real_gai = socket.getaddrinfo
+def gai(host, port, *a, flags=0, **k):
+    if host == "hangs.example" and not flags & socket.AI_NUMERICHOST:
+        time.sleep(8)  # a DNS server that answers nothing (glibc: 5 s a try)
+    return real_gai(host, port, *a, flags=flags, **k)
+socket.getaddrinfo = gai
+t0 = time.monotonic()
+try:
+    fetch_nixl_metadata("hangs.example", genuine, 0, tp_size=1, expected_hash="h" * 64,
+                        timeout_s=0.5)
+except SideChannelTimeout as e:
+    assert "resolving 'hangs.example': no answer by the deadline" in str(e), e
+else:
+    raise AssertionError("resolved")
+assert time.monotonic() - t0 < 1.5, time.monotonic() - t0
+assert fetch_nixl_metadata("127.0.0.1", genuine, 0, tp_size=1, expected_hash="h" * 64) == got
+socket.getaddrinfo = real_gai
 
 # item 7: a request claiming tp_size 2 for this TP 1 prefill, through the connector's own
 # NixlPrefills: refused from rank 0's block lengths, rank 1 never asked for
@@ -362,9 +417,11 @@ print(f"refused 256 MiB in {took:.3f} s, maxrss +{grew} KiB; 20 x 19 MiB: +{many
 
 def test_stock_listener_answers_are_capped_and_tp_size_checked_first(vllm_python):
     """Item 4: vLLM's own listener serving a 256 MiB frame makes the fetch raise
-    NixlAnswerTooLarge (naming the 20 MiB cap) at once, its memory not grown by the frame
-    (before: 511 MiB held, then refused); 20 frames of 19 MiB likewise, at most one frame
-    held (a ZMQ socket with MAXMSGSIZE held all 400 MiB). Item 7: a request's tp_size 2 for
+    NixlAnswerTooLarge (naming the 4 MiB cap) at once, its memory not grown by the frame
+    (before: 511 MiB held, then refused); 20 frames of 19 MiB likewise, none held (a ZMQ
+    socket with MAXMSGSIZE held all 400 MiB). Gap (e): 5 MiB, which the 20 MiB cap of before
+    took, is refused as well; a host name whose lookup hangs fails by the fetch's deadline
+    (before: the lookup's own timeouts, 8 s here). Item 7: a request's tp_size 2 for
     a TP 1 prefill fails its handshake on rank 0's metadata, and the listener, never asked for
     rank 1, still answers."""
     import json
@@ -375,10 +432,12 @@ def test_stock_listener_answers_are_capped_and_tp_size_checked_first(vllm_python
 
     dspec, (meta,), _ = _stock(num_blocks=9)  # a prefill with the decode's block count
     meta = dict(meta, engine_id="stock-p", agent_metadata=None)
-    base = free_base_port(4)  # the genuine listener, the 256 MiB one, one nobody serves, frames
+    # the genuine listener, the 256 MiB one, one nobody serves, frames, the 5 MiB one
+    base = free_base_port(5)
     script = f"LISTENERS = {LISTENERS!r}\n" + FETCH_LIMITS
     r = subprocess.run([str(vllm_python), "-c", script,
-                        json.dumps([base, base + 1, base + 2, base + 3, dspec.to_dict(), meta])],
+                        json.dumps([base, base + 1, base + 2, base + 3, base + 4,
+                                    dspec.to_dict(), meta])],
                        capture_output=True, text=True, timeout=300, cwd=REPO,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
@@ -613,3 +672,78 @@ def test_a_staged_open_claiming_the_wrong_size_is_refused_before_planning(monkey
         t.wait(30, progress=list(pr.stagers.values()))
         pr.check(sb, db)
     print(f"refused in {took * 1e3:.1f} ms of CPU")
+
+
+# -- item 7 where rank 0 cannot tell the size: an unlisted prefill's unverified claim ---------
+
+#: A stock TP 2 prefill of a 2-KV-head model (a head a rank: rank 0's metadata is the same at
+#: TP 2 and TP 4) read by the connector's decode ``Worker`` (tests/restart_peer.py: real NIXL
+#: agents, vLLM 0.32's own listener in a process of its own), no ``stock_prefills``.
+UNVERIFIED = r"""
+from kvplan_nixl.vllm.nixl_peer import fetch_nixl_metadata
+from tests.restart_peer import HASH
+
+w, kv = worker("decode", port())
+X = port()
+p = Prefill("stock", X, "prefill-0", 2, 7, 16)
+
+def outcome(ld):
+    before = len(log.lines)
+    ok, took = pull(w, ld)
+    return ok, took, "\n".join(log.lines[before:])
+
+# claimed TP 4: rank 0 alone is asked for, then the handshake fails by name; before, ranks 1
+# to 3 were asked for and vLLM's listener thread died at rank 2 (the prefill answered nobody)
+ok, took, why = outcome(load("x4", "prefill-0", X, [2], [22], tp=4))
+assert not ok and "NixlTpSizeUnverified: tp_size 4 (the request's)" in why, why
+assert "fits TP 2 as well" in why and "ranks 2 to 3 were not asked for" in why, why
+assert f"'prefill-0@127.0.0.1:{X}/tp4'" in why and "kv_load_failure_policy" in why, why
+for r in range(2):  # the listener still answers each rank it has
+    fetch_nixl_metadata("127.0.0.1", X, r, tp_size=2, expected_hash=HASH, timeout_s=5)
+# the genuine claim connects at once: the failed claim is not its failure (before, its retry
+# would have asked for TP 4 again, for every request, for good)
+ld = load("g0", "prefill-0", X, [2, 3], [20, 21], tp=2)
+ok, took, why = outcome(ld)
+assert ok and read_back(kv, ld, 7, 2), why
+# connected as TP 2: a claim of 4 fails by name, nothing asked; a claim of 2 still reads
+ok, _, why = outcome(load("x5", "prefill-0", X, [2], [22], tp=4))
+assert not ok and "tp_size 4 (the request's): NixlConnector prefill 'prefill-0' at " \
+    f"127.0.0.1:{X} is connected as TP 2" in why, why
+ld = load("g1", "prefill-0", X, [4, 5], [24, 25], tp=2)
+ok, _, why = outcome(ld)
+assert ok and read_back(kv, ld, 7, 2), why
+w.close()
+
+# listed with /tp2, the same prefill is read at 2 without the check; a claim of 4 is refused
+# before anything is dialled
+w, kv = worker("decode-2", port(), extra={"stock_prefills": [f"127.0.0.1:{X}/tp2"]})
+ok, _, why = outcome(load("y4", "prefill-0", X, [2], [22], tp=4))
+assert not ok and "stock_prefills says it runs TP 2, the request's tp_size is 4" in why, why
+ld = load("g2", "prefill-0", X, [6, 7], [26, 27], tp=2)
+ok, _, why = outcome(ld)
+assert ok and read_back(kv, ld, 7, 2), why
+w.close()
+
+# gap (c): an empty list refuses every stock prefill, nothing dialled
+w, kv = worker("decode-3", port(), extra={"stock_prefills": []})
+ok, took, why = outcome(load("z2", "prefill-0", X, [2], [22], tp=2))
+assert not ok and "AddressRefused" in why and f"127.0.0.1:{X} is not in " \
+    "kv_connector_extra_config['stock_prefills'] (0 address(es))" in why, why
+w.close()
+p.kill()
+print("ok")
+"""
+
+
+def test_an_unverified_tp_claim_asks_for_no_rank_beyond_rank_0(vllm_python):
+    """Gap (a') of issue 45 item 7: where rank 0's metadata fits a smaller TP size too (a head
+    a rank here; an MLA latent alike), an unlisted stock prefill's claimed ``tp_size`` is
+    unverified: the handshake fails with ``NixlTpSizeUnverified`` naming both sizes and the
+    ``stock_prefills`` entry that would vouch for it, rank 0 the only rank asked for, and
+    vLLM's listener keeps answering; the genuine claim then connects at once and reads right,
+    and a claim other than the connected size fails by name. Gap (c): ``stock_prefills: []``
+    refuses every stock prefill by name."""
+    from tests.test_restarts import DRIVER_SETUP
+    from tests.test_vllm_serving import _in_vllm_venv
+
+    _in_vllm_venv(vllm_python, DRIVER_SETUP + UNVERIFIED)

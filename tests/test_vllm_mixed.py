@@ -197,8 +197,12 @@ def test_mla_from_a_stock_prefill_equals_its_own_decode(pool):
 
     vLLM's CPU MLA decodes other tokens after a handover than in a plain run, with its own
     connector too (test_vllm_hybrid), so the reference is NixlConnector's own decode on the
-    same prefill, run after."""
-    p, d = pool.only("mla-t2-nixl-lease12", "mla-d1")
+    same prefill, run after.
+
+    The decode lists the prefill in ``stock_prefills`` as ``/tp2``: rank 0's latent is the
+    same at TP 1 and 2, so a claim of 2 from an unlisted prefill is refused unverified
+    (``NixlTpSizeUnverified``: asking a TP 1 prefill for rank 1 kills vLLM's listener)."""
+    p, d = pool.only("mla-t2-nixl-lease12", "mla-d1-stockt2")
     failed, done = len(d.log_lines(FAILED)), len(d.log_lines(STOCK_DONE))
     pd(p, d, prompt(3904, 70), mode="pull")  # the handshake
     ids = prompt(3902, 70)

@@ -85,6 +85,10 @@ VARIANTS = {
     "lease12": {"extra": {"kv_lease_duration": 12}},
     # ``fixed``: an engine id of its own, the same at every start (a restart in place)
     "fixed": {"engine_id": "prefill-fixed"},
+    # ``stockt2``: a decode whose ``stock_prefills`` lists its model's ``t2-nixl-lease12``
+    # engine (started first) with its TP size, ``/tp2``: a replicated model's (MLA) stock
+    # prefill publishes the same rank 0 at TP 1 and 2, and only the list may vouch for rank 1
+    "stockt2": {"stock_of": "t2-nixl-lease12"},
 }
 #: KV blocks of an engine whose variants set none: enough for every test's prompts (up to a few
 #: hundred requests of 70 tokens before the prefix cache evicts), not vLLM's 1 GiB of cache,
@@ -107,9 +111,18 @@ SETS = {
               "nemo1-t2-nixl", "nemo1-d1-ds"),
     "nemo2": ("nemo2-p1", "nemo2-d1", "nemo2-t2", "nemo2-p1-nixl", "nemo2-t2-ds"),
     "gemma3": ("gemma3-p1", "gemma3-d1", "gemma3-t2", "gemma3-p1-nixl"),
-    "mla": ("mla-p1-nixl", "mla-d1-nixl", "mla-t2-nixl-lease12", "mla-p1", "mla-d1", "mla-t2"),
+    "mla": ("mla-p1-nixl", "mla-d1-nixl", "mla-t2-nixl-lease12", "mla-d1-stockt2", "mla-p1",
+            "mla-d1", "mla-t2"),
     "eagle": ("eagle-p1-few", "eagle-d1-few", "eagle-t2-few", "eagle-p1-nixl"),
 }
+def _sources_live(name: str) -> bool:
+    """Whether the engines variant ``stock_of`` of ``name`` lists are running (its
+    ``stock_prefills`` is written from their ports)."""
+    key, _, *rest = name.split("-")
+    return all(f"{key}-{VARIANTS[v]['stock_of']}" in _LIVE for v in rest
+               if "stock_of" in VARIANTS.get(v, {}))
+
+
 #: engines started that their model's :data:`SETS` entry lacks (each started alone)
 UNLISTED: set[str] = set()
 #: at most this many engines start at once (two cores: more only adds memory)
@@ -542,17 +555,25 @@ class Pool:
         for n in wanted[:max(0, AT_ONCE - len(new))]:
             if mem_available_gib() - taken - _gib(n) < RESERVE_GIB:
                 break
+            if not _sources_live(n):  # a decode listing a stock prefill not started
+                continue
             self._start(n)
             started.append(n)
             taken += _gib(n)
         return started
 
     def _start(self, name: str) -> Engine:
+        assert _sources_live(name), f"{name}: start the stock prefill it lists first"
         key, role, *rest = name.split("-")
         tp, cores, nice = ROLES[role]
         opts = dict(MODELS[key][2], nice=nice, num_blocks=DEFAULT_BLOCKS)
         for v in rest:  # "nixl", or variants of VARIANTS
             opts.update({"connector": "nixl"} if v == "nixl" else VARIANTS[v])
+        if "stock_of" in opts:  # the stock prefill's address and TP size, listed
+            src = _LIVE[f"{key}-{opts.pop('stock_of')}"]  # started before (Pool.only: in order)
+            host = src.options["place"][1] if src.options["place"] else "127.0.0.1"
+            opts["extra"] = {**(opts.get("extra") or {}),
+                             "stock_prefills": [f"{host}:{src.port}/tp{src.tp}"]}
         if self.hosts is not None:
             from tests.netns import ADDRS
 

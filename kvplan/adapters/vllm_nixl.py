@@ -165,6 +165,29 @@ def check_first_rank(decode: EngineSpec, meta0: Mapping[str, Any], tp_size: int,
                                 f"metadata is not this model's at that size: {e}") from None
 
 
+def fewer_ranks_fit(decode: EngineSpec, meta0: Mapping[str, Any], tp_size: int, *,
+                    backend: str | None) -> int | None:
+    """The smallest TP size below ``tp_size`` that prefill rank 0's metadata ``meta0`` also
+    fits (:func:`check_first_rank` passes), among the sizes vLLM can run this model at (each
+    attention region's KV heads a multiple or a divisor of it); None if none does.
+
+    Where one exists, rank 0's metadata cannot tell the prefill's TP size: every rank holds the
+    same bytes at either size (an MLA latent, or fewer KV heads than ranks), so a claim of
+    ``tp_size`` ranks is unverified, and asking for a rank the prefill lacks kills vLLM 0.32's
+    listener thread. Checks at most ``tp_size - 1`` sizes (128 at most, each a spec built)."""
+    heads = {r.num_kv_heads for r in decode.regions
+             if r.kind.value == "attention" and r.num_kv_heads}
+    for t in range(1, tp_size):
+        if any(h % t and t % h for h in heads):  # a size vLLM refuses for this model
+            continue
+        try:
+            check_first_rank(decode, meta0, t, backend=backend)
+        except NixlMetadataError:
+            continue
+        return t
+    return None
+
+
 def _first_rank_spec(decode: EngineSpec, meta0: Mapping[str, Any], tp: int,
                      backend: str | None) -> EngineSpec:
     """The engine-wide checks of :func:`prefill_from_nixl`, then the prefill's spec."""

@@ -39,8 +39,10 @@ connected again, its new agents replacing the old ones. With ``pin`` (peers whos
 not signed: a stock NixlConnector prefill, a kvplan one without a secret) an engine id is
 bound to the first address whose handshake connected it, and stays bound for the life of the
 decode, forget included: a request naming that engine at another address fails at once,
-:class:`AddressConflict`, nothing dialled. ``admit`` may refuse an address before anything is
-dialled (an allow-list).
+:class:`AddressConflict`, nothing dialled, until another engine id completes a handshake at
+that address (the engine there restarted under a new id: the old id's pin is dropped, so that
+restarts under vLLM's default ids, a new one each start, never fill the table). ``admit`` may
+refuse an address before anything is dialled (an allow-list).
 
 No NIXL, no vLLM: the standard library, the side channel client and the metadata format.
 """
@@ -294,6 +296,20 @@ class Handshakes:
                     del self._states[key]
                     self._epochs.pop(key, None)
 
+    def drop_failed(self, engine: str, host: str, port: int) -> bool:
+        """Drop the handshake with ``engine`` at ``host``, ``port`` if it failed, so that the
+        next :meth:`start` connects afresh at once, not after ``retry_after_s``: for a caller
+        whose next start asks for something else than the failed one did (a stock prefill's
+        handshake for another claimed TP size). True if one was dropped."""
+        key = (engine, host, port)
+        with self._mu:
+            s = self._states.get(key)
+            if s is None or not s.failed:
+                return False
+            del self._states[key]
+            self._epochs.pop(key, None)
+            return True
+
     def pinned(self, engine: str) -> Pin | None:
         """Where ``engine`` is bound (with ``pin``), or None."""
         with self._mu:
@@ -397,9 +413,20 @@ class Handshakes:
                 and step(cur.kind, event) == s.kind
             if live:
                 self._states[key] = s
+            if live and event == DONE:  # one port serves one engine: another id's handshake
+                # there is an earlier incarnation's (kept, it would fill MAX_STATES for good)
+                for k in [k for k in self._states if k[1:] == key[1:] and k[0] != engine]:
+                    del self._states[k]
+                    self._epochs.pop(k, None)
             pin = self._pins.get(engine)
             if live and event == DONE and self.pin:
                 self._pins[engine] = Pin(host, port, held=True)
+                # the address now serves this engine (its fetched metadata said so): an engine
+                # id held there before is gone (a restart in place under a new id, vLLM's
+                # default), and its pin would only fill the table (MAX_STATES), for good
+                for e in [e for e, p in self._pins.items()
+                          if e != engine and (p.host, p.port) == (host, port) and p.held]:
+                    del self._pins[e]
             elif pin is not None and not pin.held and (pin.host, pin.port) == (host, port) \
                     and self._epochs.get(key) in (None, epoch):
                 del self._pins[engine]

@@ -31,11 +31,13 @@ after that. So a rank out of range is refused here, before anything is sent.
 
 An answer is capped before it is read: the exchange speaks ZMTP 3.0 itself (a REQ socket's
 greeting, NULL mechanism and frames, over a plain TCP socket) so that every frame's length is
-read before its body and the answer is bounded in all, :data:`MAX_ANSWER` bytes (the project's
-own side channel's metadata cap, ``MAX_METADATA``) and a few frames: a larger one raises
+read before its body and the answer is bounded in all, :data:`MAX_ANSWER` bytes (what 1,024
+regions of vLLM's metadata may take, about 4 MiB) and a few frames: a larger one raises
 :class:`NixlAnswerTooLarge` at once, holding none of it. (A ``zmq`` REQ socket's
 ``ZMQ_MAXMSGSIZE`` bounds each frame alone: a listener answering 20 frames of 19 MiB made it
-hold 400 MiB.)
+hold 400 MiB.) The host's name is resolved under the same deadline
+(:func:`kvplan_nixl.serving.resolve.resolve`: a request names it, and ``getaddrinfo`` takes no
+timeout).
 """
 
 from __future__ import annotations
@@ -56,12 +58,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from vllm.logger import init_logger
 
 import kvplan
-from kvplan.adapters.vllm_nixl import check_first_rank, prefill_from_nixl
-from kvplan_nixl.errors import ArgumentError, MetadataError
+from kvplan.adapters.vllm_nixl import (
+    NixlMetadataError,
+    check_first_rank,
+    fewer_ranks_fit,
+    prefill_from_nixl,
+)
+from kvplan.constants import MAX_REGIONS
+from kvplan_nixl.errors import ArgumentError, MetadataError, ParamsError
 from kvplan_nixl.metadata import nixl_agent_name
-from kvplan_nixl.serving.handshakes import AddressRefused, Handshakes, HandshakeState
+from kvplan_nixl.serving.handshakes import (
+    FAILED,
+    MAX_STATES,
+    AddressRefused,
+    Handshakes,
+    HandshakeState,
+)
+from kvplan_nixl.serving.resolve import ResolveError, ResolveTimeout, resolve
 from kvplan_nixl.serving.sidechannel import (
-    MAX_METADATA,
     SideChannelClosed,
     SideChannelError,
     SideChannelProtocolError,
@@ -75,15 +89,25 @@ if TYPE_CHECKING:
     from kvplan_nixl.vllm.rank import Rank
     from kvplan_nixl.vllm.scheduler import Load
 
-__all__ = ["MAX_ANSWER", "NixlAnswerTooLarge", "NixlHashMismatch", "NixlPrefills", "admit",
-           "compat_hash", "fetch_nixl_metadata", "stock_backend"]
+__all__ = ["MAX_ANSWER", "NixlAnswerTooLarge", "NixlHashMismatch", "NixlPrefills",
+           "NixlTpSizeUnverified", "admit", "compat_hash", "fetch_nixl_metadata",
+           "stock_backend"]
 
 logger = init_logger("vllm.kvplan_nixl")
 
-#: Largest frame a stock prefill's handshake answer may carry (bytes): the project's own side
-#: channel's metadata cap (20 MiB). vLLM's own metadata is a few KiB per rank (a region is
-#: three ints); a model of thousands of layers stays far below it.
-MAX_ANSWER = MAX_METADATA
+#: Bytes a region's share of a stock rank's answer may take: its NIXL memory registration in
+#: ``agent_metadata`` (UCX's packed keys) and its columns, name and member names. Measured with
+#: vLLM 0.32's own ``NixlAgentMetadata`` and ``NixlHandshakePayload`` around a real NIXL agent
+#: (UCX over TCP, DRAM): 1,224 bytes for 2 regions, 9,718 for 64, 143,184 for 1,024 (140 a
+#: region, 44 of them the registration); a CUDA agent's keys for several transports and NICs
+#: are larger, so 4 KiB, about 29 times that, leaves room for them.
+_REGION_BYTES = 4096
+#: Largest handshake answer a stock prefill may send, in all (bytes): :data:`MAX_REGIONS` regions
+#: (more are refused by :func:`~kvplan.adapters.vllm_nixl.prefill_from_nixl` anyway) of
+#: :data:`_REGION_BYTES` each and 64 KiB for the rest (the agent's own address, the engine's
+#: fields, the clock frame): 4,259,840 bytes, about 4 MiB. Before it was the project's own side
+#: channel's cap, 20 MiB, five times as much to hold for each of up to 32 fetches at once.
+MAX_ANSWER = 64 * 1024 + MAX_REGIONS * _REGION_BYTES
 
 
 class NixlPrefills:
@@ -133,14 +157,41 @@ class NixlPrefills:
             raise AddressRefused(load.engine, f"{load.host}:{load.port}",
                                  f"stock_prefills says it runs TP {size}, the request's "
                                  f"tp_size is {load.remote_tp}")
-        if self.hs.state(*key) is None:  # a new handshake asks for this request's ranks
+        st = self.hs.state(*key)
+        if st is not None and st.failed and self.tp.get(key) != load.remote_tp:
+            # another claim's failure is not this request's: connect afresh for its claim
+            # (before, a request claiming a wrong tp_size failed the handshake, and every
+            # retry of it, by a genuine request too, asked again for the wrong size)
+            self.hs.drop_failed(*key)
+            st = None
+        if st is None or st.failed:  # a new handshake (or a retry) asks for this claim's ranks
+            if len(self.tp) >= 2 * MAX_STATES:  # a request may name a new key each time
+                for k in [k for k in self.tp if self.hs.state(*k) is None]:
+                    del self.tp[k]
             self.tp[key] = load.remote_tp
         return self.hs.start(load.engine, load.host, load.port,
                              address=lambda r: (load.host, load.port,
                                                 server_identity(load.engine, r)))
 
     def state(self, load: Load) -> HandshakeState | None:
-        return self.hs.state(load.engine, load.host, load.port)
+        """The handshake ``load`` waits for, as it concerns ``load``: one that connected
+        (or is connecting) the prefill at another TP size than ``load`` claims fails it by
+        name (its read would be planned at the connected size, not the claimed one); one that
+        failed for another claim is started afresh for this one (a claim refused is no
+        genuine request's failure). Never blocks."""
+        key = (load.engine, load.host, load.port)
+        st = self.hs.state(*key)
+        claim = self.tp.get(key)
+        if st is None or st.pending or claim == load.remote_tp:
+            return st
+        if st.ready:
+            return HandshakeState(FAILED, f"tp_size {load.remote_tp} (the request's): "
+                                  f"NixlConnector prefill {load.engine!r} at {load.host}:"
+                                  f"{load.port} is connected as TP {claim}", st.since)
+        try:
+            return self.start(load)
+        except (AddressRefused, ParamsError) as e:  # refused meanwhile: nothing dialled
+            return HandshakeState(FAILED, f"{type(e).__name__}: {e}", st.since)
 
     def forget(self, engine: str) -> None:
         self.hs.forget(engine)
@@ -157,6 +208,12 @@ class NixlPrefills:
         if rank == "0":  # the request's tp_size, against rank 0's own block lengths: before
             # any other rank is asked for (vLLM's listener dies on a rank it lacks)
             check_first_rank(self.w.ep.spec, meta, tp, backend=self.backend)
+            # where rank 0 reads alike at a smaller size (MLA, fewer KV heads than ranks), the
+            # claim is unverified: only stock_prefills' /tpN may vouch for ranks beyond it
+            fewer = None if (host, port) in self.sizes else fewer_ranks_fit(
+                self.w.ep.spec, meta, tp, backend=self.backend)
+            if fewer is not None:
+                raise NixlTpSizeUnverified(engine, host, port, tp, fewer)
         return msgspec.msgpack.encode((int(rank), tp, meta))
 
     def _connect(self, engine: str, rank: int, blob: bytes) -> tuple[int, ...]:
@@ -250,6 +307,29 @@ def stock_backend(vllm_config: Any) -> str:
     return get_current_attn_backends(vllm_config)[0].get_name()
 
 
+class NixlTpSizeUnverified(NixlMetadataError):
+    """A request claims ``tp_size`` ranks for the NixlConnector prefill ``engine`` at
+    ``host:port``, which ``stock_prefills`` gives no ``/tpN``, and that prefill's rank 0
+    metadata fits ``fits`` ranks as well (every rank holds the same bytes at either size: an
+    MLA latent, or fewer KV heads than ranks), so nothing the prefill publishes says it has
+    ranks ``fits`` to ``tp_size - 1``. Raised after rank 0's fetch, before any other rank is
+    asked for: vLLM 0.32's listener thread dies on a rank it lacks, and the prefill then answers
+    no handshake (anyone's) until it restarts."""
+
+    def __init__(self, engine: str, host: str, port: int, tp_size: int, fits: int) -> None:
+        self.engine, self.tp_size, self.fits = engine, tp_size, fits
+        self.address = f"{host}:{port}"
+        ranks = f"rank {fits} was" if fits == tp_size - 1 else \
+            f"ranks {fits} to {tp_size - 1} were"
+        super().__init__(f"tp_size {tp_size} (the request's): NixlConnector prefill {engine!r} "
+                         f"at {host}:{port} publishes rank 0 metadata that fits TP {fits} as "
+                         "well (every rank holds the same bytes at either size), so its TP "
+                         f"size cannot be verified and {ranks} not asked for (vLLM's "
+                         "listener thread dies on a rank it lacks); list it in "
+                         "kv_connector_extra_config['stock_prefills'] as "
+                         f"'{engine}@{host}:{port}/tp{tp_size}' if it runs TP {tp_size}")
+
+
 class NixlHashMismatch(SideChannelError):
     """The prefill at ``host:port`` publishes another compatibility hash than the decode's
     (``remote`` and ``local``): another model, dtype, backend, vLLM version or transfer mode,
@@ -328,10 +408,12 @@ def _ask(host: str, port: int, msg: bytes, timeout_s: float) -> list[bytes]:
     bounded as it arrives: at most :data:`MAX_ANSWER` bytes and :data:`_MAX_FRAMES` frames in
     all (libzmq's ``ZMQ_MAXMSGSIZE`` bounds one frame, not how many a message has)."""
     deadline = time.monotonic() + timeout_s
-    try:
-        # an IPv6 address in brackets, as a request's remote_host may give it
-        addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
-    except (OSError, UnicodeError) as e:
+    try:  # under the deadline too: a request names the host (getaddrinfo has no timeout)
+        addr = resolve(host, port, deadline)
+    except ResolveTimeout as e:
+        raise SideChannelTimeout(f"NixlConnector prefill at {host}:{port}: {e} (within "
+                                 f"{timeout_s:g} s)", host, port) from None
+    except ResolveError as e:
         raise SideChannelError(f"NixlConnector prefill at {host}:{port}: {e}", host,
                                port) from None
     zmtp = _Zmtp(host, port, deadline, timeout_s)
