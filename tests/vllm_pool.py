@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests import vllm_env
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "vllm_engine.py"
 MARK = "@@kvplan "
@@ -85,6 +87,9 @@ VARIANTS = {
     "lease12": {"extra": {"kv_lease_duration": 12}},
     # ``fixed``: an engine id of its own, the same at every start (a restart in place)
     "fixed": {"engine_id": "prefill-fixed"},
+    # ``v31``: the engine runs in the venv of the previous vLLM (tests/vllm_env.py PREVIOUS),
+    # the tests' own harness and this checkout's connector: one side of a rolling upgrade
+    "v31": {"vllm": vllm_env.PREVIOUS},
 }
 #: KV blocks of an engine whose variants set none: enough for every test's prompts (up to a few
 #: hundred requests of 70 tokens before the prefix cache evicts), not vLLM's 1 GiB of cache,
@@ -109,7 +114,16 @@ SETS = {
     "gemma3": ("gemma3-p1", "gemma3-d1", "gemma3-t2", "gemma3-p1-nixl"),
     "mla": ("mla-p1-nixl", "mla-d1-nixl", "mla-t2-nixl-lease12", "mla-p1", "mla-d1", "mla-t2"),
     "eagle": ("eagle-p1-few", "eagle-d1-few", "eagle-t2-few", "eagle-p1-nixl"),
+    # not a model: the rolling-upgrade tests' engines of the previous vLLM (the group
+    # "upgrade" runs right after "llama", whose 0.32 engines it reuses, still parked)
+    "upgrade": ("llama-p1-v31", "llama-d1-v31"),
 }
+def set_of(name: str, sets: dict[str, tuple[str, ...]]) -> str:
+    """The key of the :data:`SETS` entry that starts engine ``name``: the first that lists it
+    (the ``upgrade`` entry lists engines of other models' keys), else its model's."""
+    return next((k for k, names in sets.items() if name in names), name.split("-")[0])
+
+
 #: engines started that their model's :data:`SETS` entry lacks (each started alone)
 UNLISTED: set[str] = set()
 #: at most this many engines start at once (two cores: more only adds memory)
@@ -533,11 +547,12 @@ class Pool:
         as taken). The names started."""
         if self.sets is None:
             return []
+        keys = list(dict.fromkeys(set_of(n, self.sets) for n in new))  # as named, first
         for n in new:
-            if n not in self.sets.get(n.split("-")[0], ()):
+            if n not in self.sets.get(set_of(n, self.sets), ()):
                 UNLISTED.add(n)
-        wanted = [n for m in sorted({n.split("-")[0] for n in new})
-                  for n in self.sets.get(m, ()) if n not in _LIVE and n not in self.started]
+        wanted = [n for k in keys for n in self.sets.get(k, ())
+                  if n not in _LIVE and n not in self.started]
         started, taken = [], sum(_gib(n) for n in new)
         for n in wanted[:max(0, AT_ONCE - len(new))]:
             if mem_available_gib() - taken - _gib(n) < RESERVE_GIB:
@@ -553,13 +568,17 @@ class Pool:
         opts = dict(MODELS[key][2], nice=nice, num_blocks=DEFAULT_BLOCKS)
         for v in rest:  # "nixl", or variants of VARIANTS
             opts.update({"connector": "nixl"} if v == "nixl" else VARIANTS[v])
+        # a variant naming a vLLM version runs the engine in that version's venv (built on
+        # first use, like the default one); the model files are the default venv's, read alike
+        version = opts.pop("vllm", vllm_env.VLLM_VERSION)
+        py = self.py if version == vllm_env.VLLM_VERSION else vllm_env.ensure(version=version)
         if self.hosts is not None:
             from tests.netns import ADDRS
 
             h = "a" if role == "p1" else "b"
             opts["place"] = (self.hosts.ns[h], ADDRS[h])
         self.started.add(name)
-        _LIVE[name] = Engine(name, self.py, self.model(key), self.workdir, tp=tp, cores=cores,
+        _LIVE[name] = Engine(name, py, self.model(key), self.workdir, tp=tp, cores=cores,
                              **opts)
         return _LIVE[name]
 
