@@ -41,12 +41,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["APP_KEY", "VERSIONS", "Version", "VersionRefused", "advertised", "check_pair",
            "check_peer", "local_version", "stock_hashes"]
+
+# a child of vLLM's logger (vllm.logger.init_logger gives the same), so that its handlers apply
+logger = logging.getLogger("vllm.kvplan_nixl")
 
 #: The name of the vLLM version in an endpoint's advertised ``app`` strings.
 APP_KEY = "vllm"
@@ -120,8 +124,14 @@ def check_peer(local: str) -> Any:
     version against ``local`` (a peer advertising none passes: see the module docstring)."""
     def check(info: Any) -> None:
         remote = dict(info.app).get(APP_KEY)
-        if remote is not None:
-            check_pair(local, remote, f"engine {info.engine!r} rank {info.rank}")
+        if remote is None or remote == local:
+            return
+        who = f"engine {info.engine!r} rank {info.rank}"
+        check_pair(local, remote, who)
+        # said once per handshake and rank: an operator mid-upgrade sees which pairs mix
+        logger.info("kvplan: %s runs vLLM %s, this engine %s: a mixed pair, read exactly "
+                    "(layout epoch %d)", who, remote, local, VERSIONS[line(local)].layouts
+                    if line(local) in VERSIONS else 0)
     return check
 
 
