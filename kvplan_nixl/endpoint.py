@@ -82,7 +82,9 @@ class Endpoint:
     NIXL progress transfers and notifications on its own thread (it spins one core at 100%);
     by default the endpoint is progressed by its own calls (``Transfer.wait``/``poll``,
     :meth:`progress`, :meth:`notifications`). ``num_threads`` (int >= 0; 0 keeps NIXL's
-    default): UCX threads sharing a transfer's posting.
+    default): UCX threads sharing a transfer's posting. ``app``: a few ``{name: value}``
+    strings :meth:`metadata` advertises, signed with the layout, for the application's own
+    check of a peer (KvplanConnector: its vLLM version, kvplan_nixl/vllm/versions.py).
     """
 
     def __init__(
@@ -99,8 +101,10 @@ class Endpoint:
         num_threads: int = 0,
         memory: Mapping[str, str] | None = None,
         spread_pcp: bool = True,
+        app: Mapping[str, str] | None = None,
     ) -> None:
         spec = _check_args(engine, spec, rank, num_threads, backends, memory, spread_pcp)
+        self.app = md.check_app(app or {}, f"Endpoint {engine!r} rank {rank}")
         self._secret = md.check_secret(secret)
         allocs = resolve_buffers(spec, rank, buffers,
                                  declared_memory(spec, memory, md.MEM_TYPES))
@@ -142,6 +146,7 @@ class Endpoint:
                 devices=self._devices,
                 agent_metadata=agent_md,
                 v_bases=self._v_bases if any(self._v_bases) else (),
+                app=self.app,
             ),
             self._secret,
         )

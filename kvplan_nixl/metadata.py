@@ -13,7 +13,10 @@ Wire format (all integers big-endian)::
                                   "regions": [[index, base, nbytes, device], ...], one row per
                                   region the rank holds (its pipeline stage's), indices those
                                   of the whole spec; the regions of one pool repeat the pool's
-                                  base and size (one allocation)
+                                  base and size (one allocation); "app": {name: value} (absent
+                                  when empty): strings the layer above advertises and checks
+                                  itself (KvplanConnector: the vLLM version), signed with the
+                                  rest, never read here
     agent                         NIXL's own agent metadata (opaque but for its first field,
                                   the agent's name: see :func:`nixl_agent_name`)
     digest                        32 bytes: sha256 of everything above, or, when the endpoint
@@ -149,6 +152,9 @@ class PeerInfo:
     #: per buffer of the spec (``spec.buffers``), its NIXL memory type ("" for a buffer the
     #: rank does not hold); empty when every buffer held is in ``mem_type``.
     memory: tuple[str, ...] = ()
+    #: strings the application advertises beside the layout, as sorted ``(name, value)``
+    #: pairs (kvplan_nixl.vllm: ``("vllm", version)``); signed, opaque to the endpoint
+    app: tuple[tuple[str, str], ...] = ()
 
     def buffer_mem(self, buffer: int) -> str:
         """The NIXL memory type of buffer ``buffer`` (an index of ``spec.buffers``)."""
@@ -177,6 +183,7 @@ def encode(info: PeerInfo, secret: bytes | str | None = None) -> bytes:
                 if n
             ],
             **({"v_bases": list(info.v_bases)} if any(info.v_bases) else {}),
+            **({"app": dict(info.app)} if info.app else {}),
             **({"memory": other} if (other := [
                 [b, m] for b, m in enumerate(info.memory) if m and m != info.mem_type
             ]) else {}),
@@ -247,6 +254,7 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
         raw_rows = h["regions"]
         raw_v = h.get("v_bases", [])
         raw_mem = h.get("memory", [])
+        raw_app = h.get("app", {})
         spec_dict = h["spec"]
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise MetadataError(f"kvplan_nixl metadata header unreadable: {exc!r}") from None
@@ -254,6 +262,7 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
             or not isinstance(rank, int)):
         raise MetadataError(f"metadata header: bad engine {engine!r} or rank {rank!r}")
     who = f"metadata of {engine!r} rank {rank}"
+    app = _app(raw_app, who)
     try:
         spec = EngineSpec.from_dict(spec_dict)
     except KVPlanError as exc:
@@ -323,7 +332,34 @@ def decode(blob: bytes, secret: bytes | str | None = None) -> PeerInfo:
         agent_metadata=agent_md,
         v_bases=v_bases,
         memory=memory,
+        app=app,
     )
+
+
+#: An ``app`` section holds at most this many entries of at most this many characters each:
+#: a few names, never a second payload
+MAX_APP_ENTRIES, MAX_APP_CHARS = 16, 128
+
+
+def check_app(app: object, who: str = "metadata") -> tuple[tuple[str, str], ...]:
+    """``app`` (a mapping or pairs of strings) as sorted pairs; refuses anything else, or more
+    than :data:`MAX_APP_ENTRIES` entries of :data:`MAX_APP_CHARS` characters."""
+    items = app.items() if isinstance(app, dict) else app
+    try:
+        pairs = sorted((k, v) for k, v in items)
+    except (TypeError, ValueError):
+        raise MetadataError(f"{who}: app section {app!r} is not name -> value strings") from None
+    if len(pairs) > MAX_APP_ENTRIES or not all(
+            isinstance(x, str) and 0 < len(x) <= MAX_APP_CHARS for kv in pairs for x in kv):
+        raise MetadataError(f"{who}: app section must be at most {MAX_APP_ENTRIES} non-empty "
+                            f"strings of at most {MAX_APP_CHARS} characters, got {app!r}"[:400])
+    return tuple(pairs)
+
+
+def _app(raw: object, who: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(raw, dict):
+        raise MetadataError(f"{who}: app section is {type(raw).__name__}, not an object")
+    return check_app(raw, who)
 
 
 def _memory(raw: object, spec: EngineSpec, held: tuple[int, ...], mem: str,

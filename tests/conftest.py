@@ -28,7 +28,7 @@ ENGINES = "engines"
 #: start once (a group absent here runs after these, in collection order). First the tests
 #: that need the vLLM venv but start no engine (``engines`` without a model: seconds each),
 #: then the dense Llama: a broken connector fails there within minutes.
-GROUPS = ("", "llama", "nemo1", "nemo2", "gemma3", "mla", "eagle", "mlaeagle", "http")
+GROUPS = ("", "llama", "upgrade", "nemo1", "nemo2", "gemma3", "mla", "eagle", "mlaeagle", "http")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -117,6 +117,19 @@ def vllm_python():
         return vllm_env.ensure()
     except vllm_env.EnvUnavailable as e:
         pytest.skip(f"vLLM's CPU build cannot be installed here: {e}")
+
+
+@pytest.fixture(scope="session")
+def vllm_previous(vllm_python):
+    """The previous vLLM's venv interpreter (tests/vllm_env.py ``PREVIOUS``: the other side of
+    a rolling upgrade), built on first use like the default one; skips, saying why, where it
+    cannot be installed."""
+    from tests import vllm_env
+
+    try:
+        return vllm_env.ensure(version=vllm_env.PREVIOUS)
+    except vllm_env.EnvUnavailable as e:
+        pytest.skip(f"vLLM {vllm_env.PREVIOUS}'s CPU build cannot be installed here: {e}")
 
 
 @pytest.fixture(scope="session")

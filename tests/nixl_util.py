@@ -22,6 +22,7 @@ import numpy as np
 from kvplan import EngineSpec, pull_map, push_map, simulate
 from kvplan.examples import request_blocks
 from kvplan_nixl import Endpoint
+from kvplan_nixl import metadata as md
 from tests import oracle
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,6 +50,17 @@ def digester(sp, r, bufs):
 
 def spec(tp: int, *regions: dict) -> EngineSpec:
     return EngineSpec.from_dict({"tp_size": tp, "regions": list(regions)})
+
+
+def peer_info(app: dict[str, str], engine: str = "prefill") -> md.PeerInfo:
+    """Rank 0 of a TP 1 engine's metadata advertising ``app``, without NIXL: its agent
+    section is the agent's name alone, all :func:`kvplan_nixl.metadata.decode` reads of it."""
+    sp = spec(1, attn(heads=2, nb=4))
+    name = md.agent_name(engine, 0, "n1")
+    agent = b"nixlSerDes|Agent" + len(name).to_bytes(8, "little") + name.encode() + b"|rest"
+    return md.PeerInfo(engine=engine, rank=0, agent=name, spec=sp, mem_type="DRAM",
+                       bases=(1 << 32,), nbytes=(sp.rank_region_nbytes(0),), devices=(0,),
+                       agent_metadata=agent, app=md.check_app(app))
 
 
 def attn(name="layers.0.attn", *, heads=4, dim=64, nb=32, bs=16, layout="HND", kv="split",

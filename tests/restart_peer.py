@@ -86,7 +86,7 @@ def worker(engine: str, port: int, *, extra: dict | None = None, num_blocks: int
     from kvplan_nixl.vllm.settings import Settings
 
     ps.get_tensor_model_parallel_rank = lambda: 0
-    wk.compat_hash = lambda cfg, backend: HASH
+    wk.stock_hashes = lambda cfg, backend: {HASH: "0.32.0"}
     wk.stock_backend = lambda cfg: "CPU_ATTN"
     wk._layer_backends = lambda cfg, kv: dict.fromkeys(kv, "CPU_ATTN")
     wk._layer_heads = lambda cfg, kv: dict.fromkeys(kv, HEADS)

@@ -119,6 +119,7 @@ class Rank:  # the worker attributes Writes reads; endpoint, holds, side channel
         self.hs_timeout, self.lease = 2.0, 5.0
         self.stats, self.whole = KvplanStats(), False
         self.secret, self.digester = KEY, None  # handshakes check signed metadata; no digest
+        self.vllm_version = "0.32.0"  # decodes of another version are refused at handshake
         self.groups = TransferGroups((0,), ("full",), (16,), (None,), (0,))
         self.sends = Sends("127.0.0.1", 0, sc.server_identity("prefill", 0), ep.metadata(),
                            secret=KEY, lease=self.lease)

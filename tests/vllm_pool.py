@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests import vllm_env
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "vllm_engine.py"
 MARK = "@@kvplan "
@@ -89,6 +91,9 @@ VARIANTS = {
     # engine (started first) with its TP size, ``/tp2``: a replicated model's (MLA) stock
     # prefill publishes the same rank 0 at TP 1 and 2, and only the list may vouch for rank 1
     "stockt2": {"stock_of": "t2-nixl-lease12"},
+    # ``v31``: the engine runs in the venv of the previous vLLM (tests/vllm_env.py PREVIOUS),
+    # the tests' own harness and this checkout's connector: one side of a rolling upgrade
+    "v31": {"vllm": vllm_env.PREVIOUS},
 }
 #: KV blocks of an engine whose variants set none: enough for every test's prompts (up to a few
 #: hundred requests of 70 tokens before the prefix cache evicts), not vLLM's 1 GiB of cache,
@@ -114,13 +119,24 @@ SETS = {
     "mla": ("mla-p1-nixl", "mla-d1-nixl", "mla-t2-nixl-lease12", "mla-d1-stockt2", "mla-p1",
             "mla-d1", "mla-t2"),
     "eagle": ("eagle-p1-few", "eagle-d1-few", "eagle-t2-few", "eagle-p1-nixl"),
+    # not a model: the rolling-upgrade tests' engines of the previous vLLM (the group
+    # "upgrade" runs right after "llama", whose 0.32 engines it reuses, still parked)
+    "upgrade": ("llama-p1-v31", "llama-d1-v31"),
 }
+
+
 def _sources_live(name: str) -> bool:
     """Whether the engines variant ``stock_of`` of ``name`` lists are running (its
     ``stock_prefills`` is written from their ports)."""
     key, _, *rest = name.split("-")
     return all(f"{key}-{VARIANTS[v]['stock_of']}" in _LIVE for v in rest
                if "stock_of" in VARIANTS.get(v, {}))
+
+
+def set_of(name: str, sets: dict[str, tuple[str, ...]]) -> str:
+    """The key of the :data:`SETS` entry that starts engine ``name``: the first that lists it
+    (the ``upgrade`` entry lists engines of other models' keys), else its model's."""
+    return next((k for k, names in sets.items() if name in names), name.split("-")[0])
 
 
 #: engines started that their model's :data:`SETS` entry lacks (each started alone)
@@ -546,11 +562,12 @@ class Pool:
         as taken). The names started."""
         if self.sets is None:
             return []
+        keys = list(dict.fromkeys(set_of(n, self.sets) for n in new))  # as named, first
         for n in new:
-            if n not in self.sets.get(n.split("-")[0], ()):
+            if n not in self.sets.get(set_of(n, self.sets), ()):
                 UNLISTED.add(n)
-        wanted = [n for m in sorted({n.split("-")[0] for n in new})
-                  for n in self.sets.get(m, ()) if n not in _LIVE and n not in self.started]
+        wanted = [n for k in keys for n in self.sets.get(k, ())
+                  if n not in _LIVE and n not in self.started]
         started, taken = [], sum(_gib(n) for n in new)
         for n in wanted[:max(0, AT_ONCE - len(new))]:
             if mem_available_gib() - taken - _gib(n) < RESERVE_GIB:
@@ -574,13 +591,17 @@ class Pool:
             host = src.options["place"][1] if src.options["place"] else "127.0.0.1"
             opts["extra"] = {**(opts.get("extra") or {}),
                              "stock_prefills": [f"{host}:{src.port}/tp{src.tp}"]}
+        # a variant naming a vLLM version runs the engine in that version's venv (built on
+        # first use, like the default one); the model files are the default venv's, read alike
+        version = opts.pop("vllm", vllm_env.VLLM_VERSION)
+        py = self.py if version == vllm_env.VLLM_VERSION else vllm_env.ensure(version=version)
         if self.hosts is not None:
             from tests.netns import ADDRS
 
             h = "a" if role == "p1" else "b"
             opts["place"] = (self.hosts.ns[h], ADDRS[h])
         self.started.add(name)
-        _LIVE[name] = Engine(name, self.py, self.model(key), self.workdir, tp=tp, cores=cores,
+        _LIVE[name] = Engine(name, py, self.model(key), self.workdir, tp=tp, cores=cores,
                              **opts)
         return _LIVE[name]
 

@@ -148,11 +148,15 @@ Identify = Callable[[bytes], "tuple[str, int]"]
 Key = tuple[str, str, int]
 
 
-def identity(secret: bytes | str | None) -> Identify:
+def identity(secret: bytes | str | None,
+             check: Callable[[md.PeerInfo], None] | None = None) -> Identify:
     """An ``identify`` that decodes the blob (its signature checked under ``secret``) and
-    returns the engine and rank it advertises."""
+    returns the engine and rank it advertises; ``check`` may refuse the peer first (raising:
+    KvplanConnector's vLLM versions), before anything of it is connected."""
     def identify(blob: bytes) -> tuple[str, int]:
         info = md.decode(blob, secret)
+        if check is not None:
+            check(info)
         return info.engine, info.rank
     return identify
 

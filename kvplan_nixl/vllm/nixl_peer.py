@@ -22,7 +22,9 @@ The expected hash is an argument, not computed here: vLLM's hash
 path, dtype, KV heads, head size, layers, cache dtype, hybrid manager, speculative config, vLLM
 and connector versions, transfer mode) and its attention backend, which only the decode engine
 holds; :func:`compat_hash` computes it from them with vLLM's own function, as NixlConnector's
-pull decode does (``transfer_mode="pull"``).
+pull decode does (``transfer_mode="pull"``). A decode may accept several: a stock prefill of
+another vLLM version hashes its own version (:func:`kvplan_nixl.vllm.versions.stock_hashes`
+gives the hash of each version it vouches for).
 
 Only ranks the prefill has may be asked for (``tp_size``, ``pp_size``: the prefill's, from its
 ``kv_transfer_params``): vLLM 0.32's listener looks the rank up unguarded, and a rank it does
@@ -45,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -133,8 +135,11 @@ class NixlPrefills:
     connected rank uses (:meth:`kvplan_nixl.Endpoint.connect_foreign`).
     """
 
-    def __init__(self, rank: Rank, expected_hash: str, backend: str) -> None:
-        self.w, self.hash, self.backend = rank, expected_hash, backend
+    def __init__(self, rank: Rank, expected: str | Mapping[str, str], backend: str) -> None:
+        """``expected``: the compatibility hash, or {hash: the vLLM version that publishes
+        it}, of the stock prefills this decode reads
+        (:func:`kvplan_nixl.vllm.versions.stock_hashes`)."""
+        self.w, self.hash, self.backend = rank, expected, backend
         self.tp: dict[tuple[str, str, int], int] = {}  # the tp_size each handshake asks for
         self.metas: dict[str, dict[int, dict[str, Any]]] = {}  # fetched so far, per engine
         self.hs = Handshakes(self._connect, lock=rank.lock, identify=_identify,
@@ -331,16 +336,20 @@ class NixlTpSizeUnverified(NixlMetadataError):
 
 
 class NixlHashMismatch(SideChannelError):
-    """The prefill at ``host:port`` publishes another compatibility hash than the decode's
-    (``remote`` and ``local``): another model, dtype, backend, vLLM version or transfer mode,
-    as vLLM's decode refuses it. Its metadata was not decoded."""
+    """The prefill at ``host:port`` publishes another compatibility hash than any the decode
+    accepts (``remote``; ``local``: the decode's own): another model, dtype, backend, vLLM
+    version or transfer mode, as vLLM's decode refuses it. Its metadata was not decoded.
+    ``versions``: the vLLM versions whose hashes the decode accepted (named in the message)."""
 
-    def __init__(self, host: str, port: int, local: str, remote: str) -> None:
+    def __init__(self, host: str, port: int, local: str, remote: str,
+                 versions: tuple[str, ...] = ()) -> None:
         self.local, self.remote = local, remote
+        which = f" (accepted: the hashes of vLLM {', '.join(versions)})" if versions else ""
         super().__init__(f"NixlConnector prefill at {host}:{port}: compatibility hash "
-                         f"{remote}, this decode's {local}: the engines are not configured "
-                         "alike (model, dtype, KV heads, head size, layers, attention backend, "
-                         "cache dtype, vLLM version or transfer mode)", host, port)
+                         f"{remote}, this decode's {local}{which}: the engines are not "
+                         "configured alike (model, dtype, KV heads, head size, layers, "
+                         "attention backend, cache dtype, vLLM version or transfer mode)",
+                         host, port)
 
 
 class NixlAnswerTooLarge(SideChannelProtocolError):
@@ -362,14 +371,17 @@ def compat_hash(vllm_config: Any, backend_name: str) -> str:
 
 
 def fetch_nixl_metadata(host: str, port: int, tp_rank: int, *, tp_size: int,
-                        expected_hash: str, pp_rank: int = 0, pp_size: int = 1,
+                        expected_hash: str | Mapping[str, str], pp_rank: int = 0,
+                        pp_size: int = 1,
                         engine_id: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
     """Prefill TP rank ``tp_rank``'s ``NixlAgentMetadata`` fields (a plain dict, keys its
     field names), asked of the stock NixlConnector side channel at ``host:port``.
 
     ``tp_size`` and ``pp_size`` are the prefill's (see the module docstring: a rank beyond
     them is refused unsent, :class:`~kvplan_nixl.errors.ArgumentError`). ``expected_hash`` is
-    the decode's compatibility hash (:func:`compat_hash`); ``engine_id``, when given, must be
+    the decode's compatibility hash (:func:`compat_hash`), or ``{hash: vLLM version}`` of
+    every hash it accepts, its own first (a rolling upgrade: stock prefills of another vLLM
+    version, :mod:`kvplan_nixl.vllm.versions`); ``engine_id``, when given, must be
     the one the metadata names. The whole exchange runs under ``timeout_s``.
 
     Raises :class:`~kvplan_nixl.serving.sidechannel.SideChannelTimeout` (no answer in time),
@@ -392,8 +404,11 @@ def fetch_nixl_metadata(host: str, port: int, tp_rank: int, *, tp_size: int,
                                        "is 2 (payload, clock)", host, port)
     payload = _decode(NixlHandshakePayload, reply[0], where, "NixlHandshakePayload", host,
                       port)
-    if payload.compatibility_hash != expected_hash:
-        raise NixlHashMismatch(host, port, expected_hash, payload.compatibility_hash)
+    accepted = {expected_hash: ""} if isinstance(expected_hash, str) else expected_hash
+    if payload.compatibility_hash not in accepted:
+        raise NixlHashMismatch(host, port, next(iter(accepted), ""),
+                               payload.compatibility_hash, tuple(v for v in accepted.values()
+                                                                 if v))
     meta = _decode(NixlAgentMetadata, payload.agent_metadata_bytes, where, "NixlAgentMetadata",
                    host, port)
     if engine_id is not None and meta.engine_id != engine_id:

@@ -43,6 +43,7 @@ from kvplan_nixl.serving.pushes import (
 )
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.spans import span
+from kvplan_nixl.vllm.versions import check_peer
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.rank import Rank
@@ -208,7 +209,8 @@ class Writes:
         self.layers: dict[str, Layered] = {}
         self.open = False  # a layer-wise push of this step's forward is open (forward thread)
         self.hs = Handshakes(self._connect, lock=worker.lock, timeout=worker.hs_timeout,
-                             identify=identity(worker.secret),
+                             identify=identity(worker.secret,
+                                               check_peer(worker.vllm_version)),
                              retry_after_s=min(5.0, worker.lease),
                              warn=lambda m: logger.warning("kvplan: push %s", m))
         self.owed = Owed(worker, self.hs)  # PUSHFAILs for refused registrations

@@ -34,6 +34,7 @@ class Rank(Protocol):
     timeout: float  # transfer_timeout_s
     hs_timeout: float  # handshake_timeout_s
     secret: str | None  # the deployment secret (signs metadata and control messages)
+    vllm_version: str  # this engine's vLLM (advertised; a peer's checked at handshake)
     lease: float  # lease_s
     heartbeat: float  # heartbeat_s
     lease_pin: float  # lease_pin_s: the pin a LEASE asks (0: no LEASE, CONFIRM before report)

@@ -42,13 +42,14 @@ from kvplan_nixl.serving.holds import MAX_PIN_S
 from kvplan_nixl.serving.locks import FairLock
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
-from kvplan_nixl.vllm.nixl_peer import NixlPrefills, compat_hash, stock_backend
+from kvplan_nixl.vllm.nixl_peer import NixlPrefills, stock_backend
 from kvplan_nixl.vllm.pull_digest import Answers
 from kvplan_nixl.vllm.pulling import Pulls, tell_unposted
 from kvplan_nixl.vllm.pushing import Receives, Writes
 from kvplan_nixl.vllm.restarts import Restarts
 from kvplan_nixl.vllm.spans import lacking
 from kvplan_nixl.vllm.stats import KvplanStats
+from kvplan_nixl.vllm.versions import advertised, check_peer, local_version, stock_hashes
 
 if TYPE_CHECKING:
     from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load
@@ -68,6 +69,7 @@ class Worker:
         self.vllm_config = vllm_config
         self.rank = get_tensor_model_parallel_rank()
         self.secret = c.extra.get("secret")
+        self.vllm_version = local_version()  # advertised; a peer's checked at handshake
         self.timeout = c.seconds("transfer_timeout_s", 30.0)
         self.hs_timeout = c.seconds("handshake_timeout_s", 5.0)
         self.lease = c.seconds("lease_s", 120.0)
@@ -148,8 +150,10 @@ class Worker:
         if self.cuda:  # NIXL needs the device: flat views of the buffers
             bufs = {k: _flat(kv_caches, a, n) for k, (a, n) in bufs.items()}
         self.digester = digests.digester(self.c, spec, self.rank, bufs, self.cuda)
+        # the vLLM version, signed with the layout: a peer of another version checks the
+        # pair at handshake (kvplan_nixl/vllm/versions.py: a rolling upgrade)
         self.ep = Endpoint(self.c.engine_id, spec, self.rank, bufs, secret=self.secret,
-                           backends=self.backends)
+                           backends=self.backends, app=advertised(self.vllm_version))
         kinds = ",".join(sorted({r.kind.value for r in spec.regions}))
         logger.info("kvplan: rank %d registered %d regions (%s; backend %s, layouts %s, "
                     "groups %s, %d buffers)", self.rank, len(spec.regions), kinds,
@@ -170,11 +174,12 @@ class Worker:
         # without a secret a kvplan prefill's metadata is unsigned: its address is its
         # identity, as a stock prefill's (serving/handshakes.py, "Restarts and identity")
         self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
-                             identify=identity(self.secret),
+                             identify=identity(self.secret, check_peer(self.vllm_version)),
                              retry_after_s=min(5.0, self.lease),
                              warn=lambda m: logger.warning("kvplan: pull %s", m),
                              pin=self.secret is None)
-        self.nixl = NixlPrefills(self, compat_hash(cfg, stock_backend(cfg)), stock_backend(cfg))
+        # a stock prefill's hash names its vLLM version: every listed version's is accepted
+        self.nixl = NixlPrefills(self, stock_hashes(cfg, stock_backend(cfg)), stock_backend(cfg))
         self.receives, self.writes = Receives(self), Writes(self)
         self.answers = Answers(self, self.writes.hs)  # decodes connected as a push does
         self.ep.on_peer_gone(self.restarts.gone)
