@@ -26,8 +26,9 @@ without waiting for a CONFIRM asks :meth:`Holds.lease` (the side channel's LEASE
 read completes. A yes extends the hold to at least ``now + pin`` and *pins* it until then: a
 release that arrives while the hold is pinned is deferred (the hold ends when the last pin
 is returned by its reader's :meth:`Holds.confirm` with ``leased=True``, or at the pin's end),
-and a hold superseded while pinned passes the pin on, so nothing but the readers' own
-confirmations and the clock can end a pinned hold under a read. Pins are bounded: at most
+and a request whose hold is superseded while pinned is not reported finished before that
+pin's end, so nothing but the readers' own confirmations and the clock can end a pinned hold
+under a read. Pins are bounded: at most
 :data:`MAX_PINNED` holds pinned at once, :data:`MAX_PINS` per hold, each for at most
 :data:`MAX_PIN_S`; past those a LEASE is answered no (the decode then waits for its CONFIRM,
 as it would without leases).
