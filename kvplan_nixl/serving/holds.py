@@ -252,9 +252,9 @@ class Holds:
             return v
         h = self._holds[req]
         old = h.pin if h.pin is not None and h.pin.live(now) else None
-        if (h.pin is not None and h.pin.released) or (old is not None and
-                                                        old.leases >= MAX_PINS) \
-                or (old is None and not self._room_to_pin(now)):
+        released = h.pin is not None and h.pin.released  # nobody should start reading it
+        full = old.leases >= MAX_PINS if old is not None else not self._room_to_pin(now)
+        if released or full:
             self.counts["lease_refused"] += 1
             return Verdict.NO
         h.pin = (old or Pin(0, now)).granted(now + pin)
@@ -264,8 +264,9 @@ class Holds:
         return Verdict.YES
 
     def _room_to_pin(self, now: float) -> bool:
-        """Whether one more hold may be pinned (:data:`MAX_PINNED`); forgets run-out pins
-        first when the set is full (amortised: at most once per MAX_PINNED / 2 pins)."""
+        """Whether one more hold may be pinned (:data:`MAX_PINNED`); forgets ended and
+        run-out pins first when the set is full (a scan of the set: only a table with
+        MAX_PINNED pins outstanding pays it, once per LEASE)."""
         if len(self._pinned) < MAX_PINNED:
             return True
         self._pinned = {r for r in self._pinned if (h := self._holds.get(r)) is not None
