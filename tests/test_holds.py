@@ -253,7 +253,7 @@ def test_lease_answers_later_and_no_as_a_renew_would():
             h.lease("r", g, 0.0, pin=bad)
 
 
-def test_a_hold_superseded_under_a_pin_passes_the_pin_on():
+def test_a_hold_superseded_under_a_pin_is_not_reported_before_the_pins_end():
     h = Holds()
     g1 = h.hold("r", 0.0, 10.0)
     assert h.lease("r", g1, 1.0, pin=5.0) is Verdict.YES  # a read of g1 under way

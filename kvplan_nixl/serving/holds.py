@@ -26,8 +26,9 @@ without waiting for a CONFIRM asks :meth:`Holds.lease` (the side channel's LEASE
 read completes. A yes extends the hold to at least ``now + pin`` and *pins* it until then: a
 release that arrives while the hold is pinned is deferred (the hold ends when the last pin
 is returned by its reader's :meth:`Holds.confirm` with ``leased=True``, or at the pin's end),
-and a hold superseded while pinned passes the pin on, so nothing but the readers' own
-confirmations and the clock can end a pinned hold under a read. Pins are bounded: at most
+and a request whose hold is superseded while pinned is not reported finished before that
+pin's end, so nothing but the readers' own confirmations and the clock can end a pinned hold
+under a read. Pins are bounded: at most
 :data:`MAX_PINNED` holds pinned at once, :data:`MAX_PINS` per hold, each for at most
 :data:`MAX_PIN_S`; past those a LEASE is answered no (the decode then waits for its CONFIRM,
 as it would without leases).
@@ -251,9 +252,9 @@ class Holds:
             return v
         h = self._holds[req]
         old = h.pin if h.pin is not None and h.pin.live(now) else None
-        if (h.pin is not None and h.pin.released) or (old is not None and
-                                                        old.leases >= MAX_PINS) \
-                or (old is None and not self._room_to_pin(now)):
+        released = h.pin is not None and h.pin.released  # nobody should start reading it
+        full = old.leases >= MAX_PINS if old is not None else not self._room_to_pin(now)
+        if released or full:
             self.counts["lease_refused"] += 1
             return Verdict.NO
         h.pin = (old or Pin(0, now)).granted(now + pin)
@@ -263,8 +264,9 @@ class Holds:
         return Verdict.YES
 
     def _room_to_pin(self, now: float) -> bool:
-        """Whether one more hold may be pinned (:data:`MAX_PINNED`); forgets run-out pins
-        first when the set is full (amortised: at most once per MAX_PINNED / 2 pins)."""
+        """Whether one more hold may be pinned (:data:`MAX_PINNED`); forgets ended and
+        run-out pins first when the set is full (a scan of the set: only a table with
+        MAX_PINNED pins outstanding pays it, once per LEASE)."""
         if len(self._pinned) < MAX_PINNED:
             return True
         self._pinned = {r for r in self._pinned if (h := self._holds.get(r)) is not None
