@@ -233,6 +233,10 @@ class Worker:
                     elif self.rank == 0 and load.peer == "nixl":
                         _free_stock(self, load, aborted=True)
                     continue
+                stale = self.restarts.stale(load)
+                if stale is not None:  # a stock request older than its prefill's restart
+                    self.fail(load, stale)
+                    continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
                     _hs_start(self, load)
                 except (AddressConflict, AddressRefused) as e:  # nothing was dialled
