@@ -94,9 +94,7 @@ class Worker:
         self.ctl = Control(self.secret, self.hs_timeout)
         self.engines: dict[str, tuple[Any, list[int]]] = {}  # prefill engine -> map, counts
         self.waiting: dict[str, tuple[Load, float]] = {}  # handshake pending -> deadline
-        # stock loads that failed before their prefill was connected here, by handshake key,
-        # with the time.time() until which telling the prefill is still of use (_owe_stock)
-        self.owed: dict[tuple[str, str, int], list[tuple[Load, bool, float]]] = {}
+        self.owed: dict[tuple[str, str, int], list[tuple[Load, bool, float]]] = {}  # _owe_stock
         self.restarts = Restarts(self)  # prefills restarted in place: connected afresh
         self.pulls = Pulls(self)
         self.recv_done: set[str] = set()
@@ -222,24 +220,7 @@ class Worker:
             for load in meta.loads:
                 if load.local_ids and not load.push:
                     self.admitted.setdefault(load.req_id, now)
-                if load.refused:  # bad params: nobody named in them is contacted
-                    self.fail(load, f"kv_transfer_params refused: {load.refused}")
-                    continue
-                if load.peer == "nixl" and self.digester is not None:  # never used unchecked
-                    self.fail(load, "the transfer digest is on, and a NixlConnector prefill "
-                                    "cannot digest what it served")
-                    _free_stock(self, load, aborted=False)
-                    continue
-                if not load.local_ids:  # nothing to read: just let the prefill free its blocks
-                    if self.rank == 0 and load.peer == "kvplan" and not load.push:
-                        self.ctl.release(load, range(load.remote_tp))  # (a push's: its lease)
-                    elif self.rank == 0 and load.peer == "nixl" \
-                            and not _free_stock(self, load, aborted=True):
-                        _owe_stock(self, load, aborted=True)
-                    continue
-                stale = self.restarts.stale(load)
-                if stale is not None:  # a stock request older than its prefill's restart
-                    self.fail(load, stale)
+                if _ended_early(self, load):  # refused, or nothing to read
                     continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
                     _hs_start(self, load)
@@ -441,6 +422,33 @@ def _free_stock(w: Worker, load: Load, *, aborted: bool) -> bool:
     else:
         tell_unposted(w, load, tuple(tmap.peers), counts)
     return True
+
+
+def _ended_early(w: Worker, load: Load) -> bool:
+    """End ``load`` before any handshake where it must not or need not read (True then): its
+    params were refused (nobody named in them is contacted), a stock prefill's under the
+    transfer digest (its KV is never used unchecked), nothing to read (the prefill is let free
+    its blocks), a stock request older than its prefill's restart in place
+    (:meth:`~kvplan_nixl.vllm.restarts.Restarts.stale`)."""
+    if load.refused:
+        w.fail(load, f"kv_transfer_params refused: {load.refused}")
+        return True
+    if load.peer == "nixl" and w.digester is not None:
+        w.fail(load, "the transfer digest is on, and a NixlConnector prefill cannot digest "
+                     "what it served")
+        _free_stock(w, load, aborted=False)
+        return True
+    if not load.local_ids:
+        if w.rank == 0 and load.peer == "kvplan" and not load.push:
+            w.ctl.release(load, range(load.remote_tp))  # (a push's: its lease)
+        elif w.rank == 0 and load.peer == "nixl" and not _free_stock(w, load, aborted=True):
+            _owe_stock(w, load, aborted=True)
+        return True
+    stale = w.restarts.stale(load)
+    if stale is not None:
+        w.fail(load, stale)
+        return True
+    return False
 
 
 def _owe_stock(w: Worker, load: Load, *, aborted: bool) -> None:
