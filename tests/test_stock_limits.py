@@ -1,6 +1,8 @@
 """The mixed fleet as a trust boundary (issue 45, items 3 to 9): what a request's params, a
 stock NixlConnector prefill's listener and its metadata may cost a KvplanConnector decode, the
-request ids its notifications can carry, and what a staged OPEN may cost a prefill.
+request ids its notifications can carry, and what a staged OPEN may cost a prefill; and the
+gaps closed after: an unverifiable ``tp_size`` claim (a'), a load failed before its prefill
+was connected (b), ``stock_prefills: []`` (c), the answer's cap and name resolution (e).
 
 The params rules are checked where the connector's scheduler admits a request
 (:func:`kvplan_nixl.serving.transfer_params.check_decode`, and in the vLLM venv through
