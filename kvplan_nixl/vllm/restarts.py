@@ -23,7 +23,7 @@ after the new one is connected, would read whatever the new instance keeps in th
 another request's KV, used unconfirmed. So once a fresh handshake connects *other* agents than
 those a failed read or post of that engine used (a restart, not a request naming bad blocks:
 the same agents answering clear the suspicion), the time of that failure is kept per engine
-(``gone``; the latest such failure), and a stock request the scheduler admitted before it
+(``gone_at``; the latest such failure), and a stock request the scheduler admitted before it
 fails by name, alone, before its handshake or post (:meth:`Restarts.stale`); the new
 connection is not touched. A leg the old instance answered ran before that failure was seen,
 and a front sends the decode leg right after the prefill leg's answer, so such requests are
@@ -79,7 +79,7 @@ class Restarts:
         # stock prefills: when a read or post with these agents failed (a restart, if a fresh
         # handshake connects others), and when one was found restarted (the docstring)
         self.suspect: dict[str, tuple[float, tuple[str, ...]]] = {}
-        self.gone: dict[str, float] = {}
+        self.gone_at: dict[str, float] = {}  # (not ``gone``: the endpoint's hook below)
 
     def forget(self, engine: str) -> None:
         """Forget what is known of prefill ``engine`` (its handshakes, its pull map): the next
@@ -151,7 +151,7 @@ class Restarts:
 
     def _settle_suspect(self, engine: str) -> None:
         """A stock ``engine`` is connected again after a failed read or post: other agents
-        than that attempt's mean it restarted (its failure's time kept in ``gone``), the
+        than that attempt's mean it restarted (its failure's time kept in ``gone_at``), the
         same ones that it did not."""
         failed = self.suspect.get(engine)
         now = self.agents(engine)
@@ -159,8 +159,8 @@ class Restarts:
             return
         del self.suspect[engine]
         if not set(failed[1]) & set(now):
-            _bounded(self.gone)
-            self.gone[engine] = failed[0]
+            _bounded(self.gone_at)
+            self.gone_at[engine] = failed[0]
             logger.warning("kvplan: NixlConnector prefill %s restarted in place (new agents): "
                            "its requests admitted before %.3f (when a read from its old "
                            "instance failed) fail, never read from the new one", engine,
@@ -169,7 +169,7 @@ class Restarts:
     def stale(self, load: Load) -> str | None:
         """Why stock ``load`` must not be read (its prefill leg may have run on an instance of
         its prefill that was found gone after the request was admitted), or None."""
-        gone = self.gone.get(load.engine)
+        gone = self.gone_at.get(load.engine)
         if load.peer != "nixl" or gone is None or not 0 < load.admitted < gone:
             return None
         return (f"StaleStockRequest: NixlConnector prefill {load.engine!r} restarted in place; "
