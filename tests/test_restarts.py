@@ -505,3 +505,65 @@ print("ok")
 
 def test_a_push_decode_restarted_in_place_is_connected_afresh(vllm_python):
     _in_vllm_venv(vllm_python, PUSH)
+
+
+#: Gap (d) of issue 45: a stock prefill restarted in place under its engine id (new agents, the
+#: same block count, other contents), and a request whose prefill leg ran on the old instance
+#: (admitted before) arriving after the new one is connected: it fails alone and by name, never
+#: read from the new instance's blocks, and the new connection serves the requests after it. A
+#: request naming block ids the live prefill lacks (what any HTTP client can send) makes nobody
+#: stale: the fresh handshake finds the same agents.
+STALE = DRIVER_SETUP + r"""
+import dataclasses
+w, kv = worker("decode", port())
+X = port()
+
+def at(ld, admitted):
+    return dataclasses.replace(ld, admitted=admitted)
+
+def outcome(ld):
+    before = len(log.lines)
+    ok, took = pull(w, ld)
+    return ok, "\n".join(log.lines[before:])
+
+p = Prefill("stock", X, "prefill-0", 1, 1, 16)
+ld = at(load("g0", "prefill-0", X, [2, 3], [20, 21]), time.time())
+ok, why = outcome(ld)
+assert ok and read_back(kv, ld, 1, 1), why
+# a request naming a block id the prefill lacks: its post fails, the engine is forgotten, and
+# the next request's fresh handshake finds the same agents: no restart, nobody refused
+older = at(load("g1", "prefill-0", X, [4, 5], [22, 23]), time.time())
+ok, why = outcome(at(load("bad", "prefill-0", X, [99], [24]), time.time()))
+assert not ok and "out of range" in why, why
+ok, why = outcome(older)
+assert ok and read_back(kv, older, 1, 1) and "StaleStockRequest" not in why, why
+
+stale = at(load("st", "prefill-0", X, [6, 7], [26, 27]), time.time())  # leg on the old one
+p.kill()
+p = Prefill("stock", X, "prefill-0", 1, 2, 16)  # in place: new agents, other contents
+ok, why = outcome(at(load("r1", "prefill-0", X, [2], [28]), time.time()))
+assert not ok and "NIXL_ERR_REMOTE_DISCONNECT" in why, why  # the old agents gone
+ld = at(load("r2", "prefill-0", X, [8, 9], [20, 21]), time.time())
+ok, why = outcome(ld)
+assert ok and read_back(kv, ld, 2, 1) and "restarted in place (new agents)" in why, why
+for b in (26, 27):  # what the stale request's blocks hold before
+    for name in kv:
+        kv[name][b].fill_(-1.0)
+t0 = time.monotonic()
+ok, why = outcome(stale)
+took = time.monotonic() - t0
+assert not ok and "StaleStockRequest: NixlConnector prefill 'prefill-0' restarted in place" \
+    in why and "not read" in why and "kv_load_failure_policy" in why, why
+assert all(bool((kv[name][b] == -1.0).all()) for b in (26, 27) for name in kv), "read"
+assert took < 0.5, took
+ld = at(load("r3", "prefill-0", X, [10, 11], [24, 25]), time.time())
+ok, why = outcome(ld)  # the new connection is untouched
+assert ok and read_back(kv, ld, 2, 1) and "runs vLLM's NixlConnector" not in why, why
+p.kill()
+w.close()
+print("ok")
+"""
+
+
+def test_a_stale_request_after_a_stock_restart_fails_alone(vllm_python):
+    _in_vllm_venv(vllm_python, STALE)

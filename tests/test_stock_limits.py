@@ -1,6 +1,8 @@
 """The mixed fleet as a trust boundary (issue 45, items 3 to 9): what a request's params, a
 stock NixlConnector prefill's listener and its metadata may cost a KvplanConnector decode, the
-request ids its notifications can carry, and what a staged OPEN may cost a prefill.
+request ids its notifications can carry, and what a staged OPEN may cost a prefill; and the
+gaps closed after: an unverifiable ``tp_size`` claim (a'), a load failed before its prefill
+was connected (b), ``stock_prefills: []`` (c), the answer's cap and name resolution (e).
 
 The params rules are checked where the connector's scheduler admits a request
 (:func:`kvplan_nixl.serving.transfer_params.check_decode`, and in the vLLM venv through
@@ -123,8 +125,12 @@ for i, (params, field) in enumerate([
 assert "4096" in refused["remote_num_tokens"] and "max_model_len" in refused["remote_num_tokens"]
 assert "4096" in refused["remote_block_offsets"]
 # at the bound: taken; the window's derived offset stays within max_model_len's blocks
+import time
 ld = load(10, dict(STOCK, remote_num_tokens=4096))
 assert not ld.refused and ld.remote_first == [0, 4096 // 16 - 2], ld
+# gap (d): the scheduler's admission time travels with the load (a stock request admitted
+# before its prefill was found restarted is not read: tests/test_restarts.py)
+assert time.time() - 60 < ld.admitted <= time.time(), ld
 ld = load(11, dict(OURS, remote_block_offsets=[0, 4096]))
 assert not ld.refused and ld.remote_first == [0, 4096], ld
 print("ok")
@@ -747,3 +753,52 @@ def test_an_unverified_tp_claim_asks_for_no_rank_beyond_rank_0(vllm_python):
     from tests.test_vllm_serving import _in_vllm_venv
 
     _in_vllm_venv(vllm_python, DRIVER_SETUP + UNVERIFIED)
+
+
+# -- item 8, gap (b): a load failed before its prefill was connected is told once it is -------
+
+#: A stock TP 1 prefill (tests/restart_peer.py: a real NIXL agent, vLLM 0.32's own listener)
+#: stopped (SIGSTOP: a starved host) while a request's handshake runs: the load fails, nothing
+#: can be told (no NIXL connection yet). Resumed, the next request connects it, and the
+#: decode then tells it ``<id>:1`` for the failed one too, once (before: never, so its blocks
+#: waited for the prefill's lease).
+OWED = r"""
+import os, signal
+w, kv = worker("decode", port())
+X = port()
+p = Prefill("stock", X, "prefill-0", 1, 3, 16)
+os.kill(p.proc.pid, signal.SIGSTOP)
+before = len(log.lines)
+ok, _ = pull(w, load("x1", "prefill-0", X, [2, 3], [20, 21]))
+why = "\n".join(log.lines[before:])
+assert not ok and "SideChannelTimeout" in why, why
+os.kill(p.proc.pid, signal.SIGCONT)
+time.sleep(5.2)  # the failed handshake is tried again after retry_after_s (5 s)
+ld = load("g1", "prefill-0", X, [4, 5], [22, 23])
+ok, _ = pull(w, ld)
+assert ok and read_back(kv, ld, 3, 1), log.lines[-3:]
+end = time.monotonic() + 5
+while not {"r-x1:1", "r-g1:1"} <= {m for _, m in p.notifs}:
+    assert time.monotonic() < end, p.notifs
+    time.sleep(0.01)
+    w.results(set())
+time.sleep(0.2)
+w.results(set())
+assert [m for _, m in p.notifs if m.startswith("r-x1:")] == ["r-x1:1"], p.notifs
+assert any("told NixlConnector prefill prefill-0, connected since, that 1 request(s)" in m
+           for m in log.lines), log.lines[-5:]
+p.kill()
+w.close()
+print("ok")
+"""
+
+
+def test_a_load_failed_before_its_stock_prefill_was_connected_is_told_later(vllm_python):
+    """Gap (b) of issue 45 item 8, through the connector's decode ``Worker``: ``<id>:n`` can
+    only travel over a NIXL connection, so a load that fails before one exists is kept and its
+    prefill told once a later handshake under the same engine, host and port connects it (while
+    the prefill's lease still holds the blocks)."""
+    from tests.test_restarts import DRIVER_SETUP
+    from tests.test_vllm_serving import _in_vllm_venv
+
+    _in_vllm_venv(vllm_python, DRIVER_SETUP + OWED)

@@ -67,7 +67,7 @@ from kvplan.adapters.vllm_nixl import (
     prefill_from_nixl,
 )
 from kvplan.constants import MAX_REGIONS
-from kvplan_nixl.errors import ArgumentError, MetadataError, ParamsError
+from kvplan_nixl.errors import ArgumentError, MetadataError
 from kvplan_nixl.metadata import nixl_agent_name
 from kvplan_nixl.serving.handshakes import (
     FAILED,
@@ -195,7 +195,7 @@ class NixlPrefills:
                                   f"{load.port} is connected as TP {claim}", st.since)
         try:
             return self.start(load)
-        except (AddressRefused, ParamsError) as e:  # refused meanwhile: nothing dialled
+        except Exception as e:  # refused meanwhile (nothing dialled), or closed
             return HandshakeState(FAILED, f"{type(e).__name__}: {e}", st.since)
 
     def forget(self, engine: str) -> None:

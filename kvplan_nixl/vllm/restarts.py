@@ -16,6 +16,22 @@ prefill leg ran on the instance that died is never used. A stock NixlConnector p
 confirms nothing, and the decode cannot tell whether the new instance holds the block ids the
 request names: its request fails (``kv_load_failure_policy``), and only the engine is
 forgotten, so that the next request connects afresh.
+
+**Stale stock requests** (issue 45, gap d). Nothing in a stock prefill's params says which
+instance answered its prefill leg, so a request whose leg ran on the instance that died, read
+after the new one is connected, would read whatever the new instance keeps in those blocks:
+another request's KV, used unconfirmed. So once a fresh handshake connects *other* agents than
+those a failed read or post of that engine used (a restart, not a request naming bad blocks:
+the same agents answering clear the suspicion), the time of that failure is kept per engine
+(``gone_at``; the latest such failure), and a stock request the scheduler admitted before it
+fails by name, alone, before its handshake or post (:meth:`Restarts.stale`); the new
+connection is not touched. A leg the old instance answered ran before that failure was seen,
+and a front sends the decode leg right after the prefill leg's answer, so such requests are
+admitted before it and caught; a genuine request admitted between the new instance starting and
+the failure being seen is refused too (recomputed: a cost, never a wrong read). Not caught: a
+decode leg sent long after its prefill leg's answer (after the failure was seen), an engine the
+decode had never read from before it restarted (no old agents to compare), and requests whose
+admission time is unknown (``Load.admitted`` 0).
 """
 
 from __future__ import annotations
@@ -60,6 +76,10 @@ class Restarts:
     def __init__(self, rank: Rank) -> None:
         self.w = rank
         self.again: dict[str, Again] = {}
+        # stock prefills: when a read or post with these agents failed (a restart, if a fresh
+        # handshake connects others), and when one was found restarted (the docstring)
+        self.suspect: dict[str, tuple[float, tuple[str, ...]]] = {}
+        self.gone_at: dict[str, float] = {}  # (not ``gone``: the endpoint's hook below)
 
     def forget(self, engine: str) -> None:
         """Forget what is known of prefill ``engine`` (its handshakes, its pull map): the next
@@ -91,6 +111,11 @@ class Restarts:
         why = f"{type(error).__name__}: {error}"
         agents = self.agents(load.engine)  # what it failed with (none: its peer had gone)
         self.forget(load.engine)
+        if load.peer == "nixl" and agents:  # the latest failure with these agents: a leg
+            # admitted before it may have run on them even if an earlier failure was no restart
+            self.suspect.pop(load.engine, None)
+            _bounded(self.suspect)
+            self.suspect[load.engine] = (time.time(), agents)
         if load.push or load.peer != "kvplan" or load.req_id in self.again \
                 or isinstance(error, TimeoutError):
             self.again.pop(load.req_id, None)
@@ -113,11 +138,45 @@ class Restarts:
         if st.failed:
             self.again.pop(load.req_id, None)
             return f"{was}handshake failed: {st.reason}{dialled}", peers
+        if load.peer == "nixl":
+            self._settle_suspect(load.engine)
+            stale = self.stale(load)
+            if stale is not None:
+                return stale, ()
         if again is not None and not again.replaced(self.agents(load.engine)):
             self.again.pop(load.req_id, None)
             return (f"{again.why} (a fresh handshake found the same prefill agents: not a "
                     "restart)", peers)
         return None  # posted (again): its entry stays until it is reported, so never twice
+
+    def _settle_suspect(self, engine: str) -> None:
+        """A stock ``engine`` is connected again after a failed read or post: other agents
+        than that attempt's mean it restarted (its failure's time kept in ``gone_at``), the
+        same ones that it did not."""
+        failed = self.suspect.get(engine)
+        now = self.agents(engine)
+        if failed is None or not now:
+            return
+        del self.suspect[engine]
+        if not set(failed[1]) & set(now):
+            _bounded(self.gone_at)
+            self.gone_at[engine] = failed[0]
+            logger.warning("kvplan: NixlConnector prefill %s restarted in place (new agents): "
+                           "its requests admitted before %.3f (when a read from its old "
+                           "instance failed) fail, never read from the new one", engine,
+                           failed[0])
+
+    def stale(self, load: Load) -> str | None:
+        """Why stock ``load`` must not be read (its prefill leg may have run on an instance of
+        its prefill that was found gone after the request was admitted), or None."""
+        gone = self.gone_at.get(load.engine)
+        if load.peer != "nixl" or gone is None or not 0 < load.admitted < gone:
+            return None
+        return (f"StaleStockRequest: NixlConnector prefill {load.engine!r} restarted in place; "
+                f"a read from its old instance failed {gone - load.admitted:.3f} s after this "
+                "request was admitted, so its prefill leg may have run on the instance that "
+                "died, and the new one may hold other KV in the block ids it names (a stock "
+                "prefill confirms nothing); not read")
 
     def reported(self, req_ids: set[str]) -> None:
         """These requests were reported to vLLM (loaded or failed): forget their attempts."""
@@ -127,3 +186,10 @@ class Restarts:
     def agents(self, engine: str) -> tuple[str, ...]:
         """The NIXL agents ``engine``'s connected ranks are read through."""
         return tuple(p.agent for p in self.w.ep.peers() if p.engine == engine)
+
+
+def _bounded(table: dict[str, object], most: int = 1024) -> None:
+    """Make room for one entry: the oldest dropped past ``most`` (a request may name engines
+    without end)."""
+    while len(table) >= most:
+        del table[next(iter(table))]

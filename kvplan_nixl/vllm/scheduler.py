@@ -72,6 +72,10 @@ class Load:
     key: str = ""  # push: the transfer key the prefill matches (kvplan_nixl.serving.pushes)
     refused: str = ""  # its params were refused (why): fails at once, nobody contacted
     peer: str = "kvplan"  # the prefill's connector: "kvplan", or "nixl" (vLLM's NixlConnector)
+    # when the scheduler admitted the request (time.time(): the workers may run elsewhere;
+    # 0: unknown): a stock prefill's request admitted before the decode found that prefill
+    # restarted is never read from the new instance (kvplan_nixl.vllm.restarts)
+    admitted: float = 0.0
 
 
 @dataclass
@@ -116,6 +120,7 @@ class Scheduler:
         # what admission found in each request's params (kvplan_nixl.serving.transfer_params), until
         # the request is allocated (a decode's source) or finished (a prefill's handover)
         self.sources: dict[str, Source | ParamsError] = {}
+        self.admitted: dict[str, float] = {}  # their admission times (Load.admitted)
         self.handovers: dict[str, Handover] = {}
         self.prefilling: dict[str, Any] = {}  # layer-wise requests allocated, not scheduled yet
         self.layered: set[str] = set()  # layer-wise requests written from their forward
@@ -132,6 +137,7 @@ class Scheduler:
         if not p:
             return
         if not isinstance(p, Mapping) or p.get("do_remote_prefill"):
+            self.admitted[rid] = time.time()
             try:
                 self.sources[rid] = check_decode(rid, p, self._group_count(),
                                                  max_model_len=self.max_model_len)
@@ -181,6 +187,7 @@ class Scheduler:
         if hand is not None and hand.mode == "layerwise":
             self.prefilling[rid] = request  # meta() sees its first step
         src = self.sources.pop(rid, None)  # one pull per request
+        admitted = self.admitted.pop(rid, 0.0)
         if src is None:
             return
         if isinstance(request.kv_transfer_params, dict):
@@ -196,7 +203,7 @@ class Scheduler:
                 self.outcomes.started(self.loads[rid])
             return
         self.loads[rid] = _load(rid, src, local, end - num_external, end, num_external > 0,
-                                self.groups)
+                                self.groups, admitted)
         self.outcomes.started(self.loads[rid])
 
     def meta(self, scheduled: Any = None) -> KvplanMetadata:
@@ -243,6 +250,7 @@ class Scheduler:
 
         rid = request.request_id
         src = self.sources.pop(rid, None)
+        self.admitted.pop(rid, None)
         hand = self.handovers.pop(rid, None)
         if src is not None:  # never scheduled (aborted): free the prefill's blocks
             if isinstance(src, Source):
@@ -292,7 +300,7 @@ class Scheduler:
 
 
 def _load(req_id: str, src: Source, local: list[list[int]], start: int, end: int,
-          parked: bool, groups: TransferGroups | None) -> Load:
+          parked: bool, groups: TransferGroups | None, admitted: float = 0.0) -> Load:
     """The load of a decode request whose params were checked (``src``); a NixlConnector
     prefill's list offsets derived from the tokens it computed (it hands none)."""
     ids = [list(g) for g in src.ids] if src.ids is not None else [[]]
@@ -302,4 +310,5 @@ def _load(req_id: str, src: Source, local: list[list[int]], start: int, end: int
     return Load(req_id=req_id, remote_req=src.remote_req, engine=src.engine, host=src.host,
                 port=src.port, remote_tp=src.tp, remote_ids=ids, remote_first=first,
                 local_ids=local, start=start, end=end, parked=parked,
-                generation=src.generation, push=src.push, key=src.key, peer=src.peer)
+                generation=src.generation, push=src.push, key=src.key, peer=src.peer,
+                admitted=admitted)

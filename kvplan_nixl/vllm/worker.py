@@ -112,6 +112,7 @@ class Worker:
         self.ctl = Control(self.secret, self.hs_timeout)
         self.engines: dict[str, tuple[Any, list[int]]] = {}  # prefill engine -> map, counts
         self.waiting: dict[str, tuple[Load, float]] = {}  # handshake pending -> deadline
+        self.owed: dict[tuple[str, str, int], list[tuple[Load, bool, float]]] = {}  # _owe_stock
         self.restarts = Restarts(self)  # prefills restarted in place: connected afresh
         self.pulls = Pulls(self)
         self.recv_done: set[str] = set()
@@ -240,19 +241,7 @@ class Worker:
             for load in meta.loads:
                 if load.local_ids and not load.push:
                     self.admitted.setdefault(load.req_id, now)
-                if load.refused:  # bad params: nobody named in them is contacted
-                    self.fail(load, f"kv_transfer_params refused: {load.refused}")
-                    continue
-                if load.peer == "nixl" and self.digester is not None:  # never used unchecked
-                    self.fail(load, "the transfer digest is on, and a NixlConnector prefill "
-                                    "cannot digest what it served")
-                    _free_stock(self, load, aborted=False)
-                    continue
-                if not load.local_ids:  # nothing to read: just let the prefill free its blocks
-                    if self.rank == 0 and load.peer == "kvplan" and not load.push:
-                        self.ctl.release(load, range(load.remote_tp))  # (a push's: its lease)
-                    elif self.rank == 0 and load.peer == "nixl":
-                        _free_stock(self, load, aborted=True)
+                if _ended_early(self, load):  # refused, or nothing to read
                     continue
                 try:  # the handshake runs on Handshakes' threads, never on this step
                     _hs_start(self, load)
@@ -333,6 +322,8 @@ class Worker:
                 self._count("num_side_channel_dropped", "dropped",
                             counts["dropped"] + self.ep.ignored_notices)
             self.restarts.reported(self.recv_done)
+            if self.owed:
+                _pay_stock(self)
             if self.recv_done:
                 _timelines(self, time.monotonic())
             out = KVConnectorTransferResults(finished_sending=sending,
@@ -395,6 +386,7 @@ def _poll_waiting(w: Worker, now: float) -> None:
                 w.fail(load, f"handshake with {load.engine} at {load.host}:"
                                  f"{load.port} not done within {w.timeout:g} s"
                                  f"{_dialled(load, address=False)}")
+                _owe_stock(w, load, aborted=False)
             continue
         del w.waiting[req_id]
         if st.failed:
@@ -402,6 +394,8 @@ def _poll_waiting(w: Worker, now: float) -> None:
         failed = w.restarts.settle(load, st, _dialled(load))
         if failed is not None:
             w.fail(load, *failed)
+            if st.failed:  # (not a stale one: its id is the old instance's)
+                _owe_stock(w, load, aborted=False)
             continue
         try:
             w.post(load, deadline)
@@ -449,6 +443,90 @@ def _free_stock(w: Worker, load: Load, *, aborted: bool) -> bool:
     else:
         tell_unposted(w, load, tuple(tmap.peers), counts)
     return True
+
+
+def _ended_early(w: Worker, load: Load) -> bool:
+    """End ``load`` before any handshake where it must not or need not read (True then): its
+    params were refused (nobody named in them is contacted), a stock prefill's under the
+    transfer digest (its KV is never used unchecked), nothing to read (the prefill is let free
+    its blocks), a stock request older than its prefill's restart in place
+    (:meth:`~kvplan_nixl.vllm.restarts.Restarts.stale`)."""
+    if load.refused:
+        w.fail(load, f"kv_transfer_params refused: {load.refused}")
+        return True
+    if load.peer == "nixl" and w.digester is not None:
+        w.fail(load, "the transfer digest is on, and a NixlConnector prefill cannot digest "
+                     "what it served")
+        _free_stock(w, load, aborted=False)
+        return True
+    if not load.local_ids:
+        if w.rank == 0 and load.peer == "kvplan" and not load.push:
+            w.ctl.release(load, range(load.remote_tp))  # (a push's: its lease)
+        elif w.rank == 0 and load.peer == "nixl" and not _free_stock(w, load, aborted=True):
+            _owe_stock(w, load, aborted=True)
+        return True
+    stale = w.restarts.stale(load)
+    if stale is not None:
+        w.fail(load, stale)
+        return True
+    return False
+
+
+def _owe_stock(w: Worker, load: Load, *, aborted: bool) -> None:
+    """A NixlConnector prefill's load failed (or was aborted) before its prefill was connected
+    on this rank, so its ``<id>:n`` cannot be sent now (only a NIXL connection carries it):
+    keep it for :func:`_pay_stock`, which sends it if a handshake with the same engine, host
+    and port connects while the prefill still holds the request's blocks for it. Told at once
+    instead where the engine is connected here already (another key's handshake failed).
+
+    Only until the prefill's lease ran out: it last heard a heartbeat at most ``nixl_heartbeat``
+    (its lease / 6) before now, so its lease ends no sooner than 5/6 of it from now (less 1 s);
+    told after that, vLLM's prefill logs an ERROR for an unrecognized request. At most
+    :data:`MAX_OWED` loads are kept (the oldest dropped: its blocks wait for the lease, as
+    before)."""
+    if load.peer != "nixl" or load.push or load.refused or not load.remote_req:
+        return
+    if load.engine in w.engines:
+        _free_stock(w, load, aborted=aborted)
+        return
+    until = time.time() + w.nixl_heartbeat * 5 - 1.0
+    w.owed.setdefault((load.engine, load.host, load.port), []).append((load, aborted, until))
+    while sum(len(v) for v in w.owed.values()) > MAX_OWED:
+        oldest = min(w.owed, key=lambda k: w.owed[k][0][2])
+        w.owed[oldest].pop(0)
+        if not w.owed[oldest]:
+            del w.owed[oldest]
+
+
+def _pay_stock(w: Worker) -> None:
+    """Tell the NixlConnector prefills connected since (a ready handshake under the key the
+    load named) what :func:`_owe_stock` kept, as a load refused before posting is told
+    (:func:`_free_stock`); drop what is past its use. Each engine step, under ``w.lock``."""
+    now = time.time()
+    for key in list(w.owed):
+        w.owed[key] = live = [e for e in w.owed[key] if e[2] > now]
+        st = w.nixl.hs.state(*key) if w.nixl is not None and live else None
+        if st is not None and st.ready:
+            try:
+                w._engine(key[0])
+            except Exception as e:  # its map refused: nothing can be told
+                logger.warning("kvplan: NixlConnector prefill %s: %d failed load(s) not told "
+                               "(%s: %s); its blocks wait for its lease", key[0], len(live),
+                               type(e).__name__, e)
+                live = []
+            for load, aborted, _ in live:
+                _free_stock(w, load, aborted=aborted)
+            if live:
+                logger.info("kvplan: told NixlConnector prefill %s, connected since, that %d "
+                            "request(s) whose load failed before will not be read: %s",
+                            key[0], len(live), [ld.remote_req for ld, _, _ in live][:8])
+            live = []
+        if not live:
+            del w.owed[key]
+
+
+#: Failed stock loads a decode rank keeps to tell their prefill once it is connected.
+MAX_OWED = 4096
 
 
 def _timelines(w: Worker, now: float) -> None:
