@@ -95,3 +95,24 @@ def test_push_and_layerwise_across_versions_both_ways(pool, vllm_previous):
                       "up-layers-b", mode="layerwise")
     # the prefill checked the decode it writes to: a push connects the other way round
     assert mixed(new_p, "0.32.0", "0.31.0") and mixed(old_p, "0.31.0", "0.32.0"), tails()
+
+
+def test_a_stock_nixlconnector_prefill_of_the_previous_vllm_read_by_a_kvplan_decode(
+        pool, vllm_previous):
+    """A migration and an upgrade at once: vLLM 0.31's own NixlConnector prefill, read by a
+    KvplanConnector decode of 0.32. vLLM's own 0.32 decode refuses it (its compatibility hash
+    names vLLM 0.31.0 and connector version 13, tests/test_vllm_versions.py); the kvplan decode
+    accepts the hash of each version versions.py lists and reads 0.31's ``NixlAgentMetadata``
+    (no ``ple_block_len``) with 0.32's class: equal to the plain run, every rank read, the
+    prefill troubled by nothing (its blocks freed at the decode's notification)."""
+    from tests.test_vllm_mixed import first_read
+
+    p, d = pool.only("llama-p1-nixl-v31", "llama-d1")
+    for seed in (4420, 4421):
+        ids = prompt(seed)
+        out = first_read(p, d, ids)
+        check_equal(out, p.generate(ids, 16), f"stock P 0.31 -> kvplan D 0.32 ({seed})")
+        assert "kvplan_load_failed" not in (out["params"] or {}), f"recomputed: {out}"
+    ids = prompt(4422)
+    got = pd(p, d, ids, prefill_ids=prompt(4423), mode="pull")  # the negative control
+    assert got["tokens"] != p.generate(ids, 16)["tokens"], f"KV ignored{tails()}"
