@@ -5,9 +5,12 @@ One prefill and one decode engine (tests/vllm_pool.py: the tiny Llama of tests/v
 TP1 -> TP1 on loopback, 256 KV blocks each, a KV lease of 3 s for either connector) serve
 ``--concurrency`` requests at a time for ``--minutes``, pipelined: while the decode engine pulls
 and decodes one round, the prefill engine prefills the next. Meanwhile the schedule
-(:data:`SCHEDULE`, fractions of the run) SIGKILLs the prefill, later the decode (each is
-restarted at once, a new process on a new port), then SIGSTOPs the prefill for the lease plus
-3 s and SIGCONTs it. The same prompts, schedule and settings run for each connector.
+(:data:`SCHEDULE`, fractions of the run) SIGKILLs the prefill (restarted at once, a new
+process on a new port), SIGKILLs it again and restarts it **in place** (the same engine id and
+ports, as an orchestrator restarts a crashed pod: the prefills run under a fixed
+``engine_id``), SIGKILLs the decode (restarted on a new port), then SIGSTOPs the prefill for
+the lease plus 3 s and SIGCONTs it. The same prompts, schedule and settings run for each
+connector.
 
 Every request is one prompt of :data:`MIN_LEN` to :data:`MAX_LEN` tokens from a fixed set whose
 reference tokens (16, greedy) are the prefill engine's plain run before any fault. Counted per
@@ -17,6 +20,10 @@ the schedule killed), **hung** (no answer ``--deadline`` s after it was sent), *
 (vLLM's scheduler recovered it from a failed KV load: equal, but not transferred), blocks
 **leaked** on each engine after the drain (its ``vllm:kv_cache_usage_perc`` over its baseline,
 once the lease ran out and the engine stepped), and **restarts needed** beyond the schedule's.
+After each restart of the schedule it also reports the **transfers after** it: of the requests
+decoded from then until the next fault, how many loaded their KV (equal to the reference and
+not recomputed). A connector that never reads a restarted engine again shows 0 there, while
+its answers stay equal (recomputed).
 
 Not exercised: a link cut (on loopback there is no link to take down) and a proxy restart (the
 engines are driven directly, not through examples/pd_proxy.py).
@@ -48,16 +55,22 @@ from tests import vllm_env  # noqa: E402  (the repo's test helpers build and dri
 from tests.vllm_pool import Pool, prompt, remove_orphan_shm, shm_files  # noqa: E402
 
 #: connector -> (prefill engine, decode engine): ``short``/``nlease``: a KV lease of 3 s
-#: (KvplanConnector's ``lease_s``, NixlConnector's ``kv_lease_duration``); ``soak``: 256 blocks
+#: (KvplanConnector's ``lease_s``, NixlConnector's ``kv_lease_duration``); ``soak``: 256 blocks;
+#: ``fixed``: the prefill's ``engine_id`` fixed, so that a restart in place keeps it
 CONNECTORS = {
-    "kvplan": ("llama-p1-short-soak", "llama-d1-short-soak"),
-    "nixl": ("llama-p1-nixl-nlease-soak", "llama-d1-nixl-nlease-soak"),
+    "kvplan": ("llama-p1-short-soak-fixed", "llama-d1-short-soak"),
+    "nixl": ("llama-p1-nixl-nlease-soak-fixed", "llama-d1-nixl-nlease-soak"),
 }
 LEASE_S = 3.0
 NUM_BLOCKS = 256
 STOP_S = LEASE_S + 3  # a SIGSTOP past the lease
+#: a fault waits at least this long after the last restart ended (however late that makes it):
+#: a restart takes about a minute on two cores, and the requests served in between are what
+#: "transfers after" a restart measures
+SETTLE_S = 20.0
 #: (fraction of the run, action, engine role)
-SCHEDULE = ((0.2, "kill", "prefill"), (0.45, "kill", "decode"), (0.7, "stop", "prefill"))
+SCHEDULE = ((0.15, "kill", "prefill"), (0.35, "inplace", "prefill"), (0.55, "kill", "decode"),
+            (0.75, "stop", "prefill"))
 MIN_LEN, MAX_LEN, DECODE_TOKENS = 40, 400, 16
 COUNTS = ("requests", "equal", "wrong", "error", "lost", "hung", "recomputed",
           "leaked_prefill", "leaked_decode", "restarts_scheduled", "restarts_needed")
@@ -72,13 +85,19 @@ class Pair:
 
     def __init__(self, pool: Pool, pname: str, dname: str) -> None:
         self.pool, self.names = pool, {"prefill": pname, "decode": dname}
-        self.lock = threading.Lock()
+        # reentrant: a restart (either thread) holds it while it starts the engines anew
+        self.lock = threading.RLock()
         self.killed: set[int] = set()  # pids of the engines the schedule killed
         self.events: list[str] = []
         self.t0 = time.monotonic()
         self.restarts = {"scheduled": 0, "needed": 0}
         self.restarting = False  # the fault thread waits: no fault lands on a restart
+        self.settled = time.monotonic()  # when the last restart ended
         self.engines: dict = {}
+        #: after each scheduled restart: [what, counts then, counts at the next fault or the
+        #: end], the counts ``(requests, equal, recomputed)`` of the run so far (:meth:`mark`)
+        self.windows: list[list] = []
+        self.counts = lambda: (0, 0, 0)  # set by run_connector, which keeps the tally
         self.start()
 
     def start(self) -> None:
@@ -90,18 +109,50 @@ class Pair:
         self.events.append(f"{time.monotonic() - self.t0:6.1f} s  {what}")
         print(f"  [{self.events[-1]}]", flush=True)
 
+    def mark(self, what: str | None) -> None:
+        """Close the open window of transfers after a restart (a fault starts, or the run
+        ends), and open one after ``what`` (a scheduled restart just done; None: none)."""
+        now = self.counts()
+        if self.windows and self.windows[-1][2] is None:
+            self.windows[-1][2] = now
+        if what is not None:
+            self.windows.append([what, now, None])
+
     def restart(self, role: str, e, why: str) -> None:
         """Restart ``role``'s engine ``e``: killed by the schedule (``why`` "died" of a pid in
-        :attr:`killed`), or needed (it died on its own, or hung)."""
-        planned = why == DIED and e.proc.pid in self.killed
-        self.restarting = True
-        e.kill()  # a hung one too: Pool.only restarts the dead
-        self.restarts["scheduled" if planned else "needed"] += 1
-        self.note(f"{role} {'killed by the schedule' if planned else why}: restarting")
-        if self.engines[role] is e:  # not yet restarted with the other role's engine
+        :attr:`killed`), or needed (it died on its own, or hung). Nothing if ``e`` was
+        replaced meanwhile (restarted in place by the fault thread)."""
+        with self.lock:
+            if self.engines[role] is not e:
+                return
+            planned = why == DIED and e.proc.pid in self.killed
+            self.restarting = True
+            e.kill()  # a hung one too: Pool.only restarts the dead
+            self.restarts["scheduled" if planned else "needed"] += 1
+            self.note(f"{role} {'killed by the schedule' if planned else why}: restarting")
             self.start()
-        self.restarting = False
-        self.note(f"{role} restarted")
+            self.restarting = False
+            self.settled = time.monotonic()
+            self.note(f"{role} restarted")
+            if planned:
+                self.mark(f"{role} restarted on a new port")
+
+    def restart_in_place(self, role: str) -> None:
+        """SIGKILL ``role``'s engine and start it again with the same engine id and ports
+        (``Pool.restart``); the main loop's requests meanwhile meet a dead engine (lost) and
+        its own restart of it waits on the lock, then finds it replaced."""
+        with self.lock:
+            e = self.engines[role]
+            self.killed.add(e.proc.pid)
+            self.restarting = True
+            self.mark(None)
+            self.note(f"SIGKILL {role}, restarting it in place (same engine id and ports)")
+            self.engines[role] = self.pool.restart(self.names[role], kill=True)
+            self.restarts["scheduled"] += 1
+            self.restarting = False
+            self.settled = time.monotonic()
+            self.note(f"{role} restarted in place")
+            self.mark(f"{role} restarted in place")
 
     def restart_dead(self) -> None:
         """Restart the engines that died since they were last asked for something (a fault
@@ -113,23 +164,29 @@ class Pair:
 
 def faults(pair: Pair, seconds: float, stop: threading.Event) -> None:
     """The fault thread: each action of :data:`SCHEDULE` at its time, on the engine live then
-    (once it is ready: a fault never lands on a restart in progress)."""
+    (once it is ready: a fault never lands on a restart in progress, nor within
+    :data:`SETTLE_S` of one's end)."""
     for at, action, role in SCHEDULE:
         if stop.wait(max(0.0, pair.t0 + at * seconds - time.monotonic())):
             return
         while not stop.is_set():
             with pair.lock:
                 e = pair.engines[role]
-            if e.ready and e.proc.poll() is None and not pair.restarting:
+            if e.ready and e.proc.poll() is None and not pair.restarting \
+                    and time.monotonic() >= pair.settled + SETTLE_S:
                 break
             time.sleep(0.2)
         if stop.is_set():
             return
-        if action == "kill":
+        if action == "inplace":
+            pair.restart_in_place(role)
+        elif action == "kill":
+            pair.mark(None)
             pair.killed.add(e.proc.pid)
             pair.note(f"SIGKILL {role}")
             e.signal(signal.SIGKILL)
         else:
+            pair.mark(None)
             pair.note(f"SIGSTOP {role} for {STOP_S:g} s")
             e.signal(signal.SIGSTOP)
             time.sleep(STOP_S)
@@ -221,6 +278,12 @@ def run_connector(pool: Pool, workdir: Path, name: str, args, prompts: list[list
     refs = references(pair.engines["prefill"], prompts)
     base = {r: used_blocks(e) for r, e in pair.engines.items()}
     tally, rng = Tally(refs), random.Random(1)
+
+    def counts() -> tuple[int, int, int]:
+        return (tally.c["requests"], tally.c["equal"],
+                log_count(workdir, dname, RECOVERED) + log_count(workdir, dname, FAILING))
+
+    pair.counts = counts
     seconds = args.minutes * 60
     stop = threading.Event()
     pair.t0 = time.monotonic()
@@ -263,6 +326,7 @@ def run_connector(pool: Pool, workdir: Path, name: str, args, prompts: list[list
         stop.set()
         thread.join()
     pair.restart_dead()
+    pair.mark(None)
     pair.note("load stopped; draining")
     time.sleep(LEASE_S + 2)  # every hold's lease runs out
     leaked = {}
@@ -277,7 +341,18 @@ def run_connector(pool: Pool, workdir: Path, name: str, args, prompts: list[list
                                                      pair.restarts["needed"])
     c["recomputed"] = log_count(workdir, dname, RECOVERED) + log_count(workdir, dname, FAILING)
     pool.stop(pname, dname)
-    return dict(connector=name, **c), pair.events, tally.wrong
+    after = [after_restart(*w) for w in pair.windows]
+    for line in after:
+        print(f"  {name}: {line}", flush=True)
+    return dict(connector=name, **c), pair.events + after, tally.wrong
+
+
+def after_restart(what: str, then: tuple[int, int, int], until: tuple[int, int, int]) -> str:
+    """One restart's window: the requests counted from ``then`` to ``until`` (each a
+    ``(requests, equal, recomputed)`` of the run so far) and how many loaded their KV."""
+    n, equal, recomputed = (b - a for a, b in zip(then, until))
+    return (f"transfers after '{what}': {equal - recomputed} of {n} requests loaded their KV "
+            f"({recomputed} recomputed) before the next fault")
 
 
 def log_count(workdir: Path, name: str, pattern: re.Pattern) -> int:
