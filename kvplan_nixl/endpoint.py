@@ -65,16 +65,14 @@ class Endpoint:
 
     ``rank`` is a flat rank in ``[0, spec.num_ranks)``, ``pp_rank * tp_size + tp_rank``; the
     rank holds only the regions of its pipeline stage (``spec.regions_on(rank)``).
-    ``buffers`` holds one buffer per *buffer of the spec* the rank holds (``spec.buffers``:
-    regions, pools, allocations, K and V buffers), by name or in spec order: a contiguous torch
-    tensor (CPU -> DRAM, CUDA -> VRAM), a C-contiguous numpy array, or an ``(address,
-    nbytes)`` pair, of ``spec.rank_buffer_nbytes(b)`` bytes, each checked before NIXL is
-    touched (:mod:`kvplan_nixl.buffers` says how; a refusal is a :class:`BufferSizeError`).
-    ``memory`` declares which buffer is where, ``{buffer or region name: "DRAM" | "VRAM"}``
+    ``buffers``: one per *buffer of the spec* the rank holds (``spec.buffers``), by name or in
+    spec order, of ``spec.rank_buffer_nbytes(b)`` bytes: a contiguous torch tensor (CPU ->
+    DRAM, CUDA -> VRAM), a C-contiguous numpy array or an ``(address, nbytes)`` pair, checked
+    before NIXL is touched (:mod:`kvplan_nixl.buffers`; a :class:`BufferSizeError`).
+    ``memory``: which buffer is where, ``{buffer or region name: "DRAM" | "VRAM"}``
     (``mem_types`` per buffer; ``mem_type``, the one type or None for two). The buffers must
     outlive the endpoint. ``telemetry=True`` records NIXL's descriptor counts.
-    ``spread_pcp=False``: pull maps read PCP replica 0 only (by default they spread over the
-    replicas).
+    ``spread_pcp=False``: pull maps read PCP replica 0 only (by default, all replicas).
 
     ``secret`` (bytes or str, shared by every endpoint of a deployment) signs :meth:`metadata`,
     makes :meth:`connect` refuse metadata not signed with it before NIXL sees a byte, and seals
@@ -133,23 +131,12 @@ class Endpoint:
         agent = self._require()
         with nixl_call("get_agent_metadata"):
             agent_md = agent.get_agent_metadata()
-        return md.encode(
-            md.PeerInfo(
-                engine=self.engine,
-                rank=self.rank,
-                agent=self.agent_name,
-                spec=self.spec,
-                mem_type=self.mem_type or next(m for m in self.mem_types if m),
-                memory=self.mem_types if self.mem_type is None else (),
-                bases=self._bases,
-                nbytes=self._nbytes,
-                devices=self._devices,
-                agent_metadata=agent_md,
-                v_bases=self._v_bases if any(self._v_bases) else (),
-                app=self.app,
-            ),
-            self._secret,
-        )
+        return md.encode(md.PeerInfo(
+            engine=self.engine, rank=self.rank, agent=self.agent_name, spec=self.spec,
+            mem_type=self.mem_type or next(m for m in self.mem_types if m),
+            memory=self.mem_types if self.mem_type is None else (), bases=self._bases,
+            nbytes=self._nbytes, devices=self._devices, agent_metadata=agent_md,
+            v_bases=self._v_bases if any(self._v_bases) else (), app=self.app), self._secret)
 
     def connect(self, metadata: bytes, *, mode: str | Mode = "pull") -> Peer:
         """Add a peer rank; ``mode="pull"`` to read from it later, ``"push"`` to write to it.

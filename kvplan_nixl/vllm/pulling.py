@@ -119,7 +119,7 @@ class Pulls:
                 or self.no_lease.get(load.engine, 0.0) > now:
             return slot
         slot.value = ASKING
-        if not w.ctl.submit(load, self._lease, slot, load, peers):  # the pool is full
+        if not w.ctl.submit(load, ask_leases, w, self.no_lease, slot, load, peers):  # full
             slot.value = Lease(LeaseState.NONE)
         return slot
 
@@ -268,41 +268,6 @@ class Pulls:
         finally:
             p.beating = False
 
-    def _lease(self, slot: LeaseSlot, load: Load, peers: tuple[int, ...]) -> None:
-        """Ask each rank in ``peers`` for a LEASE of ``load`` (a pool job); fill ``slot``
-        with what they proved: HELD (every one said yes) with the time a read must be seen
-        complete before, else REFUSED (the first that did not; the rest are not asked)."""
-        try:
-            self._ask(slot, load, peers)
-        finally:  # whatever went wrong, the pull never waits for a lease nobody asks
-            if slot.value.state is LeaseState.ASKING:
-                slot.value = Lease(LeaseState.REFUSED, answered=time.monotonic(),
-                                   why="the LEASE job failed")
-
-    def _ask(self, slot: LeaseSlot, load: Load, peers: tuple[int, ...]) -> None:
-        w = self.w
-        granted: list[int] = []
-        first = float("inf")  # the earliest send: its pin binds first
-        for r in peers:
-            v, sent = w.ctl.lease(load, r, w.lease_pin)
-            if v is not Verdict.YES:
-                why = getattr(v, "value", v)
-                if v == UNKNOWN_VERB:  # an older kvplan: CONFIRM as before, asked again later
-                    with w.lock:
-                        self.no_lease[load.engine] = time.monotonic() + LEASE_RETRY_S
-                logger.info("kvplan: pull req=%s not leased by prefill rank %d (%s): reported "
-                            "after its CONFIRM", load.req_id, r, why)
-                slot.value = Lease(LeaseState.REFUSED, granted=frozenset(granted),
-                                   answered=time.monotonic(), why=f"rank {r}: {why}")
-                return
-            granted.append(r)
-            first = min(first, sent)
-        # the pin, as sent (whole ms), lasts at least pin * (1 - RHO) of this clock from
-        # before the first LEASE left; the margin keeps a read seen complete near its end out
-        pin = int(w.lease_pin * 1000) / 1000
-        slot.value = Lease(LeaseState.HELD, until=first + pin * (1 - RHO) - w.lease_margin,
-                           granted=frozenset(granted), answered=time.monotonic())
-
     def _report_leased(self, p: Pull, lease: Lease) -> None:
         """``p``'s read was seen complete inside its lease: reported loaded now (under the
         rank's lock, by the progress loop); its RETURNs follow on the pool."""
@@ -388,3 +353,38 @@ def _tell(w: Rank, load: Load, ranks: list[int] | tuple[int, ...], msg: str) -> 
     except Exception as e:
         logger.warning("kvplan: could not tell NixlConnector prefill %s rank(s) %s %r: %s: %s",
                        load.engine, list(ranks), msg, type(e).__name__, e)
+
+
+def ask_leases(w: Rank, no_lease: dict[str, float], slot: LeaseSlot, load: Load,
+               peers: tuple[int, ...]) -> None:
+    """Ask each rank in ``peers`` for a LEASE of ``load`` (a pool job of
+    :meth:`Pulls.post`); fill ``slot`` with what they proved: HELD (every one said yes) with
+    the time a read must be seen complete before, else REFUSED (the first that did not; the
+    rest are not asked). A prefill that answered LEASE as an unknown verb goes in
+    ``no_lease`` (``Pulls.no_lease``) until it is asked again."""
+    granted: list[int] = []
+    first = float("inf")  # the earliest send: its pin binds first
+    try:
+        for r in peers:
+            v, sent = w.ctl.lease(load, r, w.lease_pin)
+            if v is not Verdict.YES:
+                why = getattr(v, "value", v)
+                if v == UNKNOWN_VERB:  # an older kvplan: CONFIRM as before, asked again later
+                    with w.lock:
+                        no_lease[load.engine] = time.monotonic() + LEASE_RETRY_S
+                logger.info("kvplan: pull req=%s not leased by prefill rank %d (%s): reported "
+                            "after its CONFIRM", load.req_id, r, why)
+                slot.value = Lease(LeaseState.REFUSED, granted=frozenset(granted),
+                                   answered=time.monotonic(), why=f"rank {r}: {why}")
+                return
+            granted.append(r)
+            first = min(first, sent)
+        # the pin, as sent (whole ms), lasts at least pin * (1 - RHO) of this clock from
+        # before the first LEASE left; the margin keeps a read seen complete near its end out
+        pin = int(w.lease_pin * 1000) / 1000
+        slot.value = Lease(LeaseState.HELD, until=first + pin * (1 - RHO) - w.lease_margin,
+                           granted=frozenset(granted), answered=time.monotonic())
+    finally:  # whatever went wrong, the pull never waits for a lease nobody asks
+        if slot.value.state is LeaseState.ASKING:
+            slot.value = Lease(LeaseState.REFUSED, answered=time.monotonic(),
+                               why="the LEASE job failed")

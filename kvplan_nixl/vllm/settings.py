@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvplan_nixl.serving.holds import MAX_PIN_S
 from kvplan_nixl.serving.sidechannel import side_channel_port
 from kvplan_nixl.serving.transfer_params import MODES
 
@@ -55,6 +56,22 @@ class Settings:
         ``extra["kv_lease_duration"] / 6``, as NixlConnector's own decode does with that key
         (default 30 s, so every 5 s). Set it as on the stock prefill, whose lease it is."""
         return self.seconds("kv_lease_duration", 30.0) / 6
+
+    def leases(self, lease: float) -> tuple[float, float]:
+        """``(lease_pin_s, lease_margin_s)`` for reporting inside a lease (docs/vllm.md): the
+        pin each LEASE asks (0: no LEASE) and how long before the pin's end a read must be seen
+        complete to be reported at once. The pin defaults to ``min(5, lease)``, ``lease``
+        being this engine's ``lease_s``: a LEASE then keeps a hold no longer than a RENEW at
+        the same moment would; a ``lease_s`` too short to leave the margin means no LEASE."""
+        margin = self.seconds("lease_margin_s", 0.1, zero=True)
+        pin = self.seconds("lease_pin_s", min(5.0, lease), zero=True)
+        if "lease_pin_s" not in self.extra and pin <= margin:
+            pin = 0.0
+        if pin and not margin < pin <= MAX_PIN_S:
+            raise ValueError(f"kv_connector_extra_config['lease_pin_s'] = {pin:g} must be 0 "
+                             f"(no leases) or above lease_margin_s = {margin:g} and at most "
+                             f"{MAX_PIN_S:g}")
+        return pin, margin
 
     def mode(self) -> str:
         """``extra["mode"]``: how a prefill hands its KV to a decode by default, ``"pull"``

@@ -38,7 +38,6 @@ from kvplan_nixl.serving.handshakes import (
     HandshakeState,
     identity,
 )
-from kvplan_nixl.serving.holds import MAX_PIN_S
 from kvplan_nixl.serving.locks import FairLock
 from kvplan_nixl.vllm import digests
 from kvplan_nixl.vllm.control import Control, Sends
@@ -76,19 +75,7 @@ class Worker:
         self.layer_wait = c.seconds("layerwise_wait_s", 1.0, zero=True)
         self.heartbeat = c.seconds("heartbeat_s", self.lease / 3)
         self.nixl_heartbeat = c.nixl_heartbeat()  # a NixlConnector prefill's: its lease / 6
-        # reporting inside a lease (docs/vllm.md): the pin each LEASE asks, 0 for none, and
-        # how long before the pin's end a read must be seen complete to be reported at once
-        # (by default no longer than lease_s: a LEASE then keeps a hold no longer than a
-        # RENEW at the same moment would; a lease_s too short to leave a margin: no LEASE)
-        self.lease_margin = c.seconds("lease_margin_s", 0.1, zero=True)
-        self.lease_pin = c.seconds("lease_pin_s", min(5.0, self.lease), zero=True)
-        if "lease_pin_s" not in c.extra and self.lease_pin <= self.lease_margin:
-            self.lease_pin = 0.0
-        if self.lease_pin and not self.lease_margin < self.lease_pin <= MAX_PIN_S:
-            raise ValueError(
-                f"kv_connector_extra_config['lease_pin_s'] = {self.lease_pin:g} must be 0 "
-                f"(no leases) or above lease_margin_s = {self.lease_margin:g} and at most "
-                f"{MAX_PIN_S:g}")
+        self.lease_pin, self.lease_margin = c.leases(self.lease)  # reporting inside a lease
         if self.heartbeat > self.lease / 3:
             raise ValueError(
                 f"kv_connector_extra_config['heartbeat_s'] = {self.heartbeat:g} is above "
