@@ -103,7 +103,8 @@ def test_confirm_waits_for_a_hold_that_has_not_reached_the_worker_yet():
                 holds.hold("r", time.monotonic(), 30.0, generation=gen)
         t = threading.Thread(target=late)
         t.start()
-        assert sc.confirm(HOST, srv.port, "r", gen, identity=ID, secret=SECRET, timeout=2)
+        # a generous timeout: on a loaded host the LATER answers may take seconds to turn
+        assert sc.confirm(HOST, srv.port, "r", gen, identity=ID, secret=SECRET, timeout=10)
         t.join()
         # and never: LATER until the deadline, then not confirmed
         assert not sc.confirm(HOST, srv.port, "r", gen + 1, identity=ID, secret=SECRET,
