@@ -60,6 +60,7 @@ from kvplan_nixl.errors import ArgumentError, ExecutorError
 from kvplan_nixl.metadata import MAX_BLOB_BYTES, check_secret
 from kvplan_nixl.serving.holds import MAX_PIN_S, Holds, Verdict
 from kvplan_nixl.serving.locks import FairLock
+from kvplan_nixl.serving.resolve import resolve
 
 __all__ = [
     "MAX_METADATA", "VERBS", "PortInUseError", "SideChannelClosed", "SideChannelError",
@@ -455,10 +456,18 @@ class _Client:
         self.deadline = time.monotonic() + timeout
         self.timeout = timeout
         self._buf = bytearray()  # received, not consumed yet
-        try:
-            self.sock = socket.create_connection((host, port), timeout=timeout)
-        except TimeoutError as e:
-            raise self._timeout("connecting") from e
+        try:  # the name resolved under the deadline too (a request may name the host)
+            family, kind, proto, _, addr = resolve(host, port, self.deadline)
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(max(1e-3, self.deadline - time.monotonic()))
+                sock.connect(addr)
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+        except TimeoutError as e:  # ResolveTimeout included
+            raise self._timeout("resolving or connecting") from e
         except OSError as e:
             raise SideChannelError(
                 f"side channel {host}:{port} ({what}): cannot connect ({e}); is the prefill "
