@@ -10,17 +10,15 @@ since ``kvplan_nixl.vllm`` imports vLLM (the engine tier, no engine started)."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from kvplan_nixl import metadata as md
 from kvplan_nixl.errors import MetadataError
 from kvplan_nixl.serving.handshakes import identity
-from tests import vllm_env
+from tests import venv_runner, vllm_env
 from tests.nixl_util import peer_info as _info
 from tests.test_vllm_serving import _in_vllm_venv
-from tests.vllm_pool import REPO, SCRIPT
 
 
 def test_the_app_section_travels_signed_and_is_checked_before_connect():
@@ -101,24 +99,25 @@ def test_version_pairs_are_refused_by_name_at_handshake(vllm_python):
     _in_vllm_venv(vllm_python, RULES)
 
 
-#: In either venv: argv model path; prints the stock NixlConnector pull hash vLLM computes for
-#: a config built as tests/vllm_engine.py builds a NixlConnector engine's, and, where
-#: kvplan_nixl.vllm.versions is asked (argv[2] == "kvplan"), every hash the decode accepts.
+#: In either venv (``MODEL`` and ``WHAT`` set before it): prints the stock NixlConnector pull
+#: hash vLLM computes for a config built as tests/vllm_engine.py builds a NixlConnector
+#: engine's, and, where kvplan_nixl.vllm.versions is asked (``WHAT == "kvplan"``), every hash
+#: the decode accepts.
 HASHES = r"""
-import json, sys
+import json
 from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     compute_nixl_compatibility_hash)
 
-cfg = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, dtype="float32", block_size=32,
+cfg = EngineArgs(model=MODEL, skip_tokenizer_init=True, dtype="float32", block_size=32,
                  max_model_len=1024, enable_prefix_caching=True, enforce_eager=True, seed=0,
                  kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector",
                                                      kv_role="kv_both",
                                                      kv_buffer_device="cpu"),
                  ).create_engine_config()
 out = {"own": compute_nixl_compatibility_hash(cfg, "CPU_ATTN", transfer_mode="pull")}
-if sys.argv[2] == "kvplan":
+if WHAT == "kvplan":
     from kvplan_nixl.vllm.versions import stock_hashes
     out["accepted"] = stock_hashes(cfg, "CPU_ATTN")
 print(json.dumps(out))
@@ -128,19 +127,21 @@ print(json.dumps(out))
 def test_a_decode_accepts_the_hash_a_stock_prefill_of_the_previous_vllm_publishes(
         vllm_python, vllm_previous, tmp_path):
     """The hash is vLLM's own function of each version; the decode's is computed from the
-    factors versions.py lists: equal only if they are the previous version's factors."""
+    factors versions.py lists: equal only if they are the previous version's factors. Each
+    script runs forked from an interpreter of its venv that imported vLLM once
+    (tests/venv_runner.py: this venv's is the one the test above started)."""
     model = tmp_path / "tiny-llama"
-    r = subprocess.run([str(vllm_python), str(SCRIPT), "model", str(model)], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+
+    def run(py, script: str) -> str:
+        rc, out, err = venv_runner.run(py, script, timeout=300)
+        assert rc == 0, f"exit status {rc}\n{out}{err[-3000:]}"
+        return out
+
+    run(vllm_python, f"from tests.vllm_engine import write_model; write_model({str(model)!r})")
 
     def hashes(py, what: str) -> dict:
-        r = subprocess.run([str(py), "-c", HASHES, str(model), what], cwd=REPO,
-                           capture_output=True, text=True, timeout=300,
-                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
-                                "HF_HUB_OFFLINE": "1"})
-        assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        out = run(py, f"MODEL, WHAT = {str(model)!r}, {what!r}\n{HASHES}")
+        return json.loads(out.strip().splitlines()[-1])
 
     previous = hashes(vllm_previous, "own")["own"]
     here = hashes(vllm_python, "kvplan")
