@@ -118,6 +118,8 @@ SETS = {
     # "upgrade" runs right after "llama", whose 0.32 engines it reuses, still parked)
     "upgrade": ("llama-p1-v31", "llama-d1-v31", "llama-p1-nixl-v31"),
 }
+
+
 def set_of(name: str, sets: dict[str, tuple[str, ...]]) -> str:
     """The key of the :data:`SETS` entry that starts engine ``name``: the first that lists it
     (the ``upgrade`` entry lists engines of other models' keys), else its model's."""
