@@ -20,10 +20,13 @@ advertises no version (a kvplan of before this module) is taken as of this engin
 
 Found between 0.31.0 and 0.32.0 (diffs of the two wheels' ``vllm/``), each handled here:
 
-- the KV caches' bytes: unchanged. ``CPU_ATTN`` (``cpu_attn.py``: only
-  ``use_cascade_attention`` dropped), the Mamba2 state, MLA: the same shapes and strides; the
-  NixlConnector host-buffer permutes in ``kv_connector/utils.py`` changed, which kvplan does
-  not use. One layout epoch for both.
+- the KV caches' bytes, as far as read and run: ``CPU_ATTN`` unchanged (``cpu_attn.py``: only
+  ``use_cascade_attention`` dropped; pull and push run both ways), ``cpu_mla.py`` identical;
+  0.32 lets ``block_stride_alignment`` be whole kernel blocks (``kv_cache_interface.py``),
+  which the spec follows from the tensors' own strides; the host-buffer permutes NixlConnector
+  applies on receive (``kv_connector/utils.py``) changed, which kvplan does not use. One
+  layout epoch for both. (0.31's CPU build cannot run a float32 Mamba2 model at all:
+  ``causal_conv1d_fwd_kernel_impl`` has no float32 kernel there, so no hybrid pair was run.)
 - NixlConnector's wire: ``NIXL_CONNECTOR_VERSION`` 13 -> 14 (``NixlAgentMetadata`` gained
   ``ple_block_len``, ``None`` for every model without a PLE short-conv state), and the
   compatibility hash includes it and ``vllm.__version__``. A stock prefill of another listed
