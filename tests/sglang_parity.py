@@ -35,6 +35,7 @@ SGLang file:line). Judging the rows is the caller's business.
 
 from __future__ import annotations
 
+import ast
 import bisect
 import concurrent.futures
 import json
@@ -103,12 +104,15 @@ def build_pool(case: dict, tp: int, stage: int = 0, pp: int = 1):
             tp_world_size=tp, intermediate_size=value_dim, n_groups=m["n_groups"],
             num_heads=m["heads"], head_dim=m["head_dim"], state_size=m["state_size"],
             conv_kernel=m["conv_kernel"], conv_shard_groups=[key_dim, key_dim, value_dim])
-        state = _mamba_pool(case, mamba_utils.Mamba2CacheParams, shape,
-                            layers=case["state_layers"])
+        # under PP a stage holds its share of each kind of layer, at their global ids
+        state_ids, full_ids = (ids[stage * len(ids) // pp:(stage + 1) * len(ids) // pp]
+                               for ids in (case["state_layers"], case["full_layers"]))
+        state = _mamba_pool(case, mamba_utils.Mamba2CacheParams, shape, layers=state_ids)
         return memory_pool.HybridLinearKVPool(
             size=size, dtype=torch.bfloat16, page_size=case["page"],
             head_num=max(1, case["heads"] // tp), head_dim=case["head_dim"],
-            full_attention_layer_ids=case["full_layers"], device="cpu", mamba_pool=state)
+            full_attention_layer_ids=full_ids, device="cpu", mamba_pool=state,
+            start_layer=stage * case["layers"] // pp)
     if case["kind"] == "swapool":  # a SWAKVPool: its own SWA pool of fewer pages
         return swa_memory_pool.SWAKVPool(
             size=size, size_swa=(case["swa_pages_total"] - 1) * case["page"],
@@ -292,12 +296,12 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
         kv_item_lens=list(mem.items("p", what)), page_size=case["page"],
         total_kv_head_num=case["heads"], kv_head_num=max(1, case["heads"] // case["p"]),
         engine_rank=case.get("p_group", 0) * case["p"] + rank % case["p"],
-        kv_layer_ids=kv_layer_ids(mem.pools["p"]), gpu_id=0,
-        prefill_start_layer=mem.stage_pools["p"][stage].start_layer,
+        kv_layer_ids=kv_layer_ids(mem.stage_pools["p"][stage]), gpu_id=0,
+        prefill_start_layer=start_layer(case, mem.stage_pools["p"][stage]),
         swa_kv_cache_layout="nhd", mla_compression_ratios=None, num_draft_entries=0,
         kv_data_mem_kinds=["VRAM"] * len(mem.ptrs("p", rank, what)))
     if case["kind"] in COMPOSITE:  # setup_state_kv_args: its state component
-        pool = mem.pools["p"]
+        pool = mem.stage_pools["p"][stage]
         mamba = case["kind"] == "hybrid"
         out.__dict__.update(
             state_types=[StateType.MAMBA if mamba else StateType.SWA],
@@ -309,6 +313,27 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
             state_layer_ids=[pool.get_state_layer_ids() if mamba else []],
             is_hybrid_mla_backend=False)
     return out
+
+
+def start_layer(case: dict, pool) -> int:
+    """``kv_args.prefill_start_layer`` as ``disaggregation/prefill.py`` sets it
+    (``_transfer_start_layer``: for a ``HybridLinearKVPool``, the full-attention layers
+    before the stage's ``start_layer``). prefill.py itself does not import under the stubs,
+    so that one function of it is compiled from its source."""
+    global _TRANSFER_START_LAYER
+    if _TRANSFER_START_LAYER is None:
+        path = SITE / "srt" / "disaggregation" / "prefill.py"
+        tree = ast.parse(path.read_text())
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
+                  and n.name == "_transfer_start_layer")
+        scope = {"HybridLinearKVPool": memory_pool.HybridLinearKVPool}
+        exec(compile(ast.Module([fn], []), str(path), "exec"), scope)
+        _TRANSFER_START_LAYER = scope["_transfer_start_layer"]
+    config = SimpleNamespace(full_attention_layer_ids=case.get("full_layers", []))
+    return _TRANSFER_START_LAYER(pool=pool, hf_text_config=config)
+
+
+_TRANSFER_START_LAYER = None
 
 
 COMPOSITE = ("hybrid", "swapool")  # pools of KV beside state: both are sent
@@ -389,7 +414,7 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
         for (side, dtp), t, p in _pairs(case, cls):
             what = "kv" if case["kind"] in COMPOSITE else None
             dst_item = mem.items(side, what)[0]
-            dst_ids = kv_layer_ids(mem.pools[side]) or None
+            dst_ids = kv_layer_ids(mem.stage_pools[side][t // dtp]) or None
             m = _manager(cls, case, mem, p)
             m.engine = eng
             m.state_strides_validated = set()
@@ -439,7 +464,7 @@ def _indices(case: dict, side: str) -> list[int]:
 
 def _state_peer(mem: Memory, side: str, dtp: int, t: int) -> SimpleNamespace:
     """What a decode rank registers about its state buffers."""
-    pool = mem.pools[side]
+    pool = mem.stage_pools[side][t // dtp]
     what = "state" if (side, "state") in mem.span else None  # a hybrid pool's state part
     if isinstance(pool, memory_pool.HybridLinearKVPool):
         pool = pool.mamba_pool
@@ -538,7 +563,7 @@ def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
                 dst_kv_ptrs=mem.ptrs(side, t, what), dst_kv_item_len=mem.items(side, what)[0],
                 dst_kv_item_lens=list(mem.items(side, what)),
                 dst_kv_mem_kinds=["VRAM"] * n, dst_num_slots=case["pages"], gpu_id=0,
-                dst_kv_layer_ids=kv_layer_ids(mem.pools[side]) or None,
+                dst_kv_layer_ids=kv_layer_ids(mem.stage_pools[side][t // dtp]) or None,
                 requires_dcp_relayout=False, kv_xfer_segments=None,
                 dst_homogeneous_mem_kind=None)
             m.decode_kv_args_table[info.agent_name] = info

@@ -448,3 +448,38 @@ def test_swa_pools_kvplan_cannot_describe_are_refused_by_name():
         SGLangKV.from_swa_pool(pool)
     with pytest.raises(SpecError, match="HybridLinearKVPool: not SGLang's SWAKVPool"):
         SGLangKV.from_swa_pool(hybrid_linear_pool(1))
+
+
+def test_hybrid_pipeline_stages_carry_their_own_state():
+    """Under PP each stage's HybridLinearKVPool holds its attention and its state layers (at
+    global ids); a plan between a prefill of two stages and a decode of one or two is exact."""
+    def engine(tp, pp):
+        full, state = [(1, 3, 5, 7)], [(0, 2, 4, 6)]
+        if pp == 2:
+            full, state = [(1, 3), (5, 7)], [(0, 2), (4, 6)]
+        pools = [_pool("HybridLinearKVPool", page_size=16, start_layer=4 * s,
+                       full_attention_layer_id_mapping={n: i for i, n in enumerate(f)},
+                       full_kv_pool=mha_pool(tp, 4, f),
+                       mamba_pool=mamba_pool(tp, kind="gdn", groups=8, layers=st))
+                 for s, (f, st) in enumerate(zip(full, state))]
+        return spec_from_sglang_hybrid([SGLangKV.from_pool(p) for p in pools],
+                                       [SGLangMamba2.from_pool(p, attn_tp_size=tp)
+                                        for p in pools], attn_tp_size=tp, total_kv_heads=4)
+    src = engine(2, 2)
+    assert src.pp_size == 2 and src.num_ranks == 4
+    assert [r.name for r in src.regions if src.stage_of(src.regions.index(r)) == 1][:3] == [
+        "layers.5", "layers.7", "layers.4.conv"]
+    src_blocks, dst_blocks = [*SRC_PAGES, [2]], [*DST_PAGES, [3]]
+    for p, d, d_pp in [(2, 4, 1), (4, 1, 2), (1, 8, 1), (2, 2, 2)]:
+        a, b = engine(p, 2), engine(d, d_pp)
+        got = judge(a, b, src_blocks, dst_blocks, kvplan_rows(a, b, src_blocks, dst_blocks))
+        assert got["verdict"] == "exact" and got["writes"] == 1, (p, d, d_pp, got)
+    one = SGLangKV.from_pool(hybrid_linear_pool(1))
+    state = SGLangMamba2.from_pool(hybrid_linear_pool(1), attn_tp_size=1)
+    with pytest.raises(SpecError, match="one SGLangKV and one SGLangMamba2 per PP stage, got 2 "
+                                        "and 1"):
+        spec_from_sglang_hybrid([one, one], [state], attn_tp_size=1)
+    with pytest.raises(SpecError, match="PP stage 1 starts at layer 0, stage 0 ends at layer 3"):
+        spec_from_sglang_hybrid([one, one], [state, state], attn_tp_size=1)
+    with pytest.raises(SpecError, match=r"PP stage 0: layers \[1\] hold both"):
+        spec_from_sglang_hybrid(one, attrs.evolve(state, layers=(0, 1)), attn_tp_size=1)

@@ -141,6 +141,15 @@ def cases() -> list[dict]:
                     "full_layers": [1, 3], "state_layers": [0, 2],
                     "mamba": {"heads": 8, "head_dim": 4, "state_size": 4, "n_groups": 8,
                               "conv_kernel": 4}})
+    # the same HybridLinearKVPool under pipeline parallelism: eight layers (state on the even
+    # ones, attention on the odd), a prefill of two stages into a decode of one or two
+    for p, d, d_pp in itertools.product((1, 2, 4), TPS, (1, 2)):
+        out.append({"id": f"hybrid pool gdn K4 P{p} PP2 D{d} PP{d_pp} page16",
+                    "kind": "hybrid", "heads": 4, "p": p, "p_pp": 2, "d": d, "d_pp": d_pp,
+                    "page": 16, "head_dim": 8, "layers": 8, "full_layers": [1, 3, 5, 7],
+                    "state_layers": [0, 2, 4, 6],
+                    "mamba": {"heads": 8, "head_dim": 4, "state_size": 4, "n_groups": 8,
+                              "conv_kernel": 4}})
     for swa, (p, d) in itertools.product((8, 4), itertools.product(TPS, TPS)):
         out.append({"id": f"swa pool K8 swa K{swa} P{p} D{d} page16", "kind": "swapool",
                     "heads": 8, "swa_heads": swa, "p": p, "d": d, "page": 16,
@@ -204,14 +213,14 @@ def spec(case: dict, tp: int, face: dict):
             conv_kernel=m["conv_kernel"], conv_dtype="bfloat16", ssm_dtype="float32",
             kind=case["kind"]), (case["id"], values)
         out = spec_from_sglang_mamba2(values, attn_tp_size=tp)
-    elif case["kind"] == "hybrid":  # HybridLinearKVPool: its attention and its state
-        m = case["mamba"]
-        kv = SGLangKV.from_pool(pools[0])
-        assert kv.layers == tuple(case["full_layers"]), (case["id"], kv)
-        state = SGLangMamba2.from_pool(pools[0], attn_tp_size=tp)
-        assert (state.layers, state.kind, state.n_groups) == (
-            tuple(case["state_layers"]), "gdn", m["n_groups"]), (case["id"], state)
-        out = spec_from_sglang_hybrid(kv, state, attn_tp_size=tp,
+    elif case["kind"] == "hybrid":  # HybridLinearKVPool(s): attention and state per stage
+        kvs = [SGLangKV.from_pool(p) for p in pools]
+        states = [SGLangMamba2.from_pool(p, attn_tp_size=tp) for p in pools]
+        assert [x for kv in kvs for x in kv.layers] == case["full_layers"], (case["id"], kvs)
+        assert [x for m in states for x in m.layers] == case["state_layers"], case["id"]
+        assert {(m.kind, m.n_groups) for m in states} == {
+            ("gdn", case["mamba"]["n_groups"])}, (case["id"], states)
+        out = spec_from_sglang_hybrid(kvs, states, attn_tp_size=tp,
                                       total_kv_heads=case["heads"])
     elif case["kind"] == "swapool":  # SWAKVPool: full pages, then the SWA pool's own
         full, swa = SGLangKV.from_swa_pool(pools[0])
@@ -224,6 +233,7 @@ def spec(case: dict, tp: int, face: dict):
         kvs = [SGLangKV.from_pool(p) for p in pools]
         out = spec_from_sglang(kvs if len(kvs) > 1 else kvs[0], attn_tp_size=tp,
                                total_kv_heads=case["heads"])
+    named: dict = {}  # every buffer of the spec, from some stage's pool
     for f, pool in zip(faces, pools):
         ptrs, lens, _ = f["buf_infos"]
         for sub in ("swa_kv_pool", "mamba_pool"):  # a hybrid pool's state entries too
@@ -231,7 +241,8 @@ def spec(case: dict, tp: int, face: dict):
                 ptrs, lens = ptrs + f[sub]["buf_infos"][0], lens + f[sub]["buf_infos"][1]
         got = sglang_buffers(pool, out)
         assert sorted(got.values()) == sorted(zip(ptrs, lens)), (case["id"], got, f)
-        assert len(got) == len(out.buffers), (case["id"], sorted(got), out.buffers)
+        named.update(got)
+    assert len(named) == len(out.buffers), (case["id"], sorted(named), out.buffers)
     return out
 
 

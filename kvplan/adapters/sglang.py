@@ -49,8 +49,7 @@ buffers, ``PageMajorMHATokenToKVPool``, DSA pools (also as a hybrid pool's full-
 pool), a ``SWAKVPool`` given to :meth:`SGLangKV.from_pool` (:meth:`SGLangKV.from_swa_pool`
 reads it) and a ``MambaPool`` given to it (:meth:`SGLangMamba2.from_pool` reads that; Mamba1
 states are not described), draft buffers appended to a pool, a head count neither dividing
-nor divided by the attention TP size, and pipeline stages combined with state
-(:func:`spec_from_sglang_hybrid`).
+nor divided by the attention TP size.
 
 Hybrid pools: a ``HybridLinearKVPool`` (Mamba2 / GDN / KDA hybrids) is read by
 :meth:`SGLangKV.from_pool` as its full-attention sub-pool at the layers' global ids, and by
@@ -615,24 +614,58 @@ def spec_from_sglang_mamba2(m: SGLangMamba2, *, attn_tp_size: int, group: int = 
     return spec
 
 
-def spec_from_sglang_hybrid(kv: SGLangKV | Sequence[SGLangKV], state: SGLangMamba2, *,
+def spec_from_sglang_hybrid(kv: SGLangKV | Sequence[SGLangKV],
+                            state: SGLangMamba2 | Sequence[SGLangMamba2], *,
                             attn_tp_size: int, total_kv_heads: int | None = None
                             ) -> EngineSpec:
-    """One spec for a hybrid model's engine (Nemotron-H, Qwen3-Next): its attention layers
-    (:func:`spec_from_sglang` of ``kv``, KV-cache group 0: a request's page ids) and its
-    Mamba2 or GDN state (:func:`spec_from_sglang_mamba2` of ``state``, group 1: the request's
-    state slot). A plan then takes ``[pages, [slot]]`` per side. Pipeline stages are not
-    combined with state yet (a :class:`~kvplan.SpecError` says so)."""
-    attn = spec_from_sglang(kv, attn_tp_size=attn_tp_size, total_kv_heads=total_kv_heads)
-    if attn.pp_size > 1:
-        raise SpecError("a hybrid spec with pipeline stages is not described yet")
-    states = spec_from_sglang_mamba2(state, attn_tp_size=attn_tp_size, group=0)
-    names = {r.name for r in attn.regions} & {r.name for r in states.regions}
-    if names:
-        raise SpecError(f"attention and state regions share names {sorted(names)}")
-    regions = attn.to_dict()["regions"] + [{**r, "group": 1}
-                                           for r in states.to_dict()["regions"]]
-    return EngineSpec.from_dict({"tp_size": attn_tp_size, "regions": regions})
+    """One spec for a hybrid model's engine (Nemotron-H, Qwen3-Next, Kimi-Linear): its
+    attention layers (:func:`spec_from_sglang` of ``kv``, KV-cache group 0: a request's page
+    ids) and its Mamba2, GDN or KDA state (:func:`spec_from_sglang_mamba2` of ``state``,
+    group 1: the request's state slot). A plan then takes ``[pages, [slot]]`` per side.
+
+    Under pipeline parallelism pass one ``kv`` and one ``state`` per stage, in stage order
+    (each stage's ``HybridLinearKVPool`` holds its own full-attention layers and its
+    ``MambaPool`` its own state layers, at global ids): each stage's regions are its
+    attention layers then its state layers, and a rank holds its stage's. SGLang pairs a
+    prefill stage's entries with the decode's by these global layer ids (``kv_layer_ids``,
+    ``state_layer_ids``, ``build_transfer_entry_pairs``), as kvplan does by region name.
+
+    Raises :class:`~kvplan.SpecError` when the stages disagree in number or in what a layer
+    holds, a stage's layers do not all come after the previous stage's, or attention and
+    state share a layer."""
+    kvs = [kv] if isinstance(kv, SGLangKV) else list(kv)
+    states = [state] if isinstance(state, SGLangMamba2) else list(state)
+    if not kvs or len(kvs) != len(states):
+        raise SpecError(f"a hybrid spec takes one SGLangKV and one SGLangMamba2 per PP stage, "
+                        f"got {len(kvs)} and {len(states)}")
+    regions: list[dict] = []
+    last = -1
+    for s, (a, m) in enumerate(zip(kvs, states)):
+        attn = spec_from_sglang(a, attn_tp_size=attn_tp_size, total_kv_heads=total_kv_heads)
+        st = spec_from_sglang_mamba2(m, attn_tp_size=attn_tp_size, group=0)
+        for field in ("kind", "page_size", "dtype", "head_num", "head_dim", "v_head_dim"):
+            if getattr(a, field) != getattr(kvs[0], field):
+                raise SpecError(f"PP stage {s}'s pool has {field} {getattr(a, field)!r}, "
+                                f"stage 0's {getattr(kvs[0], field)!r}")
+        for field in ("slots", "num_heads", "head_dim", "state_size", "n_groups",
+                      "conv_kernel", "conv_dtype", "ssm_dtype", "kind"):
+            if getattr(m, field) != getattr(states[0], field):
+                raise SpecError(f"PP stage {s}'s MambaPool has {field} "
+                                f"{getattr(m, field)!r}, stage 0's "
+                                f"{getattr(states[0], field)!r}")
+        if set(a.layers) & set(m.layers):
+            raise SpecError(f"PP stage {s}: layers {sorted(set(a.layers) & set(m.layers))} "
+                            "hold both attention and state")
+        layers = sorted({*a.layers, *m.layers})
+        if layers[0] <= last:
+            raise SpecError(f"PP stage {s} starts at layer {layers[0]}, stage {s - 1} ends at "
+                            f"layer {last}: not after it")
+        last = layers[-1]
+        stage = {"stage": s} if len(kvs) > 1 else {}
+        regions += [{**r, **stage} for r in attn.to_dict()["regions"]]
+        regions += [{**r, "group": 1, **stage} for r in st.to_dict()["regions"]]
+    return EngineSpec.from_dict({"tp_size": attn_tp_size, "pp_size": len(kvs),
+                                 "regions": regions})
 
 
 def spec_from_sglang_swa(full: SGLangKV, swa: SGLangKV, *, attn_tp_size: int,
