@@ -22,7 +22,11 @@ for each of SGLang 0.5.23's two connections (Mooncake, NIXL) this script
   ``MambaPool`` whose shape is built as ``configs/nemotron_h.py`` / ``configs/qwen3_next.py``
   build it) ``maybe_send_extra``, which calls
   ``_send_mamba_state`` at equal TP and ``_send_mamba_state_slice`` otherwise, with
-  ``kv_args``' state fields as SGLang fills them from the pool.
+  ``kv_args``' state fields as SGLang fills them from the pool; for SGLang's hybrid pool
+  objects (``kind`` ``"hybrid"``: a ``HybridLinearKVPool`` around a GDN ``MambaPool``;
+  ``"swapool"``: a ``SWAKVPool``) the KV as above (the full-attention sub-pool's entries,
+  ``kv_layer_ids`` as ``build_kv_layer_ids`` gives them), then ``maybe_send_extra`` with the
+  request's state slot or its SWA window pages (the SWA pool's own index space).
 
 The pools are SGLang's own (``MHATokenToKVPool``, ``MLATokenToKVPool``, built on CPU, one per
 engine: its ranks' pools are alike); each result carries ``pools``, what kvplan's adapter

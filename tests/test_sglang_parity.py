@@ -59,7 +59,9 @@ def cases() -> list[dict]:
     heads fit both sides, and MLA at every pair, each at page sizes 1, 16, 64; then one
     prefill serving two decode engines of different TP sizes (``d2``); Mamba2 and GDN state;
     a prefill of two PP stages (``p_pp``; four layers) into a decode of one or two
-    (``d_pp``); sliding-window layers beside full attention of 8 heads. Two layers, six
+    (``d_pp``); sliding-window layers beside full attention of 8 heads; SGLang's own
+    ``HybridLinearKVPool`` (GDN state and attention, also under PP) and ``SWAKVPool``
+    (``kind`` ``"hybrid"`` / ``"swapool"``: KV then state). Two layers, six
     pages, K heads of 8 values (MLA latent 8 + 4), bfloat16 (state: fp32 temporal)."""
     out = []
     for page, (p, d) in itertools.product(PAGE_SIZES, itertools.product(TPS, TPS)):
