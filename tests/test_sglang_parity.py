@@ -143,13 +143,13 @@ def cases() -> list[dict]:
                     "full_layers": [1, 3], "state_layers": [0, 2],
                     "mamba": {"heads": 8, "head_dim": 4, "state_size": 4, "n_groups": 8,
                               "conv_kernel": 4}})
-    # the same HybridLinearKVPool under pipeline parallelism: eight layers (state on the even
-    # ones, attention on the odd), a prefill of two stages into a decode of one or two
-    for p, d, d_pp in itertools.product((1, 2, 4), TPS, (1, 2)):
+    # the same HybridLinearKVPool under pipeline parallelism (a stage: one state layer, one
+    # attention layer), a prefill of two stages at TP 2 or 4 into a decode of one or two
+    for p, d, d_pp in itertools.product((2, 4), TPS, (1, 2)):
         out.append({"id": f"hybrid pool gdn K4 P{p} PP2 D{d} PP{d_pp} page16",
                     "kind": "hybrid", "heads": 4, "p": p, "p_pp": 2, "d": d, "d_pp": d_pp,
-                    "page": 16, "head_dim": 8, "layers": 8, "full_layers": [1, 3, 5, 7],
-                    "state_layers": [0, 2, 4, 6],
+                    "page": 16, "head_dim": 8, "layers": 4, "full_layers": [1, 3],
+                    "state_layers": [0, 2],
                     "mamba": {"heads": 8, "head_dim": 4, "state_size": 4, "n_groups": 8,
                               "conv_kernel": 4}})
     for swa, (p, d) in itertools.product((8, 4), itertools.product(TPS, TPS)):
