@@ -22,7 +22,11 @@ for each of SGLang 0.5.23's two connections (Mooncake, NIXL) this script
   ``MambaPool`` whose shape is built as ``configs/nemotron_h.py`` / ``configs/qwen3_next.py``
   build it) ``maybe_send_extra``, which calls
   ``_send_mamba_state`` at equal TP and ``_send_mamba_state_slice`` otherwise, with
-  ``kv_args``' state fields as SGLang fills them from the pool.
+  ``kv_args``' state fields as SGLang fills them from the pool; for SGLang's hybrid pool
+  objects (``kind`` ``"hybrid"``: a ``HybridLinearKVPool`` around a GDN ``MambaPool``;
+  ``"swapool"``: a ``SWAKVPool``) the KV as above (the full-attention sub-pool's entries,
+  ``kv_layer_ids`` as ``build_kv_layer_ids`` gives them), then ``maybe_send_extra`` with the
+  request's state slot or its SWA window pages (the SWA pool's own index space).
 
 The pools are SGLang's own (``MHATokenToKVPool``, ``MLATokenToKVPool``, built on CPU, one per
 engine: its ranks' pools are alike); each result carries ``pools``, what kvplan's adapter
@@ -35,6 +39,7 @@ SGLang file:line). Judging the rows is the caller's business.
 
 from __future__ import annotations
 
+import ast
 import bisect
 import concurrent.futures
 import json
@@ -54,10 +59,11 @@ import sglang_stubs
 sglang_stubs.install()
 
 from sglang.srt.configs import mamba_utils  # noqa: E402
+from sglang.srt.disaggregation import utils  # noqa: E402
 from sglang.srt.disaggregation.base.conn import StateType  # noqa: E402
 from sglang.srt.disaggregation.mooncake import conn as mooncake_conn  # noqa: E402
 from sglang.srt.disaggregation.nixl import conn as nixl_conn  # noqa: E402
-from sglang.srt.mem_cache import memory_pool  # noqa: E402
+from sglang.srt.mem_cache import memory_pool, swa_memory_pool  # noqa: E402
 
 BACKENDS = ("mooncake", "nixl")
 # What a launched server publishes and this script does not launch: the memory namespace
@@ -95,6 +101,31 @@ def build_pool(case: dict, tp: int, stage: int = 0, pp: int = 1):
             conv_shard_groups=([key_dim, key_dim, value_dim] if case["kind"] == "gdn"
                                else None))
         return _mamba_pool(case, mamba_utils.Mamba2CacheParams, shape)
+    if case["kind"] == "hybrid":  # a HybridLinearKVPool: GDN state beside full attention
+        m = case["mamba"]
+        key_dim, value_dim = m["n_groups"] * m["state_size"], m["heads"] * m["head_dim"]
+        shape = mamba_utils.Mamba2StateShape.create(
+            tp_world_size=tp, intermediate_size=value_dim, n_groups=m["n_groups"],
+            num_heads=m["heads"], head_dim=m["head_dim"], state_size=m["state_size"],
+            conv_kernel=m["conv_kernel"], conv_shard_groups=[key_dim, key_dim, value_dim])
+        # under PP a stage holds its share of each kind of layer, at their global ids
+        state_ids, full_ids = (ids[stage * len(ids) // pp:(stage + 1) * len(ids) // pp]
+                               for ids in (case["state_layers"], case["full_layers"]))
+        state = _mamba_pool(case, mamba_utils.Mamba2CacheParams, shape, layers=state_ids)
+        return memory_pool.HybridLinearKVPool(
+            size=size, dtype=torch.bfloat16, page_size=case["page"],
+            head_num=max(1, case["heads"] // tp), head_dim=case["head_dim"],
+            full_attention_layer_ids=full_ids, device="cpu", mamba_pool=state,
+            start_layer=stage * case["layers"] // pp)
+    if case["kind"] == "swapool":  # a SWAKVPool: its own SWA pool of fewer pages
+        return swa_memory_pool.SWAKVPool(
+            size=size, size_swa=(case["swa_pages_total"] - 1) * case["page"],
+            page_size=case["page"], dtype=torch.bfloat16,
+            head_num=max(1, case["heads"] // tp), head_dim=case["head_dim"],
+            swa_head_num=max(1, case["swa_heads"] // tp),
+            swa_attention_layer_ids=case["swa_layers"],
+            full_attention_layer_ids=case["full_layers"], device="cpu",
+            enable_memory_saver=False)
     if case["kind"] == "mla":
         return memory_pool.MLATokenToKVPool(kv_lora_rank=case["head_dim"] - 4,
                                             qk_rope_head_dim=4, **common)
@@ -103,19 +134,38 @@ def build_pool(case: dict, tp: int, stage: int = 0, pp: int = 1):
                                         v_head_dim=case.get("v_head_dim"), **common)
 
 
-def _mamba_pool(case: dict, params_cls: type, shape):
-    """SGLang's MambaPool of ``case``'s state layers, its params of ``params_cls`` (Mamba2's or
-    Kimi-Linear's) around ``shape``: conv state bfloat16, temporal float32."""
-    layers = list(range(case["layers"]))
+def _mamba_pool(case: dict, params_cls: type, shape, layers: list[int] | None = None):
+    """SGLang's MambaPool of ``case``'s state layers (``layers``, else all), its params of
+    ``params_cls`` (Mamba2's or Kimi-Linear's) around ``shape``: conv state bfloat16,
+    temporal float32."""
+    layers = list(range(case["layers"])) if layers is None else list(layers)
     params = params_cls(shape=shape, layers=layers, dtype=mamba_utils.Mamba2StateDType(
         conv=torch.bfloat16, temporal=torch.float32))
     return memory_pool.MambaPool(size=case["pages"] - 1, spec_state_size=0,
                                  cache_params=params, mamba_layer_ids=layers, device="cpu")
 
 
+def entries(pool) -> list[tuple[str, list[str], list[int], list[int]]]:
+    """What a pool hands its connections, as ``(what, names, lens, item_lens)``: ``"kv"``
+    (``get_contiguous_buf_infos``) then, for a hybrid pool, ``"state"``
+    (``get_state_buf_infos``: the Mamba pool's, or the SWA sub-pool's), named as kvplan's
+    adapter names them."""
+    if isinstance(pool, (memory_pool.HybridLinearKVPool, swa_memory_pool.SWAKVPool)):
+        sub = (pool.mamba_pool if isinstance(pool, memory_pool.HybridLinearKVPool)
+               else pool.swa_kv_pool)
+        _, lens, items = pool.get_contiguous_buf_infos()
+        _, slens, sitems = pool.get_state_buf_infos()
+        assert pool.get_state_buf_infos() == sub.get_contiguous_buf_infos()
+        return [("kv", buffer_names(pool.full_kv_pool), lens, items),
+                ("state", buffer_names(sub), slens, sitems)]
+    _, lens, items = pool.get_contiguous_buf_infos()
+    return [("kv", buffer_names(pool), lens, items)]
+
+
 def buffer_names(pool) -> list[str]:
     """The names kvplan's adapter gives the entries of ``get_contiguous_buf_infos``, after
-    checking that they are the pool's K buffers then its V buffers (MLA: its latents)."""
+    checking that they are the pool's K buffers then its V buffers (MLA: its latents), at
+    its global layer ids (``model_layer_ids``)."""
     ptrs = pool.get_contiguous_buf_infos()[0]
     if isinstance(pool, memory_pool.MambaPool):
         ids = pool.mamba_layer_ids
@@ -124,7 +174,7 @@ def buffer_names(pool) -> list[str]:
         names = [f"layers.{n}.conv" for n in ids] + [f"layers.{n}.ssm" for n in ids]
         assert ptrs == [t.data_ptr() for t in tensors], "state entries are not conv then ssm"
         return names
-    layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+    layers = pool.model_layer_ids
     if isinstance(pool, memory_pool.MLATokenToKVPool):
         tensors, names = pool.kv_buffer, [f"layers.{i}" for i in layers]
     else:
@@ -139,11 +189,18 @@ def face(pool) -> dict:
     ``SGLangMamba2.from_pool``), as JSON."""
     out = {"class": type(pool).__name__}
     for a in ("layer_num", "size", "page_size", "head_num", "head_dim", "v_head_dim",
-              "start_layer", "kv_cache_layout", "use_hnd", "kv_lora_rank", "qk_rope_head_dim"):
+              "start_layer", "kv_cache_layout", "use_hnd", "kv_lora_rank", "qk_rope_head_dim",
+              "model_layer_ids", "size_swa"):
         if hasattr(pool, a):
             out[a] = getattr(pool, a)
-    for a in ("k_buffer", "v_buffer", "kv_buffer"):
+    for a in ("full_kv_pool", "swa_kv_pool", "mamba_pool"):
         if getattr(pool, a, None) is not None:
+            out[a] = face(getattr(pool, a))
+    if isinstance(pool, memory_pool.HybridLinearKVPool):
+        out["full_attention_layer_id_mapping"] = [
+            list(x) for x in pool.full_attention_layer_id_mapping.items()]
+    for a in ("k_buffer", "v_buffer", "kv_buffer"):
+        if "full_kv_pool" not in out and getattr(pool, a, None) is not None:
             out[a] = [_tensor_face(t) for t in getattr(pool, a)]
     out["buf_infos"] = pool.get_contiguous_buf_infos()
     if isinstance(pool, memory_pool.MambaPool):
@@ -167,14 +224,18 @@ class Memory:
         self.bufs: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
         self.index: list[tuple[int, str, int, str, int]] = []  # (base, side, rank, name, size)
         self.pools, self.stage_pools, self.item_lens = {}, {}, {}
+        self.span: dict[tuple[str, str], tuple[int, int]] = {}  # (side, kv|state): entries
         sides = [("p", case["p"], case.get("p_pp", 1)), *decodes(case)]
         for k, (side, tp, pp) in enumerate(sides):
             base = (k + 1) << 40
             self.stage_pools[side] = [build_pool(case, tp, s, pp) for s in range(pp)]
             self.pools[side] = self.stage_pools[side][0]
             for stage, pool in enumerate(self.stage_pools[side]):
-                _, lens, self.item_lens[side] = pool.get_contiguous_buf_infos()
-                names = buffer_names(pool)
+                names, lens, self.item_lens[side] = [], [], []
+                for what, n, ls, items in entries(pool):
+                    self.span[(side, what)] = (len(names), len(names) + len(n))
+                    names, lens, self.item_lens[side] = (
+                        names + n, lens + list(ls), self.item_lens[side] + list(items))
                 for r in range(stage * tp, (stage + 1) * tp):  # flat ranks of the stage
                     out = []
                     for name, size in zip(names, lens):
@@ -185,11 +246,18 @@ class Memory:
         self.index.sort()
         self.bases = [x[0] for x in self.index]
 
-    def ptrs(self, side: str, rank: int) -> list[int]:
-        return [b for _, b, _ in self.bufs[(side, rank)]]
+    def _part(self, side: str, what: str | None) -> slice:
+        """The entries of ``what`` (``"kv"``, ``"state"``; None: every entry)."""
+        return slice(None) if what is None else slice(*self.span[(side, what)])
 
-    def sizes(self, side: str, rank: int) -> list[int]:
-        return [s for _, _, s in self.bufs[(side, rank)]]
+    def ptrs(self, side: str, rank: int, what: str | None = None) -> list[int]:
+        return [b for _, b, _ in self.bufs[(side, rank)]][self._part(side, what)]
+
+    def sizes(self, side: str, rank: int, what: str | None = None) -> list[int]:
+        return [s for _, _, s in self.bufs[(side, rank)]][self._part(side, what)]
+
+    def items(self, side: str, what: str | None = None) -> list[int]:
+        return self.item_lens[side][self._part(side, what)]
 
     def where(self, addr: int) -> tuple[str, int, str, int]:
         """(side, rank, buffer, offset) of an address: the buffer starting at or below it."""
@@ -204,7 +272,6 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
     ``p_group``) ``engine_rank`` is the rank's TP rank over every group, as
     ``disaggregation/prefill.py`` sets it (``kv_args.engine_rank = self.tp_rank``); the decode
     sets its rank within its group (``decode.py``: ``self.tp_rank % attn_tp_size``)."""
-    n = len(mem.ptrs("p", rank))
     if case["kind"] == "swa":  # the SWA layers' own MHA pool, handed over as SWA state
         return SimpleNamespace(
             engine_rank=rank, gpu_id=0, page_size=case["page"], kv_layer_ids=None,
@@ -227,15 +294,60 @@ def kv_args(case: dict, mem: Memory, rank: int) -> SimpleNamespace:
             state_slice_outer_counts=[pool.get_state_slice_outer_counts()],
             state_layer_ids=[pool.get_state_layer_ids()])
     stage = rank // case["p"]
-    return SimpleNamespace(
-        kv_data_ptrs=mem.ptrs("p", rank), kv_data_lens=mem.sizes("p", rank),
-        kv_item_lens=list(mem.item_lens["p"]), page_size=case["page"],
+    what = "kv" if case["kind"] in COMPOSITE else None
+    out = SimpleNamespace(
+        kv_data_ptrs=mem.ptrs("p", rank, what), kv_data_lens=mem.sizes("p", rank, what),
+        kv_item_lens=list(mem.items("p", what)), page_size=case["page"],
         total_kv_head_num=case["heads"], kv_head_num=max(1, case["heads"] // case["p"]),
-        engine_rank=case.get("p_group", 0) * case["p"] + rank % case["p"], kv_layer_ids=[],
-        gpu_id=0,
-        prefill_start_layer=mem.stage_pools["p"][stage].start_layer,
+        engine_rank=case.get("p_group", 0) * case["p"] + rank % case["p"],
+        kv_layer_ids=kv_layer_ids(mem.stage_pools["p"][stage]), gpu_id=0,
+        prefill_start_layer=start_layer(case, mem.stage_pools["p"][stage]),
         swa_kv_cache_layout="nhd", mla_compression_ratios=None, num_draft_entries=0,
-        kv_data_mem_kinds=["VRAM"] * n)
+        kv_data_mem_kinds=["VRAM"] * len(mem.ptrs("p", rank, what)))
+    if case["kind"] in COMPOSITE:  # setup_state_kv_args: its state component
+        pool = mem.stage_pools["p"][stage]
+        mamba = case["kind"] == "hybrid"
+        out.__dict__.update(
+            state_types=[StateType.MAMBA if mamba else StateType.SWA],
+            state_data_ptrs=[mem.ptrs("p", rank, "state")],
+            state_item_lens=[list(mem.items("p", "state"))],
+            state_dim_per_tensor=[pool.get_state_dim_per_tensor() if mamba else []],
+            state_conv_shard_groups=[pool.get_state_conv_shard_groups() if mamba else []],
+            state_slice_outer_counts=[pool.get_state_slice_outer_counts() if mamba else []],
+            state_layer_ids=[pool.get_state_layer_ids() if mamba else []],
+            is_hybrid_mla_backend=False)
+    return out
+
+
+def start_layer(case: dict, pool) -> int:
+    """``kv_args.prefill_start_layer`` as ``disaggregation/prefill.py`` sets it
+    (``_transfer_start_layer``: for a ``HybridLinearKVPool``, the full-attention layers
+    before the stage's ``start_layer``). prefill.py itself does not import under the stubs,
+    so that one function of it is compiled from its source."""
+    global _TRANSFER_START_LAYER
+    if _TRANSFER_START_LAYER is None:
+        path = SITE / "srt" / "disaggregation" / "prefill.py"
+        tree = ast.parse(path.read_text())
+        fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
+                  and n.name == "_transfer_start_layer")
+        scope = {"HybridLinearKVPool": memory_pool.HybridLinearKVPool}
+        exec(compile(ast.Module([fn], []), str(path), "exec"), scope)
+        _TRANSFER_START_LAYER = scope["_transfer_start_layer"]
+    config = SimpleNamespace(full_attention_layer_ids=case.get("full_layers", []))
+    return _TRANSFER_START_LAYER(pool=pool, hf_text_config=config)
+
+
+_TRANSFER_START_LAYER = None
+
+
+COMPOSITE = ("hybrid", "swapool")  # pools of KV beside state: both are sent
+
+
+def kv_layer_ids(pool) -> list[int]:
+    """``kv_args.kv_layer_ids`` as ``build_kv_layer_ids`` gives them (no draft pool): a
+    ``HybridLinearKVPool``'s global ids per entry, ``[]`` for other pools."""
+    return utils.build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+                                    num_draft_entries=0, num_hidden_layers=0)
 
 
 def decodes(case: dict) -> list[tuple[str, int, int]]:
@@ -304,7 +416,9 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
     dst_pages = np.asarray(case["dst_pages"], dtype=np.int32)
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         for (side, dtp), t, p in _pairs(case, cls):
-            dst_item = mem.item_lens[side][0]
+            what = "kv" if case["kind"] in COMPOSITE else None
+            dst_item = mem.items(side, what)[0]
+            dst_ids = kv_layer_ids(mem.stage_pools[side][t // dtp]) or None
             m = _manager(cls, case, mem, p)
             m.engine = eng
             m.state_strides_validated = set()
@@ -323,14 +437,22 @@ def run_mooncake(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
                 continue
             session = f"{side}{t}"
             if m.is_mla_backend or case["p"] == dtp:
-                ret = m.send_kvcache(session, src_pages, mem.ptrs(side, t), dst_pages,
-                                     ex, dst_layer_ids=None, dst_kv_item_len=dst_item,
+                ret = m.send_kvcache(session, src_pages, mem.ptrs(side, t, what), dst_pages,
+                                     ex, dst_layer_ids=dst_ids, dst_kv_item_len=dst_item,
                                      dst_attn_tp_size=dtp)
             else:
-                ret = m.send_kvcache_slice(session, src_pages, mem.ptrs(side, t),
-                                           dst_pages, t % dtp, dtp, dst_item, ex, None)
+                ret = m.send_kvcache_slice(session, src_pages, mem.ptrs(side, t, what),
+                                           dst_pages, t % dtp, dtp, dst_item, ex, dst_ids)
             if ret != 0:
                 raise Refused(f"p{p} -> {side}{t}: {cls.__name__} returned {ret}")
+            if case["kind"] in COMPOSITE:  # then the state, as the transfer worker does
+                m.state_tp_size = case["p"]
+                req = SimpleNamespace(mooncake_session_id=session, room=0,
+                                      dst_state_indices=[_indices(case, "dst")])
+                ret = m.maybe_send_extra(req, [_indices(case, "src")], ex, _state_peer(
+                    mem, side, dtp, t))
+                if ret != 0:
+                    raise Refused(f"p{p} -> {side}{t}: {cls.__name__} returned {ret} (state)")
     return eng.copies
 
 
@@ -338,16 +460,22 @@ STATE_KINDS = ("mamba2", "gdn", "kda", "swa")
 
 
 def _indices(case: dict, side: str) -> list[int]:
-    """A request's state indices: its slot (Mamba2, GDN) or its SWA pages."""
-    return case[f"{side}_pages" if case["kind"] == "swa" else f"{side}_slots"]
+    """A request's state indices: its slot (Mamba2, GDN), its pages (a plain pool's SWA
+    layers) or its SWA pages (a ``SWAKVPool``'s own index space)."""
+    key = {"swa": "pages", "swapool": "swa_pages"}.get(case["kind"], "slots")
+    return case[f"{side}_{key}"]
 
 
 def _state_peer(mem: Memory, side: str, dtp: int, t: int) -> SimpleNamespace:
     """What a decode rank registers about its state buffers."""
-    pool = mem.pools[side]
+    pool = mem.stage_pools[side][t // dtp]
+    what = "state" if (side, "state") in mem.span else None  # a hybrid pool's state part
+    if isinstance(pool, memory_pool.HybridLinearKVPool):
+        pool = pool.mamba_pool
     mamba = isinstance(pool, memory_pool.MambaPool)
     return SimpleNamespace(
-        dst_state_data_ptrs=[mem.ptrs(side, t)], dst_state_item_lens=[list(mem.item_lens[side])],
+        dst_state_data_ptrs=[mem.ptrs(side, t, what)],
+        dst_state_item_lens=[list(mem.items(side, what))],
         dst_state_dim_per_tensor=[pool.get_state_dim_per_tensor() if mamba else []],
         dst_state_layer_ids=[pool.get_state_layer_ids() if mamba else []],
         dst_attn_tp_size=dtp, dst_tp_rank=t)
@@ -431,23 +559,35 @@ def run_nixl(case: dict, mem: Memory) -> list[tuple[int, int, int]]:
                     pass
             copies += agent.copies
             continue
+        what = "kv" if case["kind"] in COMPOSITE else None
         for side, dtp, t in ts:  # registration: every decode peer first, as bootstrap does
-            n = len(mem.ptrs(side, t))
+            n = len(mem.ptrs(side, t, what))
             info = SimpleNamespace(
                 agent_name=f"{side}{t}", decode_tp_size=dtp, decode_tp_rank=t % dtp,
-                dst_kv_ptrs=mem.ptrs(side, t), dst_kv_item_len=mem.item_lens[side][0],
-                dst_kv_item_lens=list(mem.item_lens[side]),
+                dst_kv_ptrs=mem.ptrs(side, t, what), dst_kv_item_len=mem.items(side, what)[0],
+                dst_kv_item_lens=list(mem.items(side, what)),
                 dst_kv_mem_kinds=["VRAM"] * n, dst_num_slots=case["pages"], gpu_id=0,
-                dst_kv_layer_ids=None, requires_dcp_relayout=False, kv_xfer_segments=None,
+                dst_kv_layer_ids=kv_layer_ids(mem.stage_pools[side][t // dtp]) or None,
+                requires_dcp_relayout=False, kv_xfer_segments=None,
                 dst_homogeneous_mem_kind=None)
             m.decode_kv_args_table[info.agent_name] = info
             m._prepare_payload_xfer(info)
         for side, dtp, t in ts:
             if m.is_mla_backend or case["p"] == dtp:
-                m.send_kvcache(f"{side}{t}", src_pages, mem.ptrs(side, t), dst_pages, 0,
+                m.send_kvcache(f"{side}{t}", src_pages, mem.ptrs(side, t, what), dst_pages, 0,
                                dst_mem_kind="VRAM")
             else:
                 m.send_kvcache_slice(f"{side}{t}", src_pages, dst_pages)
+        if case["kind"] in COMPOSITE:  # then the state, as the transfer worker does
+            m.state_tp_size, m._state_layout_rejections, m._prepared_state_plans = (
+                case["p"], {}, {})
+            for side, dtp, t in ts:
+                info = _state_peer(mem, side, dtp, t)
+                for _ in m.maybe_send_extra(
+                        f"{side}{t}", [_indices(case, "src")], info.dst_state_data_ptrs,
+                        [_indices(case, "dst")], 0, dtp, t, info.dst_state_item_lens,
+                        info.dst_state_dim_per_tensor, info.dst_state_layer_ids):
+                    pass
         copies += agent.copies
     return copies
 

@@ -18,6 +18,7 @@ from kvplan.adapters.sglang import (
     spec_from_sglang,
     spec_from_sglang_hybrid,
     spec_from_sglang_mamba2,
+    spec_from_sglang_swa,
 )
 from tests.sglang_judge import judge, kvplan_rows
 
@@ -104,8 +105,9 @@ def test_from_pool_reads_buffers_and_addresses():
 
 @pytest.mark.parametrize("obj, words", [
     (_pool("MHATokenToKVPoolFP4"), "FP4"),
-    (_pool("HybridLinearKVPool"), "hybrid pool"),
-    (_pool("SWAKVPool"), "sliding-window"),
+    (_pool("SWAKVPool"), "sliding-window pool .* SGLangKV.from_swa_pool"),
+    (_pool("HybridLinearKVPool", full_kv_pool=_pool("DSATokenToKVPool")),
+     "its full-attention pool is a DSATokenToKVPool"),
     (_pool("MHATokenToKVPool", kv_cache_layout="vectorized_5d"), "vectorized_5d"),
     (_pool("MHATokenToKVPool", layer_num=1, size=16, page_size=16, head_num=1, head_dim=192,
            v_head_dim=128, k_buffer=[_T((32, 1, 192))], v_buffer=[_T((32, 1, 192))]),
@@ -319,7 +321,7 @@ def test_mamba_pools_sglang_cannot_describe_are_refused_by_name():
         SGLangMamba2.from_pool(mamba_pool(1, kind="gdn", groups=2), attn_tp_size=1,
                                n_groups=4)
     with pytest.raises(SpecError, match="not SGLang's MambaPool"):
-        SGLangMamba2.from_pool(_pool("HybridLinearKVPool"), attn_tp_size=1)
+        SGLangMamba2.from_pool(_pool("SWAKVPool"), attn_tp_size=1)
 
 
 def test_dp_attention_ranks_and_a_plan_between_two_groups():
@@ -340,3 +342,144 @@ def test_dp_attention_ranks_and_a_plan_between_two_groups():
         sglang_attention_rank(0, tp_size=8, dp_size=3)
     with pytest.raises(SpecError, match=r"tp_rank must be an int in \[0, 8\)"):
         sglang_attention_rank(8, tp_size=8, dp_size=2)
+
+
+def mha_pool(tp, heads, layer_ids, pages=6, page_size=16, base=0, k_dim=8, v_dim=8):
+    """An ``MHATokenToKVPool`` as a hybrid pool builds it: dense over its own layers, at the
+    global ids SGLang sets as ``model_layer_ids``, start_layer 0."""
+    n, rows = max(1, heads // tp), pages * page_size
+    return _pool("MHATokenToKVPool", layer_num=len(layer_ids), size=rows - page_size,
+                 page_size=page_size, head_num=n, head_dim=k_dim, v_head_dim=v_dim,
+                 start_layer=0, kv_cache_layout="nhd", model_layer_ids=tuple(layer_ids),
+                 k_buffer=[_T((rows, n, k_dim), ptr=base + 10 * i) for i in range(len(layer_ids))],
+                 v_buffer=[_T((rows, n, v_dim), ptr=base + 10 * i + 5)
+                           for i in range(len(layer_ids))])
+
+
+def hybrid_linear_pool(tp, heads=4):
+    """A ``HybridLinearKVPool``: full attention on layers 1 and 3, GDN state on 0 and 2."""
+    return _pool("HybridLinearKVPool", page_size=16, start_layer=0,
+                 full_attention_layer_id_mapping={1: 0, 3: 1},
+                 full_kv_pool=mha_pool(tp, heads, (1, 3), base=100),
+                 mamba_pool=mamba_pool(tp, kind="gdn", groups=8, layers=(0, 2)))
+
+
+def test_hybrid_linear_pool_is_its_attention_at_global_layers_and_its_state():
+    pool = hybrid_linear_pool(2)
+    kv = SGLangKV.from_pool(pool)
+    assert kv.layers == (1, 3) and kv.head_num == 2
+    state = SGLangMamba2.from_pool(pool, attn_tp_size=2)
+    assert (state.layers, state.kind, state.n_groups) == ((0, 2), "gdn", 8)
+    spec = spec_from_sglang_hybrid(kv, state, attn_tp_size=2, total_kv_heads=4)
+    assert [r.name for r in spec.regions] == [
+        "layers.1", "layers.3", "layers.0.conv", "layers.2.conv", "layers.0.ssm",
+        "layers.2.ssm"]
+    bufs = sglang_buffers(pool, spec)
+    assert len(bufs) == len(spec.buffers)
+    assert bufs["layers.3.v"][0] == 115 and bufs["layers.0.conv"][0] == 1000
+    src_blocks, dst_blocks = [*SRC_PAGES, [2]], [*DST_PAGES, [3]]
+    for p, d in itertools.product(TPS, TPS):
+        specs = []
+        for tp in (p, d):
+            one = hybrid_linear_pool(tp)
+            specs.append(spec_from_sglang_hybrid(
+                SGLangKV.from_pool(one), SGLangMamba2.from_pool(one, attn_tp_size=tp),
+                attn_tp_size=tp, total_kv_heads=4))
+        got = judge(*specs, src_blocks, dst_blocks, kvplan_rows(*specs, src_blocks, dst_blocks))
+        assert got["verdict"] == "exact" and got["writes"] == 1, (p, d, got)
+
+
+def test_hybrid_linear_pool_whose_layers_disagree_is_refused():
+    pool = hybrid_linear_pool(1)
+    pool.full_attention_layer_id_mapping = {1: 0, 5: 1}
+    with pytest.raises(SpecError, match=r"model_layer_ids \[1, 3\] are not the full-attention "
+                                        r"layers \[1, 5\]"):
+        SGLangKV.from_pool(pool)
+    pool.full_attention_layer_id_mapping = {1: 1, 3: 0}
+    with pytest.raises(SpecError, match="does not number its layers"):
+        SGLangKV.from_pool(pool)
+    bad = mha_pool(1, 4, (1, 3))
+    bad.model_layer_ids = (3, 1)
+    with pytest.raises(SpecError, match=r"model_layer_ids \[3, 1\] are not 2 increasing"):
+        SGLangKV.from_pool(bad)
+
+
+def swa_pool(tp, heads=8, swa_heads=4, swa_pages=5):
+    """A ``SWAKVPool``: full attention on layers 1 and 3 (6 pages), sliding-window layers 0
+    and 2 with ``swa_heads`` KV heads in a pool of ``swa_pages`` pages of their own."""
+    return _pool("SWAKVPool", page_size=16, layer_num=4, start_layer=0,
+                 full_kv_pool=mha_pool(tp, heads, (1, 3), base=100),
+                 swa_kv_pool=mha_pool(tp, swa_heads, (0, 2), pages=swa_pages, base=900))
+
+
+def test_swa_pool_is_two_groups_with_pages_of_their_own():
+    full, swa = SGLangKV.from_swa_pool(swa_pool(2))
+    assert (full.layers, full.pages, full.head_num) == ((1, 3), 6, 4)
+    assert (swa.layers, swa.pages, swa.head_num) == ((0, 2), 5, 2)
+    spec = spec_from_sglang_swa(full, swa, attn_tp_size=2, total_kv_heads=8,
+                                swa_total_kv_heads=4)
+    assert [(r.name, r.group, r.num_blocks) for r in spec.regions] == [
+        ("layers.1", 0, 6), ("layers.3", 0, 6), ("layers.0", 1, 5), ("layers.2", 1, 5)]
+    bufs = sglang_buffers(swa_pool(2), spec)
+    assert len(bufs) == 8 and bufs["layers.2.v"][0] == 915
+    src_blocks, dst_blocks = [*SRC_PAGES, [4, 1]], [*DST_PAGES, [2, 3]]
+    for swa_heads in (8, 4, 2):
+        for p, d in itertools.product(TPS, TPS):
+            specs = [spec_from_sglang_swa(*SGLangKV.from_swa_pool(swa_pool(tp, 8, swa_heads)),
+                                          attn_tp_size=tp, total_kv_heads=8,
+                                          swa_total_kv_heads=swa_heads) for tp in (p, d)]
+            got = judge(*specs, src_blocks, dst_blocks,
+                        kvplan_rows(*specs, src_blocks, dst_blocks))
+            assert got["verdict"] == "exact" and got["writes"] == 1, (swa_heads, p, d, got)
+
+
+def test_swa_pools_kvplan_cannot_describe_are_refused_by_name():
+    pool = swa_pool(1)
+    pool.swa_kv_pool.model_layer_ids = (1, 2)
+    with pytest.raises(SpecError, match=r"SWAKVPool: layers \[1\] are in both"):
+        SGLangKV.from_swa_pool(pool)
+    pool = swa_pool(1)
+    pool.layer_num = 6
+    with pytest.raises(SpecError, match="layer_num 6, its sub-pools hold 2 \\+ 2 layers"):
+        SGLangKV.from_swa_pool(pool)
+    pool = swa_pool(1)
+    pool.swa_kv_pool = _pool("MHATokenToKVPoolFP4")
+    with pytest.raises(SpecError, match="MHATokenToKVPoolFP4: FP4"):
+        SGLangKV.from_swa_pool(pool)
+    with pytest.raises(SpecError, match="HybridLinearKVPool: not SGLang's SWAKVPool"):
+        SGLangKV.from_swa_pool(hybrid_linear_pool(1))
+
+
+def test_hybrid_pipeline_stages_carry_their_own_state():
+    """Under PP each stage's HybridLinearKVPool holds its attention and its state layers (at
+    global ids); a plan between a prefill of two stages and a decode of one or two is exact."""
+    def engine(tp, pp):
+        full, state = [(1, 3, 5, 7)], [(0, 2, 4, 6)]
+        if pp == 2:
+            full, state = [(1, 3), (5, 7)], [(0, 2), (4, 6)]
+        pools = [_pool("HybridLinearKVPool", page_size=16, start_layer=4 * s,
+                       full_attention_layer_id_mapping={n: i for i, n in enumerate(f)},
+                       full_kv_pool=mha_pool(tp, 4, f),
+                       mamba_pool=mamba_pool(tp, kind="gdn", groups=8, layers=st))
+                 for s, (f, st) in enumerate(zip(full, state))]
+        return spec_from_sglang_hybrid([SGLangKV.from_pool(p) for p in pools],
+                                       [SGLangMamba2.from_pool(p, attn_tp_size=tp)
+                                        for p in pools], attn_tp_size=tp, total_kv_heads=4)
+    src = engine(2, 2)
+    assert src.pp_size == 2 and src.num_ranks == 4
+    assert [r.name for r in src.regions if src.stage_of(src.regions.index(r)) == 1][:3] == [
+        "layers.5", "layers.7", "layers.4.conv"]
+    src_blocks, dst_blocks = [*SRC_PAGES, [2]], [*DST_PAGES, [3]]
+    for p, d, d_pp in [(2, 4, 1), (4, 1, 2), (1, 8, 1), (2, 2, 2)]:
+        a, b = engine(p, 2), engine(d, d_pp)
+        got = judge(a, b, src_blocks, dst_blocks, kvplan_rows(a, b, src_blocks, dst_blocks))
+        assert got["verdict"] == "exact" and got["writes"] == 1, (p, d, d_pp, got)
+    one = SGLangKV.from_pool(hybrid_linear_pool(1))
+    state = SGLangMamba2.from_pool(hybrid_linear_pool(1), attn_tp_size=1)
+    with pytest.raises(SpecError, match="one SGLangKV and one SGLangMamba2 per PP stage, got 2 "
+                                        "and 1"):
+        spec_from_sglang_hybrid([one, one], [state], attn_tp_size=1)
+    with pytest.raises(SpecError, match="PP stage 1 starts at layer 0, stage 0 ends at layer 3"):
+        spec_from_sglang_hybrid([one, one], [state, state], attn_tp_size=1)
+    with pytest.raises(SpecError, match=r"PP stage 0: layers \[1\] hold both"):
+        spec_from_sglang_hybrid(one, attrs.evolve(state, layers=(0, 1)), attn_tp_size=1)

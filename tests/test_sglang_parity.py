@@ -36,7 +36,9 @@ from kvplan.adapters.sglang import (  # noqa: E402
     sglang_attention_rank,
     sglang_buffers,
     spec_from_sglang,
+    spec_from_sglang_hybrid,
     spec_from_sglang_mamba2,
+    spec_from_sglang_swa,
 )
 from tests.sglang_judge import judge, kvplan_rows  # noqa: E402
 
@@ -46,6 +48,8 @@ TPS = (1, 2, 4, 8)
 PAGE_SIZES = (1, 16, 64)
 SRC_PAGES, DST_PAGES = [3, 1, 4], [2, 5, 1]
 SRC_SLOTS, DST_SLOTS = [2], [3]  # a request's Mamba state slot on each side
+# a SWAKVPool's own pages (page 0 padding): a request's window, in the SWA pool's index space
+SWA_POOL_PAGES, SRC_SWA_PAGES, DST_SWA_PAGES = 5, [4, 1], [2, 3]
 BACKENDS = ("mooncake", "nixl")
 STATE = ("mamba2", "gdn", "kda")  # kinds whose request holds one state slot
 
@@ -55,7 +59,9 @@ def cases() -> list[dict]:
     heads fit both sides, and MLA at every pair, each at page sizes 1, 16, 64; then one
     prefill serving two decode engines of different TP sizes (``d2``); Mamba2 and GDN state;
     a prefill of two PP stages (``p_pp``; four layers) into a decode of one or two
-    (``d_pp``); sliding-window layers beside full attention of 8 heads. Two layers, six
+    (``d_pp``); sliding-window layers beside full attention of 8 heads; SGLang's own
+    ``HybridLinearKVPool`` (GDN state and attention, also under PP) and ``SWAKVPool``
+    (``kind`` ``"hybrid"`` / ``"swapool"``: KV then state). Two layers, six
     pages, K heads of 8 values (MLA latent 8 + 4), bfloat16 (state: fp32 temporal)."""
     out = []
     for page, (p, d) in itertools.product(PAGE_SIZES, itertools.product(TPS, TPS)):
@@ -127,10 +133,34 @@ def cases() -> list[dict]:
         out.append({"id": f"swa mimo K{swa} full K8 P{p} D{d} page16", "kind": "swa",
                     "heads": swa, "full_heads": 8, "p": p, "d": d, "page": 16,
                     "head_dim": 12, "v_head_dim": 8})
+    # SGLang's hybrid pool objects, four layers: a HybridLinearKVPool (GDN state on layers 0
+    # and 2, 8 value and 8 key heads; full attention on 1 and 3 with 4 KV heads, replicated
+    # at TP 8) and a SWAKVPool (full attention on 1 and 3 with 8 KV heads; sliding-window
+    # layers 0 and 2 with 8 or 4 KV heads in a pool of their own, 5 pages), page 16
+    for p, d in itertools.product(TPS, TPS):
+        out.append({"id": f"hybrid pool gdn K4 P{p} D{d} page16", "kind": "hybrid",
+                    "heads": 4, "p": p, "d": d, "page": 16, "head_dim": 8, "layers": 4,
+                    "full_layers": [1, 3], "state_layers": [0, 2],
+                    "mamba": {"heads": 8, "head_dim": 4, "state_size": 4, "n_groups": 8,
+                              "conv_kernel": 4}})
+    # the same HybridLinearKVPool under pipeline parallelism (a stage: one state layer, one
+    # attention layer), a prefill of two stages at TP 2 or 4 into a decode of one or two
+    for p, d, d_pp in itertools.product((2, 4), TPS, (1, 2)):
+        out.append({"id": f"hybrid pool gdn K4 P{p} PP2 D{d} PP{d_pp} page16",
+                    "kind": "hybrid", "heads": 4, "p": p, "p_pp": 2, "d": d, "d_pp": d_pp,
+                    "page": 16, "head_dim": 8, "layers": 4, "full_layers": [1, 3],
+                    "state_layers": [0, 2],
+                    "mamba": {"heads": 8, "head_dim": 4, "state_size": 4, "n_groups": 8,
+                              "conv_kernel": 4}})
+    for swa, (p, d) in itertools.product((8, 4), itertools.product(TPS, TPS)):
+        out.append({"id": f"swa pool K8 swa K{swa} P{p} D{d} page16", "kind": "swapool",
+                    "heads": 8, "swa_heads": swa, "p": p, "d": d, "page": 16,
+                    "head_dim": 8, "layers": 4, "full_layers": [1, 3], "swa_layers": [0, 2],
+                    "swa_pages_total": SWA_POOL_PAGES})
     for c in out:
         c.setdefault("layers", 2)
         c.update(pages=6, src_pages=SRC_PAGES, dst_pages=DST_PAGES, src_slots=SRC_SLOTS,
-                 dst_slots=DST_SLOTS)
+                 dst_slots=DST_SLOTS, src_swa_pages=SRC_SWA_PAGES, dst_swa_pages=DST_SWA_PAGES)
     return out
 
 
@@ -152,6 +182,12 @@ def pool_object(face: dict):
     for k in ("k_buffer", "v_buffer", "kv_buffer"):
         if k in attrs:
             attrs[k] = [_Tensor(t) for t in attrs[k]]
+    for k in ("full_kv_pool", "swa_kv_pool", "mamba_pool"):  # a hybrid pool's sub-pools
+        if k in attrs:
+            attrs[k] = pool_object(attrs[k])
+    if "full_attention_layer_id_mapping" in attrs:
+        attrs["full_attention_layer_id_mapping"] = dict(
+            map(tuple, attrs["full_attention_layer_id_mapping"]))
     if "mamba_cache" in attrs:
         cache = attrs["mamba_cache"]
         attrs["mamba_cache"] = SimpleNamespace(conv=[_Tensor(t) for t in cache["conv"]],
@@ -179,15 +215,48 @@ def spec(case: dict, tp: int, face: dict):
             conv_kernel=m["conv_kernel"], conv_dtype="bfloat16", ssm_dtype="float32",
             kind=case["kind"]), (case["id"], values)
         out = spec_from_sglang_mamba2(values, attn_tp_size=tp)
+    elif case["kind"] == "hybrid":  # HybridLinearKVPool(s): attention and state per stage
+        kvs = [SGLangKV.from_pool(p) for p in pools]
+        states = [SGLangMamba2.from_pool(p, attn_tp_size=tp) for p in pools]
+        assert [x for kv in kvs for x in kv.layers] == case["full_layers"], (case["id"], kvs)
+        assert [x for m in states for x in m.layers] == case["state_layers"], case["id"]
+        assert {(m.kind, m.n_groups) for m in states} == {
+            ("gdn", case["mamba"]["n_groups"])}, (case["id"], states)
+        out = spec_from_sglang_hybrid(kvs, states, attn_tp_size=tp,
+                                      total_kv_heads=case["heads"])
+    elif case["kind"] == "swapool":  # SWAKVPool: full pages, then the SWA pool's own
+        full, swa = SGLangKV.from_swa_pool(pools[0])
+        assert (full.layers, swa.layers, swa.pages) == (
+            tuple(case["full_layers"]), tuple(case["swa_layers"]),
+            case["swa_pages_total"]), (case["id"], full, swa)
+        out = spec_from_sglang_swa(full, swa, attn_tp_size=tp, total_kv_heads=case["heads"],
+                                   swa_total_kv_heads=case["swa_heads"])
     else:
         kvs = [SGLangKV.from_pool(p) for p in pools]
         out = spec_from_sglang(kvs if len(kvs) > 1 else kvs[0], attn_tp_size=tp,
                                total_kv_heads=case["heads"])
+    named: dict = {}  # every buffer of the spec, from some stage's pool
     for f, pool in zip(faces, pools):
         ptrs, lens, _ = f["buf_infos"]
+        for sub in ("swa_kv_pool", "mamba_pool"):  # a hybrid pool's state entries too
+            if sub in f:
+                ptrs, lens = ptrs + f[sub]["buf_infos"][0], lens + f[sub]["buf_infos"][1]
         got = sglang_buffers(pool, out)
         assert sorted(got.values()) == sorted(zip(ptrs, lens)), (case["id"], got, f)
+        named.update(got)
+    assert len(named) == len(out.buffers), (case["id"], sorted(named), out.buffers)
     return out
+
+
+def blocks(case: dict) -> tuple[list[list[int]], list[list[int]]]:
+    """A request's block ids on each side, one list per KV-cache group of its spec."""
+    if case["kind"] in STATE:
+        return [SRC_SLOTS], [DST_SLOTS]
+    if case["kind"] == "hybrid":
+        return [SRC_PAGES, SRC_SLOTS], [DST_PAGES, DST_SLOTS]
+    if case["kind"] == "swapool":
+        return [SRC_PAGES, SRC_SWA_PAGES], [DST_PAGES, DST_SWA_PAGES]
+    return [SRC_PAGES], [DST_PAGES]
 
 
 def verdict(case: dict, result: dict | None, pools: dict) -> dict:
@@ -204,11 +273,10 @@ def verdict(case: dict, result: dict | None, pools: dict) -> dict:
             dst = spec(case, case["d2" if side == "e" else "d"], pools[side])
         except SpecError as e:
             return {"verdict": "refuses", "detail": str(e)}
-        blocks = ([SRC_SLOTS], [DST_SLOTS]) if case["kind"] in STATE else (
-            [SRC_PAGES], [DST_PAGES])
-        rows = (kvplan_rows(src, dst, *blocks) if result is None
+        ids = blocks(case)
+        rows = (kvplan_rows(src, dst, *ids) if result is None
                 else [tuple(r) for r in result[key]])
-        got = judge(src, dst, *blocks, rows)
+        got = judge(src, dst, *ids, rows)
         if got["verdict"] != "exact":
             out.update(verdict=got["verdict"], detail=f"{side}: {got['detail']}")
         out["writes"] = max(out["writes"], got["writes"])
@@ -333,7 +401,9 @@ def test_sglang_verdicts_are_the_documented_ones(parity):
 def test_the_judge_calls_a_broken_sglang_wrong(sglang_python):
     """The same driver with SGLang's head offsets swapped (``KVPLAN_SGLANG_PARITY_BREAK``):
     its copies must be judged wrong, so an exact verdict above means the bytes were right."""
-    grid = [c for c in cases() if c["id"] in ("mha K8 P4 D2 page16", "mha K8 P2 D4 page1")]
+    grid = [c for c in cases() if c["id"] in ("mha K8 P4 D2 page16", "mha K8 P2 D4 page1",
+                                              "hybrid pool gdn K4 P2 D4 page16",
+                                              "swa pool K8 swa K8 P4 D2 page16")]
     got = run_sglang(sglang_python, grid, {"KVPLAN_SGLANG_PARITY_BREAK": "1"})
     for c in grid:
         for b in BACKENDS:

@@ -12,7 +12,10 @@ objects through their attributes, so it never imports the engine (or torch).
   their own size included, ``MLATokenToKVPool``) read into ``SGLangKV`` values,
   ``spec_from_sglang``; Mamba2 / GDN / KDA state read from its ``MambaPool``
   (``SGLangMamba2.from_pool``, ``spec_from_sglang_mamba2``) and both in one spec
-  (``spec_from_sglang_hybrid``); DP attention's groups (``sglang_attention_rank``).
+  (``spec_from_sglang_hybrid``, pipeline stages included), a ``HybridLinearKVPool`` read
+  by both; a ``SWAKVPool``'s full and sliding-window sub-pools (``SGLangKV.from_swa_pool``,
+  ``spec_from_sglang_swa``: two groups, two page index spaces); DP attention's groups
+  (``sglang_attention_rank``).
 
 Layer 5 (adapters, beside hf): imports the values below (spec, regions, layout, errors); no
 value imports an adapter back.

@@ -45,10 +45,18 @@ sizes), byte for byte, including the cases those connections get wrong or refuse
 
 Refused with a :class:`~kvplan.SpecError` naming the pool (not described yet): layouts other
 than NHD (``SGLANG_USE_HND_KVCACHE``, ``vectorized_5d``), the FP4 / MXFP8 pools and their scale
-buffers, ``PageMajorMHATokenToKVPool``, hybrid pools as objects (``HybridLinearKVPool``,
-``SWAKVPool``; ``MambaPool`` is read by :meth:`SGLangMamba2.from_pool` instead, Mamba1
-states are not), draft buffers appended to a pool, and a head count neither dividing nor
-divided by the attention TP size.
+buffers, ``PageMajorMHATokenToKVPool``, DSA pools (also as a hybrid pool's full-attention
+pool), a ``SWAKVPool`` given to :meth:`SGLangKV.from_pool` (:meth:`SGLangKV.from_swa_pool`
+reads it) and a ``MambaPool`` given to it (:meth:`SGLangMamba2.from_pool` reads that; Mamba1
+states are not described), draft buffers appended to a pool, a head count neither dividing
+nor divided by the attention TP size.
+
+Hybrid pools: a ``HybridLinearKVPool`` (Mamba2 / GDN / KDA hybrids) is read by
+:meth:`SGLangKV.from_pool` as its full-attention sub-pool at the layers' global ids, and by
+:meth:`SGLangMamba2.from_pool` as its ``mamba_pool``; :func:`spec_from_sglang_hybrid` joins
+them (group 0 pages, group 1 the state slot). A ``SWAKVPool``'s two sub-pools are read by
+:meth:`SGLangKV.from_swa_pool` and joined by :func:`spec_from_sglang_swa` (group 0 the full
+pages, group 1 the SWA pages, a separate index space).
 
 DP attention (``--enable-dp-attention``: ``dp_size`` attention groups of ``tp_size //
 dp_size`` ranks, each with its own pools and requests) is one spec per attention-TP group:
@@ -62,6 +70,7 @@ Layer 5 (adapters, beside hf): imports spec, constants and errors.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,17 +81,19 @@ from kvplan.errors import SpecError
 from kvplan.spec import EngineSpec
 
 #: Pool classes this adapter describes, by ``type(pool).__name__``.
-POOLS = ("MHATokenToKVPool", "MLATokenToKVPool")
+POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "HybridLinearKVPool")
 #: SGLang pool classes known and refused, with the reason given.
 REFUSED_POOLS: Mapping[str, str] = {
     "MHATokenToKVPoolFP4": "FP4 pages with separate scale buffers",
     "MHATokenToKVPoolMXFP8": "MXFP8 pages with separate scale buffers",
     "PageMajorMHATokenToKVPool": "page-major buffers",
     "NoOpMHATokenToKVPool": "a pool without KV buffers",
-    "HybridLinearKVPool": "a hybrid pool (Mamba / GDN state beside attention)",
     "MambaPool": "a recurrent-state pool (Mamba2, GDN, KDA: read it with "
                  "SGLangMamba2.from_pool and spec_from_sglang_mamba2)",
-    "SWAKVPool": "a sliding-window pool beside a full-attention pool",
+    "SWAKVPool": "a sliding-window pool beside a full-attention pool (two sub-pools, two "
+                 "page index spaces: read it with SGLangKV.from_swa_pool and "
+                 "spec_from_sglang_swa)",
+    "DSATokenToKVPool": "a DSA pool (MLA latents beside an index-key cache)",
 }
 
 
@@ -150,8 +161,19 @@ class SGLangKV:
 
     @classmethod
     def from_pool(cls, pool: Any) -> SGLangKV:
-        """The values of an SGLang token pool object, checked against its buffers' shapes."""
+        """The values of an SGLang token pool object, checked against its buffers' shapes.
+
+        ``layers`` are the pool's global model layer ids (``model_layer_ids``, which SGLang
+        sets on a sub-pool of a hybrid pool; else ``start_layer`` on). A
+        ``HybridLinearKVPool`` (the attention pool of a Mamba2 / GDN / KDA hybrid) is read
+        through its ``full_kv_pool`` (an ``MHATokenToKVPool`` or ``MLATokenToKVPool`` dense
+        over the full-attention layers only) at the global ids of
+        ``full_attention_layer_id_mapping``, which SGLang publishes to its peers as
+        ``kv_layer_ids``; its state is :meth:`SGLangMamba2.from_pool`'s. A ``SWAKVPool`` has
+        two sub-pools with page ids of their own: :meth:`from_swa_pool` reads it."""
         name = type(pool).__name__
+        if name == "HybridLinearKVPool":
+            return cls._from_hybrid_linear(pool)
         if name in REFUSED_POOLS:
             raise SpecError(f"{name}: {REFUSED_POOLS[name]} is not described by kvplan's "
                             "SGLang adapter yet")
@@ -169,14 +191,79 @@ class SGLangKV:
             bufs = list(pool.kv_buffer)
             kv = cls.mla(dtype=_dtype(name, bufs), kv_lora_rank=int(pool.kv_lora_rank),
                          qk_rope_head_dim=int(pool.qk_rope_head_dim), **common)
+            kv = kv._at(name, getattr(pool, "model_layer_ids", None))
             _check_shapes(name, "kv_buffer", bufs, kv, (1, kv.head_dim))
             return kv
         k, v = list(pool.k_buffer), list(pool.v_buffer)
         kv = cls.mha(dtype=_dtype(name, k + v), head_num=int(pool.head_num),
                      head_dim=int(pool.head_dim), v_head_dim=int(pool.v_head_dim), **common)
+        kv = kv._at(name, getattr(pool, "model_layer_ids", None))
         _check_shapes(name, "k_buffer", k, kv, (kv.head_num, kv.head_dim))
         _check_shapes(name, "v_buffer", v, kv, (kv.head_num, kv.v_head_dim))
         return kv
+
+    def _at(self, pool: str, ids: Sequence[int] | None) -> SGLangKV:
+        """These values at the global layer ids ``ids`` (a pool's ``model_layer_ids``; None
+        keeps ``start_layer`` on), which must be one increasing id per layer."""
+        if ids is None:
+            return self
+        ids = tuple(int(i) for i in ids)
+        if len(ids) != len(self.layers) or any(a >= b for a, b in itertools.pairwise(ids)) \
+                or (ids and ids[0] < 0):
+            raise SpecError(f"{pool}: model_layer_ids {list(ids)} are not {len(self.layers)} "
+                            "increasing layer ids, one per layer of the pool")
+        return attrs.evolve(self, layers=ids)
+
+    @classmethod
+    def _from_hybrid_linear(cls, pool: Any) -> SGLangKV:
+        """A ``HybridLinearKVPool``'s full-attention sub-pool at its global layer ids."""
+        full = pool.full_kv_pool
+        sub = type(full).__name__
+        if sub not in ("MHATokenToKVPool", "MLATokenToKVPool"):
+            raise SpecError(f"HybridLinearKVPool: its full-attention pool is a {sub}, which "
+                            "kvplan's SGLang adapter does not describe "
+                            f"({REFUSED_POOLS.get(sub, 'not an MHA or MLA pool')})")
+        ids = [int(i) for i in pool.full_attention_layer_id_mapping]
+        if [int(i) for i in pool.full_attention_layer_id_mapping.values()] \
+                != list(range(len(ids))):
+            raise SpecError("HybridLinearKVPool: full_attention_layer_id_mapping "
+                            f"{dict(pool.full_attention_layer_id_mapping)} does not number its "
+                            "layers 0, 1, ... in order")
+        if int(pool.page_size) != int(full.page_size) or len(ids) != int(full.layer_num):
+            raise SpecError(f"HybridLinearKVPool: page_size {pool.page_size} and "
+                            f"{len(ids)} full-attention layers, its {sub} page_size "
+                            f"{full.page_size} and layer_num {full.layer_num}")
+        own = getattr(full, "model_layer_ids", None)
+        if own is not None and [int(i) for i in own] != ids:
+            raise SpecError(f"HybridLinearKVPool: its {sub}'s model_layer_ids {list(own)} are "
+                            f"not the full-attention layers {ids}")
+        return cls.from_pool(full)._at("HybridLinearKVPool", ids)
+
+    @classmethod
+    def from_swa_pool(cls, pool: Any) -> tuple[SGLangKV, SGLangKV]:
+        """The full-attention and the sliding-window sub-pools of an SGLang ``SWAKVPool``
+        (``full_kv_pool``, ``swa_kv_pool``: two ``MHATokenToKVPool``s or two
+        ``MLATokenToKVPool``s, each dense over its own layers, at the global ids SGLang
+        gives them as ``model_layer_ids``), as ``(full, swa)``. Their pages are two index
+        spaces: a request's full pages index the first, and the pages SGLang hands over for
+        its SWA layers (the window's, ``translate_swa_indices_for_transfer``, sent as the
+        SWA state's indices) the second; :func:`spec_from_sglang_swa` makes them two groups.
+        Raises :class:`~kvplan.SpecError` for another class, sub-pools kvplan does not
+        describe, page sizes that differ or layers the two sub-pools share."""
+        name = type(pool).__name__
+        if name != "SWAKVPool":
+            raise SpecError(f"{name}: not SGLang's SWAKVPool")
+        full, swa = cls.from_pool(pool.full_kv_pool), cls.from_pool(pool.swa_kv_pool)
+        if not (int(pool.page_size) == full.page_size == swa.page_size):
+            raise SpecError(f"SWAKVPool: page_size {pool.page_size}, its full pool's "
+                            f"{full.page_size}, its SWA pool's {swa.page_size}")
+        if set(full.layers) & set(swa.layers):
+            raise SpecError(f"SWAKVPool: layers {sorted(set(full.layers) & set(swa.layers))} "
+                            "are in both its full and its SWA pool")
+        if len(full.layers) + len(swa.layers) != int(pool.layer_num):
+            raise SpecError(f"SWAKVPool: layer_num {pool.layer_num}, its sub-pools hold "
+                            f"{len(full.layers)} + {len(swa.layers)} layers")
+        return full, swa
 
 
 def _dtype(pool: str, tensors: Sequence[Any]) -> str:
@@ -309,7 +396,8 @@ def sglang_buffers(pool: Any, spec: EngineSpec) -> dict[str, tuple[int, int]]:
     SGLang's ``kv_data_ptrs`` / ``kv_data_lens``. For a ``MambaPool`` (a spec of
     :func:`spec_from_sglang_mamba2` or :func:`spec_from_sglang_hybrid`), its state buffers
     at the addresses of its ``get_contiguous_buf_infos`` (SGLang's ``state_data_ptrs``)."""
-    if type(pool).__name__ == "MambaPool":  # its entries: every layer's conv, then temporal
+    name = type(pool).__name__
+    if name == "MambaPool":  # its entries: every layer's conv, then temporal
         ptrs = pool.get_contiguous_buf_infos()[0]
         ids = list(pool.mamba_layer_ids)
         names = [f"{region_name(n)}.{t}" for t in ("conv", "ssm") for n in ids]
@@ -317,7 +405,23 @@ def sglang_buffers(pool: Any, spec: EngineSpec) -> dict[str, tuple[int, int]]:
             raise SpecError(f"the MambaPool's {len(ptrs)} state entries are not the spec's "
                             f"buffers {names}")
         return {b: (int(a), spec.rank_buffer_nbytes(b)) for b, a in zip(names, ptrs)}
-    kv = SGLangKV.from_pool(pool)
+    if name == "SWAKVPool":  # both sub-pools, each at its own layers' names
+        SGLangKV.from_swa_pool(pool)  # checks the sub-pools
+        return {**sglang_buffers(pool.full_kv_pool, spec),
+                **sglang_buffers(pool.swa_kv_pool, spec)}
+    if name == "HybridLinearKVPool":  # its attention buffers, and its state where spec has it
+        kv = SGLangKV.from_pool(pool)
+        out = _kv_buffers(pool.full_kv_pool, kv, spec)
+        state = getattr(pool, "mamba_pool", None)
+        if state is not None and any(f"{region_name(n)}.conv" in spec.buffers
+                                     for n in state.mamba_layer_ids):
+            out.update(sglang_buffers(state, spec))
+        return out
+    return _kv_buffers(pool, SGLangKV.from_pool(pool), spec)
+
+
+def _kv_buffers(pool: Any, kv: SGLangKV, spec: EngineSpec) -> dict[str, tuple[int, int]]:
+    """The K/V (or MLA) buffers of an MHA / MLA ``pool`` read as ``kv``, for ``spec``."""
     tensors: dict[str, Any] = {}
     for i, layer in enumerate(kv.layers):
         name = region_name(layer)
@@ -399,6 +503,9 @@ class SGLangMamba2:
         several conv tensors), or sizes that do not match the values read.
         """
         name = type(pool).__name__
+        if name == "HybridLinearKVPool":  # the MambaPool it holds (req_to_token_pool's)
+            return cls.from_pool(pool.mamba_pool, attn_tp_size=attn_tp_size,
+                                 n_groups=n_groups)
         if name != "MambaPool":
             raise SpecError(f"{name}: not SGLang's MambaPool")
         layers = tuple(int(n) for n in pool.mamba_layer_ids)
@@ -507,21 +614,75 @@ def spec_from_sglang_mamba2(m: SGLangMamba2, *, attn_tp_size: int, group: int = 
     return spec
 
 
-def spec_from_sglang_hybrid(kv: SGLangKV | Sequence[SGLangKV], state: SGLangMamba2, *,
+def spec_from_sglang_hybrid(kv: SGLangKV | Sequence[SGLangKV],
+                            state: SGLangMamba2 | Sequence[SGLangMamba2], *,
                             attn_tp_size: int, total_kv_heads: int | None = None
                             ) -> EngineSpec:
-    """One spec for a hybrid model's engine (Nemotron-H, Qwen3-Next): its attention layers
-    (:func:`spec_from_sglang` of ``kv``, KV-cache group 0: a request's page ids) and its
-    Mamba2 or GDN state (:func:`spec_from_sglang_mamba2` of ``state``, group 1: the request's
-    state slot). A plan then takes ``[pages, [slot]]`` per side. Pipeline stages are not
-    combined with state yet (a :class:`~kvplan.SpecError` says so)."""
-    attn = spec_from_sglang(kv, attn_tp_size=attn_tp_size, total_kv_heads=total_kv_heads)
-    if attn.pp_size > 1:
-        raise SpecError("a hybrid spec with pipeline stages is not described yet")
-    states = spec_from_sglang_mamba2(state, attn_tp_size=attn_tp_size, group=0)
-    names = {r.name for r in attn.regions} & {r.name for r in states.regions}
+    """One spec for a hybrid model's engine (Nemotron-H, Qwen3-Next, Kimi-Linear): its
+    attention layers (:func:`spec_from_sglang` of ``kv``, KV-cache group 0: a request's page
+    ids) and its Mamba2, GDN or KDA state (:func:`spec_from_sglang_mamba2` of ``state``,
+    group 1: the request's state slot). A plan then takes ``[pages, [slot]]`` per side.
+
+    Under pipeline parallelism pass one ``kv`` and one ``state`` per stage, in stage order
+    (each stage's ``HybridLinearKVPool`` holds its own full-attention layers and its
+    ``MambaPool`` its own state layers, at global ids): each stage's regions are its
+    attention layers then its state layers, and a rank holds its stage's. SGLang pairs a
+    prefill stage's entries with the decode's by these global layer ids (``kv_layer_ids``,
+    ``state_layer_ids``, ``build_transfer_entry_pairs``), as kvplan does by region name.
+
+    Raises :class:`~kvplan.SpecError` when the stages disagree in number or in what a layer
+    holds, a stage's layers do not all come after the previous stage's, or attention and
+    state share a layer."""
+    kvs = [kv] if isinstance(kv, SGLangKV) else list(kv)
+    states = [state] if isinstance(state, SGLangMamba2) else list(state)
+    if not kvs or len(kvs) != len(states):
+        raise SpecError(f"a hybrid spec takes one SGLangKV and one SGLangMamba2 per PP stage, "
+                        f"got {len(kvs)} and {len(states)}")
+    regions: list[dict] = []
+    last = -1
+    for s, (a, m) in enumerate(zip(kvs, states)):
+        attn = spec_from_sglang(a, attn_tp_size=attn_tp_size, total_kv_heads=total_kv_heads)
+        st = spec_from_sglang_mamba2(m, attn_tp_size=attn_tp_size, group=0)
+        for field in ("kind", "page_size", "dtype", "head_num", "head_dim", "v_head_dim"):
+            if getattr(a, field) != getattr(kvs[0], field):
+                raise SpecError(f"PP stage {s}'s pool has {field} {getattr(a, field)!r}, "
+                                f"stage 0's {getattr(kvs[0], field)!r}")
+        for field in ("slots", "num_heads", "head_dim", "state_size", "n_groups",
+                      "conv_kernel", "conv_dtype", "ssm_dtype", "kind"):
+            if getattr(m, field) != getattr(states[0], field):
+                raise SpecError(f"PP stage {s}'s MambaPool has {field} "
+                                f"{getattr(m, field)!r}, stage 0's "
+                                f"{getattr(states[0], field)!r}")
+        if set(a.layers) & set(m.layers):
+            raise SpecError(f"PP stage {s}: layers {sorted(set(a.layers) & set(m.layers))} "
+                            "hold both attention and state")
+        layers = sorted({*a.layers, *m.layers})
+        if layers[0] <= last:
+            raise SpecError(f"PP stage {s} starts at layer {layers[0]}, stage {s - 1} ends at "
+                            f"layer {last}: not after it")
+        last = layers[-1]
+        stage = {"stage": s} if len(kvs) > 1 else {}
+        regions += [{**r, **stage} for r in attn.to_dict()["regions"]]
+        regions += [{**r, "group": 1, **stage} for r in st.to_dict()["regions"]]
+    return EngineSpec.from_dict({"tp_size": attn_tp_size, "pp_size": len(kvs),
+                                 "regions": regions})
+
+
+def spec_from_sglang_swa(full: SGLangKV, swa: SGLangKV, *, attn_tp_size: int,
+                         total_kv_heads: int | None = None,
+                         swa_total_kv_heads: int | None = None) -> EngineSpec:
+    """One spec for an SGLang engine whose ``SWAKVPool`` holds ``full`` and ``swa``
+    (:meth:`SGLangKV.from_swa_pool`): the full-attention layers in KV-cache group 0 (a
+    request's pages in the full pool) and the sliding-window layers in group 1 (the pages
+    SGLang hands over for them: the window's, in the SWA pool's own index space). A plan
+    takes ``[full pages, SWA pages]`` per side. ``total_kv_heads`` / ``swa_total_kv_heads``
+    are the model's KV heads of each kind of layer (an SWA layer may have fewer: MiMo-V2,
+    ``swa_head_num``), needed where heads are replicated. Raises :class:`~kvplan.SpecError`
+    as :func:`spec_from_sglang` does, or when the two share a layer."""
+    a = spec_from_sglang(full, attn_tp_size=attn_tp_size, total_kv_heads=total_kv_heads)
+    b = spec_from_sglang(swa, attn_tp_size=attn_tp_size, total_kv_heads=swa_total_kv_heads)
+    names = {r.name for r in a.regions} & {r.name for r in b.regions}
     if names:
-        raise SpecError(f"attention and state regions share names {sorted(names)}")
-    regions = attn.to_dict()["regions"] + [{**r, "group": 1}
-                                           for r in states.to_dict()["regions"]]
+        raise SpecError(f"SWAKVPool: full and SWA regions share names {sorted(names)}")
+    regions = a.to_dict()["regions"] + [{**r, "group": 1} for r in b.to_dict()["regions"]]
     return EngineSpec.from_dict({"tp_size": attn_tp_size, "regions": regions})
