@@ -33,8 +33,9 @@ from tests.vllm_pool import (
 
 pytestmark = pytest.mark.engines("upgrade")
 
-#: a decode rank's line for a pull the prefill confirmed (tests/test_vllm_restart.py's)
-DONE = r"kvplan: pull req=\S+ done in \S+ s, confirmed by prefill"
+#: a decode rank's line for a pull the prefill confirmed, or reported inside its LEASE (the
+#: prefill vouched before the read ended; tests/test_vllm_restart.py's)
+DONE = r"kvplan: pull req=\S+ done in \S+ s, (confirmed by|inside its lease on) prefill"
 
 
 def mixed(e: Engine, local: str, remote: str) -> int:

@@ -160,7 +160,8 @@ def check_first_rank(decode: EngineSpec, meta0: Mapping[str, Any], tp_size: int,
     meta0 = _agree([meta0])
     try:
         _check_rank(_first_rank_spec(decode, meta0, tp_size, backend), meta0, 0, meta0)
-    except NixlMetadataError as e:
+    except SpecError as e:  # NixlMetadataError, or no spec of this model at that size at all
+        # (a hybrid's state shares a page that its attention at fewer ranks would overflow)
         raise NixlMetadataError(f"tp_size {tp_size} (the request's): prefill rank 0's "
                                 f"metadata is not this model's at that size: {e}") from None
 
