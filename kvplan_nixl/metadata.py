@@ -345,6 +345,11 @@ def check_app(app: object, who: str = "metadata") -> tuple[tuple[str, str], ...]
     """``app`` (a mapping or pairs of strings) as sorted pairs; refuses anything else, or more
     than :data:`MAX_APP_ENTRIES` entries of :data:`MAX_APP_CHARS` characters."""
     items = app.items() if isinstance(app, dict) else app
+    if isinstance(items, (list, tuple, type({}.items()))) and len(items) > MAX_APP_ENTRIES:
+        # counted before anything is sorted: a peer's section may be of any size
+        raise MetadataError(f"{who}: app section must be at most {MAX_APP_ENTRIES} non-empty "
+                            f"strings of at most {MAX_APP_CHARS} characters, got "
+                            f"{len(items)} entries")
     try:
         pairs = sorted((k, v) for k, v in items)
     except (TypeError, ValueError):
