@@ -154,8 +154,21 @@ with pair(src, dst) as pr:
     assert "num_returns_refused" not in D.stats.counts, D.stats.counts
     assert [pf.sends.finished()[0] for pf in P] == [{"raced", "slow"}] * 2
 
+    # the ranks that granted a LEASE got a spare connection each: the next LEASEs leave
+    # from the posting thread, one send each, and are answered there (no new connection)
+    wait(lambda: len(D.ctl.spares) == 2, "the spare connections after a granted LEASE")
+    accepted = [pf.sends.server.stats["accepted"] for pf in P]
+    load, p, at_report = pull("spare", when_held=lambda load: None)
+    assert p.lease.value.state is LeaseState.HELD and p.lease.value.granted == {0, 1}
+    wait(lambda: counts("confirmed") == [4, 4], "the RETURNs after the report")
+    wait(lambda: len(D.ctl.spares) == 2, "the spare connections after the next LEASE")
+    # two connections a rank: the RETURN's and the next spare; a LEASE of its own is a third
+    assert [pf.sends.server.stats["accepted"] for pf in P] == [a + 2 for a in accepted], (
+        accepted, [pf.sends.server.stats["accepted"] for pf in P])
+
     # 4. a prefill that does not know LEASE (an older kvplan answers ERR malformed): the pull
-    # waits for its CONFIRM, and the next one asks no LEASE
+    # waits for its CONFIRM, and the next one asks no LEASE (both ranks were asked at once:
+    # the LEASEs left together on their spare connections)
     answer = sc.SideChannelServer._answer
     def old_answer(self, c, line):
         if line.split(b" ", 1)[0] in (b"LEASE", b"RETURN"):
@@ -164,11 +177,11 @@ with pair(src, dst) as pr:
     sc.SideChannelServer._answer = old_answer
     try:
         load, p, at_report = pull("old", read_after=0.2)
-        assert p.lease.value.state is LeaseState.REFUSED and at_report == [4, 4], at_report
-        assert "prefill" in D.pulls.no_lease and D.stats.counts.get("num_leased_pulls") == 2
+        assert p.lease.value.state is LeaseState.REFUSED and at_report == [5, 5], at_report
+        assert "prefill" in D.pulls.no_lease and D.stats.counts.get("num_leased_pulls") == 3
         load, p, at_report = pull("old-again")
-        assert p.lease.value.state is LeaseState.NONE and at_report == [5, 5], at_report
-        assert [pf.sends.server.stats["malformed"] for pf in P] == [1, 0]  # asked once
+        assert p.lease.value.state is LeaseState.NONE and at_report == [6, 6], at_report
+        assert [pf.sends.server.stats["malformed"] for pf in P] == [1, 1]  # asked once
     finally:
         sc.SideChannelServer._answer = answer
     assert not D.failed, D.failed

@@ -149,6 +149,51 @@ def test_a_lease_pins_the_hold_and_its_reader_returns_it():
             sc.lease(HOST, srv.port, "r", g, 601.0, **kw)
 
 
+def test_a_lease_sent_on_a_spare_connection_is_one_send_and_one_answer():
+    """A spare (Spares): opened and its banner read ahead, so the LEASE is sent at once from
+    the caller's thread and its answer read later; one spare per rank, taken once; too old,
+    closed and not handed out; a spare the server dropped at its deadline (it acted on
+    nothing) is sent again on a new connection; a spare to another identity is never kept."""
+    with server(deadline_s=0.3) as (srv, holds):
+        g = held(holds, srv, lease=0.2, readers=1)
+        kw = dict(identity=ID, secret=SECRET)
+        spares = sc.Spares()
+        assert spares.take(HOST, srv.port, ID) is None
+        spares.fill(HOST, srv.port, ID, 5.0)
+        accepted = srv.stats["accepted"]
+        got = spares.take(HOST, srv.port, ID)
+        assert got is not None and spares.take(HOST, srv.port, ID) is None and not len(spares)
+        before = time.monotonic()
+        first = sc.send_lease(*got, "r", g, 5.0, **kw)
+        assert before <= first.sent <= time.monotonic()
+        v, sent = sc.lease(HOST, srv.port, "r", g, 5.0, first=first, **kw)
+        assert v is Verdict.YES and sent == first.sent and holds.counts["leased"] == 1
+        assert srv.stats["accepted"] == accepted  # answered on the spare: no new connection
+        assert sc.confirm(HOST, srv.port, "r", g, readers=1, leased=True, **kw)
+        assert "r" not in holds  # the RETURN ended it: the pin was the reader's
+
+        g = held(holds, srv, req="s", readers=1)  # the server drops a silent spare at 0.3 s
+        spares.fill(HOST, srv.port, ID, 5.0)
+        time.sleep(0.6)
+        first = sc.send_lease(*spares.take(HOST, srv.port, ID), "s", g, 5.0, **kw)
+        v, sent = sc.lease(HOST, srv.port, "s", g, 5.0, first=first, **kw)
+        assert v is Verdict.YES and sent > first.sent and holds.counts["leased"] == 2
+        assert srv.stats["timeouts"] >= 1
+
+        old = sc.Spares(max_age=0.05)  # too old on our side: closed, not handed out
+        old.fill(HOST, srv.port, ID, 5.0)
+        time.sleep(0.1)
+        assert old.take(HOST, srv.port, ID) is None and not len(old)
+        with pytest.raises(sc.SideChannelRejected, match="serves"):
+            spares.fill(HOST, srv.port, sc.server_identity("other", 0), 5.0)
+        assert not len(spares)
+        spares.fill(HOST, srv.port, ID, 5.0)
+        spares.close()
+        assert not len(spares)
+        spares.fill(HOST, srv.port, ID, 5.0)  # after close: none kept
+        assert not len(spares)
+
+
 def test_a_server_without_lease_refuses_it_and_acts_on_nothing():
     """An older kvplan prefill knows RELEASE, RENEW and CONFIRM only: its parser answers an
     unknown verb ``ERR malformed`` and acts on nothing (as _parse_control did before LEASE);

@@ -40,6 +40,12 @@ for the whole exchange, so one thread with one selector serves any mix of slow, 
 hostile clients in bounded memory. The clients bound what they read too (:data:`MAX_METADATA`,
 the largest blob :func:`kvplan_nixl.metadata.decode` accepts) and run under one deadline.
 
+**A spare connection** (:class:`Spares`): a decode may open a connection and read its banner
+ahead of the message it will carry, so that the LEASE on a request's critical path is one
+round trip, sent from the posting thread, instead of a connect, a banner and an answer from a
+pool thread (docs/vllm.md, "Reporting inside a lease"). The protocol is unchanged: the server
+sees a client that waited before sending its one line, within the same deadline.
+
 Ports: :func:`side_channel_port`. Only the standard library and kvplan_nixl below the endpoint.
 """
 
@@ -594,30 +600,51 @@ def control(host: str, port: int, verb: str, req: str, generation: int, *, ident
     if isinstance(generation, bool) or not isinstance(generation, int) \
             or not 0 <= generation < 1 << 63:
         raise ArgumentError(f"generation must be an int in [0, 2**63), got {generation!r}")
-    key = _key(check_secret(secret))
     with _Client(host, port, timeout, f"{verb} {req}") as c:
-        fields = [verb, quote(req, safe=""), str(generation), str(readers), c.banner(identity),
-                  os.urandom(_NONCE).hex()]
-        mac = b"" if key is None else _request_mac(key, identity, fields)
-        c.send((" ".join([*fields, mac.hex() or "-"]) + "\n").encode())
+        nonce = c.banner(identity)
+        return _ask(c, nonce, verb, req, generation, readers, identity, secret).verdict()
+
+
+class _Asked:
+    """A control message sent on ``client``, its answer not read yet."""
+
+    def __init__(self, client: _Client, verb: str, req: str, key: bytes | None,
+                 mac: bytes) -> None:
+        self.client, self.verb, self.req, self.key, self.mac = client, verb, req, key, mac
+
+    def verdict(self) -> Verdict:
+        """Read and check the answer (raises as :func:`control`)."""
+        c, verb, key = self.client, self.verb, self.key
         parts = c.line(256, f"reading the answer to {verb}").split(" ")
-    if parts[0] == "ERR":
-        why = parts[1] if len(parts) > 1 else "?"
-        hint = {"unsigned": ": give this engine the deployment's secret too",
-                "forged": ": the engines have different secrets",
-                "no-holds": ": the rank holds no requests (is it a prefill?)"}.get(why, "")
-        raise SideChannelRejected(f"side channel {host}:{port} refused {verb} {req}: {why}"
-                                  f"{hint}", host, port, why)
-    try:
-        v = Verdict(parts[0])
-    except ValueError:
-        raise c.protocol(f"answer {' '.join(parts)[:80]!r}") from None
-    if key is not None and (len(parts) != 2 or not _is_hex(parts[1], 64) or not
-                            hmac.compare_digest(_answer_mac(key, v.value, mac),
-                                                bytes.fromhex(parts[1]))):
-        raise c.protocol(f"an answer to {verb} whose mac does not verify (not the prefill "
-                         "rank, or another secret)")
-    return v
+        if parts[0] == "ERR":
+            why = parts[1] if len(parts) > 1 else "?"
+            hint = {"unsigned": ": give this engine the deployment's secret too",
+                    "forged": ": the engines have different secrets",
+                    "no-holds": ": the rank holds no requests (is it a prefill?)"}.get(why, "")
+            raise SideChannelRejected(f"side channel {c.host}:{c.port} refused {verb} "
+                                      f"{self.req}: {why}{hint}", c.host, c.port, why)
+        try:
+            v = Verdict(parts[0])
+        except ValueError:
+            raise c.protocol(f"answer {' '.join(parts)[:80]!r}") from None
+        if key is not None and (len(parts) != 2 or not _is_hex(parts[1], 64) or not
+                                hmac.compare_digest(_answer_mac(key, v.value, self.mac),
+                                                    bytes.fromhex(parts[1]))):
+            raise c.protocol(f"an answer to {verb} whose mac does not verify (not the "
+                             "prefill rank, or another secret)")
+        return v
+
+
+def _ask(c: _Client, nonce: str, verb: str, req: str, generation: int, readers: int,
+         identity: str, secret: bytes | str | None) -> _Asked:
+    """Send one control message on ``c``, whose banner gave ``nonce`` (signed under
+    ``secret``); its answer is read by :meth:`_Asked.verdict`."""
+    key = _key(check_secret(secret))
+    fields = [verb, quote(req, safe=""), str(generation), str(readers), nonce,
+              os.urandom(_NONCE).hex()]
+    mac = b"" if key is None else _request_mac(key, identity, fields)
+    c.send((" ".join([*fields, mac.hex() or "-"]) + "\n").encode())
+    return _Asked(c, verb, req, key, mac)
 
 
 def confirm(host: str, port: int, req: str, generation: int, *, identity: str,
@@ -642,21 +669,72 @@ def confirm(host: str, port: int, req: str, generation: int, *, identity: str,
 
 
 
+def _pin_ms(pin_s: float) -> int:
+    ms = int(pin_s * 1000) if isinstance(pin_s, (int, float)) and pin_s == pin_s else 0
+    if isinstance(pin_s, bool) or not 1 <= ms <= MAX_PIN_MS:
+        raise ArgumentError(f"pin_s must be a number of seconds in [0.001, {MAX_PIN_S:g}], "
+                            f"got {pin_s!r}")
+    return ms
+
+
+class SentLease:
+    """A LEASE sent on a spare connection (:func:`send_lease`), its answer still to read:
+    pass it to :func:`lease` as ``first``. ``sent``: the ``time.monotonic()`` taken just
+    before it left."""
+
+    def __init__(self, asked: _Asked, sent: float) -> None:
+        self.asked, self.sent = asked, sent
+
+    def close(self) -> None:
+        """Drop it unread (its pin, if granted, runs out on the prefill)."""
+        self.asked.client.sock.close()
+
+
+def send_lease(spare: _Client, nonce: str, req: str, generation: int, pin_s: float, *,
+               identity: str, secret: bytes | str | None = None) -> SentLease:
+    """Send ``req``'s LEASE on ``spare`` (a connection from :meth:`Spares.take`, whose
+    banner gave ``nonce``) now, without waiting for its answer: the caller's thread pays one
+    ``send``, and the answer is read by :func:`lease` (``first``) on another thread. Errors
+    raise as :func:`control`'s; the connection is closed then."""
+    ms = _pin_ms(pin_s)
+    sent = time.monotonic()  # before the message leaves: the pin starts after it
+    try:
+        return SentLease(_ask(spare, nonce, "LEASE", req, generation, ms, identity, secret),
+                         sent)
+    except BaseException:
+        spare.sock.close()
+        raise
+
+
 def lease(host: str, port: int, req: str, generation: int, pin_s: float, *, identity: str,
           secret: bytes | str | None = None, timeout: float = 5.0,
-          retry_s: float = 0.005) -> tuple[Verdict, float]:
+          retry_s: float = 0.005, first: SentLease | None = None) -> tuple[Verdict, float]:
     """LEASE ``req``: renew its hold and pin it for ``pin_s`` seconds (rounded down to the
     millisecond). Returns the verdict and the client's ``time.monotonic()`` taken just before
     the attempt that got it was sent: a YES promises the hold until at least that time plus
     the pin, measured on the prefill's clock (the decode allows for the two clocks' rates).
     LATER is asked again every ``retry_s`` until ``timeout``, then returned. Errors raise as
     :func:`control`'s; a server older than LEASE raises :class:`SideChannelRejected` with the
-    reason ``malformed``."""
-    ms = int(pin_s * 1000) if isinstance(pin_s, (int, float)) and pin_s == pin_s else 0
-    if isinstance(pin_s, bool) or not 1 <= ms <= MAX_PIN_MS:
-        raise ArgumentError(f"pin_s must be a number of seconds in [0.001, {MAX_PIN_S:g}], "
-                            f"got {pin_s!r}")
+    reason ``malformed``. ``first``: the same LEASE already sent on a spare connection
+    (:func:`send_lease`), whose answer is read first; a spare the server closed unanswered
+    (it ended its deadline, or the prefill restarted) is sent again on a new connection."""
+    ms = _pin_ms(pin_s)
     end = time.monotonic() + timeout
+    if first is not None:
+        try:
+            first.asked.client.deadline = end
+            v = first.asked.verdict()
+            if v is not Verdict.LATER or end - time.monotonic() <= retry_s:
+                return v, first.sent
+            time.sleep(retry_s)
+        except SideChannelError as e:
+            # closed or reset before it answered (the server dropped the spare at its
+            # deadline, or the prefill restarted): it acted on nothing, so it is sent again
+            if isinstance(e, (SideChannelTimeout, SideChannelRejected,
+                              SideChannelProtocolError)):
+                raise
+        finally:
+            first.close()
     while True:
         sent = time.monotonic()  # before the message leaves: the pin starts after it
         v = control(host, port, "LEASE", req, generation, identity=identity, secret=secret,
@@ -664,3 +742,69 @@ def lease(host: str, port: int, req: str, generation: int, pin_s: float, *, iden
         if v is not Verdict.LATER or end - time.monotonic() <= retry_s:
             return v, sent
         time.sleep(retry_s)
+
+
+#: A spare connection is used only this young (s): the server drops a connection silent past
+#: its deadline (``deadline_s``, 5 s by default), and a spare is taken well before that.
+SPARE_S = 2.0
+
+
+class Spares:
+    """Connections to prefill ranks opened ahead of the message they will carry, at most one
+    per (host, port, identity), their banner read and checked (see the module docstring).
+    Thread-safe: :meth:`fill` runs on a pool thread, :meth:`take` on the posting one.
+
+    A spare is opened after a message to the same rank (:meth:`fill`) and taken by the next
+    one within :data:`SPARE_S`; older ones are closed, unused. The server drops a spare left
+    unused at its deadline (counted there as a timeout), so a decode holds at most one idle
+    connection per prefill rank it talks to, for at most that long."""
+
+    def __init__(self, max_age: float = SPARE_S, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.max_age, self._clock = max_age, clock
+        self._lock = threading.Lock()
+        self._spares: dict[tuple[str, int, str], tuple[_Client, str, float]] = {}
+        self._closed = False
+
+    def take(self, host: str, port: int, identity: str) -> tuple[_Client, str] | None:
+        """A spare to ``identity`` at ``host:port`` and its banner's nonce, or None (none,
+        or too old: closed)."""
+        with self._lock:
+            got = self._spares.pop((host, port, identity), None)
+        if got is None:
+            return None
+        c, nonce, opened = got
+        if self._clock() - opened > self.max_age:
+            c.sock.close()
+            return None
+        return c, nonce
+
+    def fill(self, host: str, port: int, identity: str, timeout: float) -> None:
+        """Open a spare to ``identity`` at ``host:port`` (blocking: connect and banner,
+        within ``timeout``), replacing an older one. Errors raise as :func:`control`'s; none
+        is kept then."""
+        c = _Client(host, port, timeout, "a spare connection")
+        try:
+            nonce = c.banner(identity)
+        except BaseException:
+            c.sock.close()
+            raise
+        with self._lock:
+            if self._closed:
+                old = (c, nonce, 0.0)
+            else:
+                old = self._spares.pop((host, port, identity), None)
+                self._spares[host, port, identity] = (c, nonce, self._clock())
+        if old is not None:
+            old[0].sock.close()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._spares)
+
+    def close(self) -> None:
+        """Close every spare; later :meth:`fill` calls keep none."""
+        with self._lock:
+            spares, self._spares, self._closed = list(self._spares.values()), {}, True
+        for c, _, _ in spares:
+            c.sock.close()

@@ -118,6 +118,9 @@ class Control:
         self.releases = HostPool("kvplan-release", workers=RELEASE_WORKERS, per_host=2,
                               per_address=1, queued=RELEASE_QUEUE,
                               queued_per_host=RELEASE_QUEUE // 8)
+        # connections opened ahead of a LEASE: the next request's is one send from the
+        # posting thread and one answer (sidechannel.Spares)
+        self.spares = sc.Spares()
 
     def submit(self, load: Load, fn: Callable[..., Any], *args: Any) -> bool:
         """Run ``fn(*args)`` (a CONFIRM or RENEW of ``load``) on the pool; False when the
@@ -139,21 +142,50 @@ class Control:
         except (ExecutorError, OSError) as e:
             return f"{type(e).__name__}: {e}"
 
-    def lease(self, load: Load, rank: int, pin: float) -> tuple[Verdict | str, float]:
+    def send_lease(self, load: Load, rank: int, pin: float) -> sc.SentLease | None:
+        """Send ``load``'s LEASE to prefill rank ``rank`` now, from the calling thread, on
+        a spare connection opened after the last message to that rank (:meth:`lease` reads
+        the answer); None when there is no young spare, or it failed (:meth:`lease` then
+        sends it as usual)."""
+        identity = sc.server_identity(load.engine, rank)
+        spare = self.spares.take(load.host, load.port + rank, identity)
+        if spare is None:
+            return None
+        try:
+            return sc.send_lease(*spare, load.remote_req, load.generation, pin,
+                                 identity=identity, secret=self.secret)
+        except (ExecutorError, OSError):
+            return None
+
+    def lease(self, load: Load, rank: int, pin: float, first: sc.SentLease | None = None
+              ) -> tuple[Verdict | str, float]:
         """LEASE ``load`` on prefill rank ``rank`` for ``pin`` seconds (blocking, in a pool
-        thread): its verdict, or why it failed (:data:`UNKNOWN_VERB` for a prefill that lacks
-        LEASE), and this thread's ``time.monotonic()`` taken just before the answered message
-        was sent (the pin runs from after it)."""
+        thread), or read the answer of the one :meth:`send_lease` sent (``first``): its
+        verdict, or why it failed (:data:`UNKNOWN_VERB` for a prefill that lacks LEASE), and
+        the ``time.monotonic()`` taken just before the answered message was sent (the pin runs
+        from after it)."""
         kw = dict(identity=sc.server_identity(load.engine, rank), secret=self.secret,
                   timeout=self.timeout)
         try:
             return sc.lease(load.host, load.port + rank, load.remote_req, load.generation,
-                            pin, **kw)
+                            pin, first=first, **kw)
         except sc.SideChannelRejected as e:
             return (UNKNOWN_VERB if e.reason == "malformed" else f"{type(e).__name__}: {e}",
                     0.0)
         except (ExecutorError, OSError) as e:
             return f"{type(e).__name__}: {e}", 0.0
+
+    def spare(self, load: Load, ranks: Iterable[int]) -> None:
+        """Open a spare connection to each of ``load``'s prefill ranks ``ranks`` (blocking,
+        in a pool thread, after the LEASE answers were handed on): the next request's LEASE
+        to them is then one send and one answer (:meth:`send_lease`)."""
+        for r in ranks:
+            try:
+                self.spares.fill(load.host, load.port + r, sc.server_identity(load.engine, r),
+                                 self.timeout)
+            except (ExecutorError, OSError) as e:  # the next LEASE opens its own
+                logger.debug("kvplan: no spare connection to prefill rank %d of %s: %s", r,
+                             load.engine, e)
 
     def release(self, load: Load, ranks: Iterable[int]) -> None:
         """End ``load``'s holds on ``ranks`` (nobody reads them, or the pull failed): one
@@ -178,3 +210,4 @@ class Control:
         """Wait for the messages in flight (each bounded by the timeout); drop queued ones."""
         self.urgent.close()
         self.releases.close()
+        self.spares.close()

@@ -45,6 +45,7 @@ from kvplan_nixl.vllm.spans import lacking, span
 
 if TYPE_CHECKING:
     from kvplan_nixl.notifications import Notification
+    from kvplan_nixl.serving.sidechannel import SentLease
     from kvplan_nixl.vllm.rank import Rank
     from kvplan_nixl.vllm.scheduler import Load
 
@@ -77,11 +78,11 @@ class Pulls:
         try:
             src = w.groups.remote(load.remote_ids, load.remote_first)
             dst = w.groups.local(load.local_ids)
+            # the LEASEs leave before the read is planned and posted: their round trips
+            # overlap both (a job that outlives a refused post only pins the hold a while)
+            lease = self._ask_lease(load, tuple(tmap.peers), started)
             start, end = span(w.groups, w.whole, load.start, load.end, src, dst)
             plan = tmap.plan(src, dst, tokens=(start, end))
-            # the LEASEs leave before the read is posted: their round trips overlap the post
-            # and the read (a job that outlives a refused post only pins the hold a while)
-            lease = self._ask_lease(load, tuple(tmap.peers), started)
             t0 = time.perf_counter()
             t = w.ep.read(plan, load.engine, timeout=w.timeout)
         except Exception:  # refused before anything was posted: the caller fails the load
@@ -119,7 +120,12 @@ class Pulls:
                 or self.no_lease.get(load.engine, 0.0) > now:
             return slot
         slot.value = ASKING
-        if not w.ctl.submit(load, ask_leases, w, self.no_lease, slot, load, peers):  # full
+        # sent from here where a spare connection is open (one send): the pool thread then
+        # only reads the answers, and its wake-up overlaps their round trip
+        first = {r: f for r in peers if (f := w.ctl.send_lease(load, r, w.lease_pin))}
+        if not w.ctl.submit(load, ask_leases, w, self.no_lease, slot, load, peers, first):
+            for f in first.values():  # the pool is full: no answer will be read
+                f.close()
             slot.value = Lease(LeaseState.NONE)
         return slot
 
@@ -356,17 +362,21 @@ def _tell(w: Rank, load: Load, ranks: list[int] | tuple[int, ...], msg: str) -> 
 
 
 def ask_leases(w: Rank, no_lease: dict[str, float], slot: LeaseSlot, load: Load,
-               peers: tuple[int, ...]) -> None:
+               peers: tuple[int, ...], sent_first: dict[int, SentLease] | None = None) -> None:
     """Ask each rank in ``peers`` for a LEASE of ``load`` (a pool job of
-    :meth:`Pulls.post`); fill ``slot`` with what they proved: HELD (every one said yes) with
-    the time a read must be seen complete before, else REFUSED (the first that did not; the
-    rest are not asked). A prefill that answered LEASE as an unknown verb goes in
-    ``no_lease`` (``Pulls.no_lease``) until it is asked again."""
+    :meth:`Pulls.post`; ``sent_first``: the ranks whose LEASE it already sent on a spare
+    connection, ``Control.send_lease``, whose answers are read here); fill ``slot`` with what
+    they proved: HELD (every one said yes) with the time a read must be seen complete before,
+    else REFUSED (the first that did not; the rest are not asked, and LEASEs already sent
+    are dropped unread: a pin they got runs out). A prefill that answered LEASE as an
+    unknown verb goes in ``no_lease`` (``Pulls.no_lease``) until it is asked again. The ranks
+    that granted it then get a spare connection for the next LEASE."""
     granted: list[int] = []
+    pending = dict(sent_first or {})
     first = float("inf")  # the earliest send: its pin binds first
     try:
         for r in peers:
-            v, sent = w.ctl.lease(load, r, w.lease_pin)
+            v, sent = w.ctl.lease(load, r, w.lease_pin, pending.pop(r, None))
             if v is not Verdict.YES:
                 why = getattr(v, "value", v)
                 if v == UNKNOWN_VERB:  # an older kvplan: CONFIRM as before, asked again later
@@ -385,6 +395,9 @@ def ask_leases(w: Rank, no_lease: dict[str, float], slot: LeaseSlot, load: Load,
         slot.value = Lease(LeaseState.HELD, until=first + pin * (1 - RHO) - w.lease_margin,
                            granted=frozenset(granted), answered=time.monotonic())
     finally:  # whatever went wrong, the pull never waits for a lease nobody asks
+        for f in pending.values():
+            f.close()
         if slot.value.state is LeaseState.ASKING:
             slot.value = Lease(LeaseState.REFUSED, answered=time.monotonic(),
                                why="the LEASE job failed")
+    w.ctl.spare(load, granted)
