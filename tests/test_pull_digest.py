@@ -60,10 +60,10 @@ from kvplan_nixl.serving.handshakes import Handshakes, identity
 from kvplan_nixl.serving.holds import new_generation
 from kvplan_nixl.serving.pushes import PushSend
 from kvplan_nixl.serving.sidechannel import SideChannelServer, server_identity
-from kvplan_nixl.vllm.control import Control, Sends
-from kvplan_nixl.vllm.pull_digest import Answers
-from kvplan_nixl.vllm.pulling import Pulls
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.control import Control, Sends
+from kvplan_nixl.serving.pull_digest_io import Answers
+from kvplan_nixl.serving.pulls import Pulls
+from kvplan_nixl.serving.settings import Settings
 
 def free_ports(n):  # n consecutive free ports on the loopback
     for _ in range(100):

@@ -379,7 +379,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from kvplan_nixl.vllm.nixl_peer import fetch_nixl_metadata
 from tests.restart_peer import HASH
 
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 
 def allowed(v):
     return Settings("d", "h", 5700, 1, extra={"stock_prefills": v}).stock_prefills()

@@ -381,7 +381,7 @@ socket.getaddrinfo = real_gai
 
 # item 7: a request claiming tp_size 2 for this TP 1 prefill, through the connector's own
 # NixlPrefills: refused from rank 0's block lengths, rank 1 never asked for
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 w = SimpleNamespace(lock=threading.Lock(), hs_timeout=5.0, lease=30.0, rank=0, cuda=False,
                     ep=SimpleNamespace(spec=EngineSpec.from_dict(dspec)),
                     c=Settings("dec", "127.0.0.1", 5700, 1))  # no stock_prefills: any address
@@ -459,7 +459,7 @@ from kvplan import RequestError
 from kvplan.adapters.vllm import TransferGroups
 from kvplan_nixl import Endpoint
 from kvplan_nixl._nixl import make_agent
-from kvplan_nixl.vllm.pulling import Pulls
+from kvplan_nixl.serving.pulls import Pulls
 from tests import oracle
 from tests.nixl_util import attn, spec
 

@@ -45,7 +45,7 @@ NOT_CONFIRMED = r"kvplan: pull req=\S+ from \S+ failed \(not confirmed by prefil
 SETTINGS_CHECK = r"""
 import contextlib, re
 from kvplan_nixl.errors import ArgumentError
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 
 class pytest:  # the vLLM venv has no pytest: its raises(), enough for this check
     @staticmethod
@@ -111,15 +111,17 @@ print("ok")
 
 OUTCOMES_CHECK = r"""
 from vllm.v1.outputs import KVConnectorOutput
-from kvplan_nixl.vllm.outcomes import LoadOutcomes
-from kvplan_nixl.vllm.scheduler import Load
+from kvplan_nixl.serving.loads import Load
+from kvplan_nixl.serving.outcomes import LoadOutcomes
+from kvplan_nixl.vllm.stats import KvplanStats
 
 def load(req, blocks, parked=True):
     return Load(req_id=req, remote_req="r" + req, engine="pre", host="10.0.0.1", port=5700,
                 remote_tp=1, remote_ids=[[1, 2]], remote_first=[0], local_ids=[blocks],
                 start=0, end=64, parked=parked)
 
-o = LoadOutcomes("recompute")
+stats = KvplanStats()
+o = LoadOutcomes("recompute", stats)
 for x in (load("a", [3, 4]), load("b", [5, 6]), load("c", [7]), load("d", [8], parked=False)):
     o.started(x)
 o.update(KVConnectorOutput(finished_recving={"a", "b"}, invalid_block_ids={6}))
@@ -129,9 +131,9 @@ assert o.finished("b") == {"kvplan_load_failed": {"remote_engine_id": "pre",
     "remote_host": "10.0.0.1", "remote_port": 5700, "policy": "recompute"}}
 assert o.finished("c")["kvplan_load_failed"]["policy"] == "recompute"  # a hybrid's, by id
 assert o.finished("b") is None and o.finished("d") is None  # once; an unparked load: never
-st = o.take_stats()
+st = stats.clone_and_reset()  # what the scheduler's take_stats hands vLLM
 assert st.data["num_failed_loads"] == [1, 1] and st.reduce()["Num failed loads"] == 2
-assert o.take_stats() is None and not o.pending
+assert stats.is_empty() and not o.pending
 print("ok")
 """
 
@@ -139,7 +141,7 @@ HOLDS_CHECK = r"""
 import time
 from types import SimpleNamespace
 from kvplan_nixl.serving.holds import Verdict, new_generation
-from kvplan_nixl.vllm.control import Control, Sends
+from kvplan_nixl.serving.control import Control, Sends
 
 sends = Sends("127.0.0.1", 0, "pre#0", b"md", secret="s", lease=0.5)
 ctl = Control("s", timeout=1.0)
@@ -188,7 +190,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 from kvplan_nixl.vllm.scheduler import Scheduler
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 
 spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
 cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
@@ -241,7 +243,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 from kvplan_nixl.vllm.scheduler import Scheduler
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 
 assert Settings("dec", "127.0.0.1", 5700, 1).nixl_heartbeat() == 5.0  # vLLM's 30 s / 6
 spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)

@@ -36,20 +36,19 @@ admission time is unknown (``Load.admitted`` 0).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.logger import init_logger
-
 if TYPE_CHECKING:
     from kvplan_nixl.serving.handshakes import HandshakeState
-    from kvplan_nixl.vllm.rank import Rank
-    from kvplan_nixl.vllm.scheduler import Load
+    from kvplan_nixl.serving.loads import Load
+    from kvplan_nixl.serving.rank import Rank
 
 __all__ = ["Again", "Restarts"]
 
-logger = init_logger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

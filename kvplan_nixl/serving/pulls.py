@@ -10,9 +10,9 @@ ranks it read proved they held its blocks throughout: by a LEASE each answered y
 read was seen complete, within the lease's margin (reported at once; its CONFIRM, sent as a
 RETURN, follows off the critical path), else by every CONFIRM answered yes (docs/vllm.md,
 "Reporting inside a lease"). LEASE, RENEW, CONFIRM and RETURN run on the rank's
-:class:`kvplan_nixl.vllm.control.Control` pool, never on the engine step. With the transfer
+:class:`kvplan_nixl.serving.control.Control` pool, never on the engine step. With the transfer
 digest on, the report waits for each prefill rank's digest of what it read, and no CONFIRM is
-sent for a read that does not match (:mod:`kvplan_nixl.vllm.pull_digest`).
+sent for a read that does not match (:mod:`kvplan_nixl.serving.pull_digest_io`).
 
 A prefill running vLLM's own NixlConnector (``load.peer == "nixl"``) speaks its own protocol
 instead, over NIXL notifications (``pull_worker.py``): no RENEW, CONFIRM or RELEASE; while the
@@ -30,25 +30,24 @@ own timeout, with nothing that says which came first.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from vllm.logger import init_logger
-
+from kvplan_nixl.serving import pull_digest_io
+from kvplan_nixl.serving.control import UNKNOWN_VERB
 from kvplan_nixl.serving.holds import Verdict
 from kvplan_nixl.serving.pull_digests import parse_answer
-from kvplan_nixl.vllm import pull_digest
-from kvplan_nixl.vllm.control import UNKNOWN_VERB
-from kvplan_nixl.vllm.pull import ASKING, Lease, LeaseSlot, LeaseState, Pull
-from kvplan_nixl.vllm.spans import lacking, span
+from kvplan_nixl.serving.pull_state import ASKING, Lease, LeaseSlot, LeaseState, Pull
+from kvplan_nixl.serving.spans import lacking, span
 
 if TYPE_CHECKING:
     from kvplan_nixl.notifications import Notification
-    from kvplan_nixl.vllm.rank import Rank
-    from kvplan_nixl.vllm.scheduler import Load
+    from kvplan_nixl.serving.loads import Load
+    from kvplan_nixl.serving.rank import Rank
 
-logger = init_logger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 #: How far the two hosts' monotonic clocks may differ in rate (NTP slews a clock by at most
 #: 500 ppm): the pin a prefill grants for ``pin`` of its seconds lasts at least
@@ -164,7 +163,7 @@ class Pulls:
                 del self.inflight[req_id]
                 w.stats.record("num_failed_transfers")
                 # the prefill may have died or restarted in place: connected afresh and read
-                # once more if it answers with new agents (kvplan_nixl.vllm.restarts), else
+                # once more if it answers with new agents (kvplan_nixl.serving.restarts), else
                 # failed; either way the next request handshakes again
                 if not w.restarts.connect_again(p.load, p.t.error(), p.peers):
                     w.fail(p.load, str(p.t.error()), p.peers)
@@ -185,7 +184,7 @@ class Pulls:
             w.stats.record("num_failed_transfers")
             # it may have restarted in place: forgotten, so that the next request connects
             # afresh; this one fails (a stock prefill confirms nothing: the new instance may
-            # not hold its blocks, kvplan_nixl.vllm.restarts)
+            # not hold its blocks, kvplan_nixl.serving.restarts)
             w.restarts.connect_again(load, p.t.error(), p.peers)
             w.fail(load, str(p.t.error()), p.peers)
             return
@@ -210,17 +209,17 @@ class Pulls:
         if not p.asked_until:
             p.asked_until, p.seen_done = now + w.timeout, p.seen_done or now
             try:
-                pull_digest.ask(w, p)
+                pull_digest_io.ask(w, p)
             except Exception as e:  # cannot ask: never used unchecked
                 p.digests = {r: (None, f"not asked: {type(e).__name__}: {e}") for r in p.peers}
             # while the prefill ranks digest their side (the two sides in parallel), on a
             # thread of its own: the engine step never waits for it
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvplan-digest")
-            p.received = self.pool.submit(pull_digest.received, w, p)
+            p.received = self.pool.submit(pull_digest_io.received, w, p)
         if (len(p.digests) < len(p.peers) and now < p.asked_until) or not p.received.done():
             return False
-        why = pull_digest.check(w, p, p.digests)
+        why = pull_digest_io.check(w, p, p.digests)
         if why is None:
             p.verified = True
             return True

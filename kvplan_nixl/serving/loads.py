@@ -1,0 +1,38 @@
+"""One decode request's load as the scheduler decided it (:class:`Load`): what every worker
+rank reads, or waits for, and from whom. The connector's scheduler makes it
+(``kvplan_nixl.vllm.scheduler``) and sends it to the workers in its step metadata; the parts
+that move it (:mod:`.pulls`, :mod:`.push_io`, :mod:`.control`, :mod:`.restarts`) read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Load"]
+
+
+@dataclass
+class Load:
+    """One decode request's pull: what the scheduler decided, for every worker rank."""
+
+    req_id: str
+    remote_req: str
+    engine: str
+    host: str
+    port: int  # the side channel port of the prefill's TP rank 0 (rank r: port + r)
+    remote_tp: int
+    remote_ids: list[list[int]]  # per transfer group, as the prefill handed them
+    remote_first: list[int]  # block position of each remote list's first element
+    local_ids: list[list[int]]  # per transfer group, every block of the request from position 0
+    start: int  # positions decode already holds (a prefix-cache hit)
+    end: int  # positions to hold after the pull (the prompt, less the token decode computes)
+    parked: bool  # the request waits for this load (False: only release the prefill's blocks)
+    generation: int = 0  # the prefill's hold generation (``remote_generation``; 0: none)
+    push: bool = False  # the prefill writes (push mode): wait for it instead of reading
+    key: str = ""  # push: the transfer key the prefill matches (kvplan_nixl.serving.pushes)
+    refused: str = ""  # its params were refused (why): fails at once, nobody contacted
+    peer: str = "kvplan"  # the prefill's connector: "kvplan", or "nixl" (vLLM's NixlConnector)
+    # when the scheduler admitted the request (time.time(): the workers may run elsewhere;
+    # 0: unknown): a stock prefill's request admitted before the decode found that prefill
+    # restarted is never read from the new instance (kvplan_nixl.serving.restarts)
+    admitted: float = 0.0
