@@ -36,6 +36,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
 )
 
+from kvplan_nixl.serving.transfer_params import Peer
+
 LAYERS, HEADS, HEAD, BLOCK = 2, 2, 8, 4
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 HASH = "restart-test-compat-hash"  # both sides' compatibility hash (patched in: no model)
@@ -233,7 +235,7 @@ class Prefill:
 
 
 def load(req: str, engine: str, port: int, remote: list[int], local: list[int], *,
-         tp: int = 1, peer: str = "nixl", generation: int = 0):
+         tp: int = 1, peer: Peer = Peer.NIXL, generation: int = 0):
     """A decode request's ``Load``, as the connector's scheduler makes it from the params a
     prefill of ``engine`` (side channel ``port``) handed: its blocks ``remote`` into this
     decode's ``local``, every token of them."""

@@ -265,6 +265,7 @@ def test_an_engine_restarted_with_another_spec_replaces_its_ranks_and_says_it_we
 
 DRIVER_SETUP = r"""
 import logging, socket, time
+from kvplan_nixl.serving.transfer_params import Peer
 from tests.restart_peer import Prefill, worker, load, pull, read_back
 
 class Lines(logging.Handler):
@@ -323,7 +324,7 @@ for seed, stop in ((1, "close"), (2, "kill"), (3, "close")):
         req = f"k{seed}{i}"
         q.send(f"hold r-{req}")
         gen = int(q.wait(f"gen r-{req}").split()[2])
-        ld = load(req, "prefill-k", K, [1 + i, 2 + i], [12 + i, 13 + i], peer="kvplan",
+        ld = load(req, "prefill-k", K, [1 + i, 2 + i], [12 + i, 13 + i], peer=Peer.KVPLAN,
                   generation=gen)
         ok, took = pull(w, ld)
         assert ok and read_back(kv, ld, seed, 1), (req, log.lines[-3:])
@@ -332,7 +333,7 @@ for seed, stop in ((1, "close"), (2, "kill"), (3, "close")):
         before = len(log.lines)
         q.send("hold r-bad")
         gen = int(q.wait("gen r-bad").split()[2])
-        ok, _ = pull(w, load("bad", "prefill-k", K, [999], [20], peer="kvplan",
+        ok, _ = pull(w, load("bad", "prefill-k", K, [999], [20], peer=Peer.KVPLAN,
                              generation=gen))
         why = "\n".join(log.lines[before:])
         assert not ok and "out of range" in why and "the same prefill agents: not a " \

@@ -460,6 +460,7 @@ from kvplan.adapters.vllm import TransferGroups
 from kvplan_nixl import Endpoint
 from kvplan_nixl._nixl import make_agent
 from kvplan_nixl.serving.pulls import Pulls
+from kvplan_nixl.serving.transfer_params import Peer
 from tests import oracle
 from tests.nixl_util import attn, spec
 
@@ -511,7 +512,7 @@ def load(req, ids):
     return SimpleNamespace(req_id="d-" + req, remote_req=req, engine="stock", host="127.0.0.1",
                            port=5600, remote_tp=2, remote_ids=[ids], remote_first=[0],
                            local_ids=[[7, 8, 9]], start=0, end=48, parked=True, generation=0,
-                           push=False, key="", refused="", peer="nixl")
+                           push=False, key="", refused="", peer=Peer.NIXL)
 
 # the prefill handed a block id it does not have: the plan is refused before posting
 try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvplan_nixl.serving.transfer_params import Peer
+
 __all__ = ["Load"]
 
 
@@ -31,7 +33,7 @@ class Load:
     push: bool = False  # the prefill writes (push mode): wait for it instead of reading
     key: str = ""  # push: the transfer key the prefill matches (kvplan_nixl.serving.pushes)
     refused: str = ""  # its params were refused (why): fails at once, nobody contacted
-    peer: str = "kvplan"  # the prefill's connector: "kvplan", or "nixl" (vLLM's NixlConnector)
+    peer: Peer = Peer.KVPLAN  # the prefill's connector: ours, or vLLM's NixlConnector
     # when the scheduler admitted the request (time.time(): the workers may run elsewhere;
     # 0: unknown): a stock prefill's request admitted before the decode found that prefill
     # restarted is never read from the new instance (kvplan_nixl.serving.restarts)

@@ -14,7 +14,7 @@ RETURN, follows off the critical path), else by every CONFIRM answered yes (docs
 digest on, the report waits for each prefill rank's digest of what it read, and no CONFIRM is
 sent for a read that does not match (:mod:`kvplan_nixl.serving.pull_digest_io`).
 
-A prefill running vLLM's own NixlConnector (``load.peer == "nixl"``) speaks its own protocol
+A prefill running vLLM's own NixlConnector (``load.peer is Peer.NIXL``) speaks its own protocol
 instead, over NIXL notifications (``pull_worker.py``): no RENEW, CONFIRM or RELEASE; while the
 read is in flight ``HB:<its request id>`` every ``kv_lease_duration / 6`` (NixlConnector's key
 and interval; before, while queued, the scheduler's ``KvplanMetadata.beats``) extends its
@@ -41,6 +41,7 @@ from kvplan_nixl.serving.holds import Verdict
 from kvplan_nixl.serving.pull_digests import parse_answer
 from kvplan_nixl.serving.pull_state import ASKING, Lease, LeaseSlot, LeaseState, Pull
 from kvplan_nixl.serving.spans import lacking, span
+from kvplan_nixl.serving.transfer_params import Peer
 
 if TYPE_CHECKING:
     from kvplan_nixl.notifications import Notification
@@ -84,7 +85,7 @@ class Pulls:
             t0 = time.perf_counter()
             t = w.ep.read(plan, load.engine, timeout=w.timeout)
         except Exception:  # refused before anything was posted: the caller fails the load
-            if load.peer == "nixl":
+            if load.peer is Peer.NIXL:
                 tell_unposted(w, load, tmap.peers, counts)
             raise
         post_s = time.perf_counter() - t0
@@ -97,13 +98,13 @@ class Pulls:
                     w.rank, blocks, start, end, plan.nbytes, len(plan), list(tmap.peers),
                     load.end, "+".join(w.groups.kinds))
         unread = [p for p, n in enumerate(counts) if n == 0]
-        if w.rank == 0 and unread and load.peer == "nixl":  # nobody reads them: free them now
+        if w.rank == 0 and unread and load.peer is Peer.NIXL:  # nobody reads them: free them now
             _tell(w, load, unread, f"{load.remote_req}:1")
         elif w.rank == 0 and unread:  # prefill ranks nobody reads: release them now
             w.ctl.release(load, unread)
         # a pull shorter than heartbeat_s (the usual one) sends no RENEW at all; a
         # NixlConnector prefill's is beaten at once (its queued beats stopped at scheduling)
-        beat = time.monotonic() + (0.0 if load.peer == "nixl" else w.heartbeat)
+        beat = time.monotonic() + (0.0 if load.peer is Peer.NIXL else w.heartbeat)
         self.inflight[load.req_id] = Pull(
             load, t, counts, tuple(tmap.peers), post_s, len(plan), sum(t.runs().values()), beat,
             admitted=w.admitted.get(load.req_id, started), started=started, posted=posted,
@@ -114,7 +115,7 @@ class Pulls:
         prefill, leases on, not known to lack LEASE); the slot its answers fill."""
         w = self.w
         slot = LeaseSlot()
-        if load.peer != "kvplan" or not w.lease_pin or not peers \
+        if load.peer is not Peer.KVPLAN or not w.lease_pin or not peers \
                 or self.no_lease.get(load.engine, 0.0) > now:
             return slot
         slot.value = ASKING
@@ -137,7 +138,7 @@ class Pulls:
                 # taken after the poll that saw it: the read ended before this time (``now``
                 # came before the poll, maybe before the read ended; a lease needs after)
                 p.seen_done = time.monotonic()
-            if p.load.peer == "nixl":
+            if p.load.peer is Peer.NIXL:
                 self._nixl(req_id, p, now)
                 continue
             if not p.t.done:

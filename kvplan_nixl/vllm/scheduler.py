@@ -44,7 +44,7 @@ from kvplan_nixl.serving.holds import new_generation
 from kvplan_nixl.serving.loads import Load
 from kvplan_nixl.serving.outcomes import LoadOutcomes
 from kvplan_nixl.serving.pushes import PushSend
-from kvplan_nixl.serving.transfer_params import Handover, Source, check_decode, check_prefill
+from kvplan_nixl.serving.transfer_params import Handover, Peer, Source, check_decode, check_prefill
 from kvplan_nixl.vllm.stats import KvplanStats
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ class Scheduler:
             return {}
         beats: dict[str, list[str]] = {}
         for src in self.sources.values():
-            if isinstance(src, Source) and src.peer == "nixl":
+            if isinstance(src, Source) and src.peer is Peer.NIXL:
                 beats.setdefault(src.engine, []).append(src.remote_req)
         if beats:
             self.next_beat = now + self.nixl_beat
@@ -286,7 +286,7 @@ def _load(req_id: str, src: Source, local: list[list[int]], start: int, end: int
     prefill's list offsets derived from the tokens it computed (it hands none)."""
     ids = [list(g) for g in src.ids] if src.ids is not None else [[]]
     first = list(src.first) or [0] * len(ids)
-    if src.peer == "nixl" and groups is not None:
+    if src.peer is Peer.NIXL and groups is not None:
         first = groups.offsets(ids, src.tokens)
     return Load(req_id=req_id, remote_req=src.remote_req, engine=src.engine, host=src.host,
                 port=src.port, remote_tp=src.tp, remote_ids=ids, remote_first=first,

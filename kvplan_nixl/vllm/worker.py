@@ -47,6 +47,7 @@ from kvplan_nixl.serving.pulls import Pulls, tell_unposted
 from kvplan_nixl.serving.push_io import Receives, Writes
 from kvplan_nixl.serving.restarts import Restarts
 from kvplan_nixl.serving.spans import lacking
+from kvplan_nixl.serving.transfer_params import Peer
 from kvplan_nixl.vllm.nixl_peer import NixlPrefills, stock_backend
 from kvplan_nixl.vllm.stats import KvplanStats
 from kvplan_nixl.vllm.versions import advertised, check_peer, local_version, stock_hashes
@@ -282,7 +283,7 @@ class Worker:
         # or at its own timeout)
         self.admitted.pop(load.req_id, None)
         self.reporting.pop(load.req_id, None)
-        if not load.push and not load.refused and load.peer == "kvplan":
+        if not load.push and not load.refused and load.peer is Peer.KVPLAN:
             self.ctl.release(load, range(load.remote_tp) if self.rank == 0 else peers)
         if not load.parked:
             return
@@ -444,15 +445,15 @@ def _ended_early(w: Worker, load: Load) -> bool:
     if load.refused:
         w.fail(load, f"kv_transfer_params refused: {load.refused}")
         return True
-    if load.peer == "nixl" and w.digester is not None:
+    if load.peer is Peer.NIXL and w.digester is not None:
         w.fail(load, "the transfer digest is on, and a NixlConnector prefill cannot digest "
                      "what it served")
         _free_stock(w, load, aborted=False)
         return True
     if not load.local_ids:
-        if w.rank == 0 and load.peer == "kvplan" and not load.push:
+        if w.rank == 0 and load.peer is Peer.KVPLAN and not load.push:
             w.ctl.release(load, range(load.remote_tp))  # (a push's: its lease)
-        elif w.rank == 0 and load.peer == "nixl" and not _free_stock(w, load, aborted=True):
+        elif w.rank == 0 and load.peer is Peer.NIXL and not _free_stock(w, load, aborted=True):
             _owe_stock(w, load, aborted=True)
         return True
     stale = w.restarts.stale(load)
@@ -474,7 +475,7 @@ def _owe_stock(w: Worker, load: Load, *, aborted: bool) -> None:
     told after that, vLLM's prefill logs an ERROR for an unrecognized request. At most
     :data:`MAX_OWED` loads are kept (the oldest dropped: its blocks wait for the lease, as
     before)."""
-    if load.peer != "nixl" or load.push or load.refused or not load.remote_req:
+    if load.peer is not Peer.NIXL or load.push or load.refused or not load.remote_req:
         return
     if load.engine in w.engines:
         _free_stock(w, load, aborted=aborted)
@@ -537,13 +538,13 @@ def _timelines(w: Worker, now: float) -> None:
 def _hs_start(w: Worker, load: Load) -> HandshakeState:
     """Start (or look up) the handshake with ``load``'s prefill: a NixlConnector one's on
     :class:`NixlPrefills`, a kvplan one's on the rank's own :class:`Handshakes`."""
-    if load.peer == "nixl":
+    if load.peer is Peer.NIXL:
         return w.nixl.start(load)
     return w.hs.start(load.engine, load.host, load.port)
 
 
 def _hs_state(w: Worker, load: Load) -> HandshakeState | None:
-    if load.peer == "nixl":
+    if load.peer is Peer.NIXL:
         return w.nixl.state(load)
     return w.hs.state(load.engine, load.host, load.port)
 
