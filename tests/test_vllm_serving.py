@@ -137,6 +137,36 @@ assert stats.is_empty() and not o.pending
 print("ok")
 """
 
+LOGGING_CHECK = r"""
+import io, logging
+from vllm.logger import _configure_vllm_root_logger
+import kvplan_nixl.vllm  # the connector: links the serving modules' loggers under vLLM's
+from kvplan_nixl.serving import control, host_pools, pulls
+
+def lines(configure):
+    if configure:  # what each engine process does at its start (dictConfig), once or again
+        _configure_vllm_root_logger()
+    out = io.StringIO()
+    logging.getLogger("vllm").handlers[0].setStream(out)
+    pulls.logger.info("kvplan: decode req=%s done in %.3f s, confirmed by prefill rank(s) %s",
+                      "d-1", 0.25, [0, 1])
+    control.logger.debug("kvplan: below vLLM's level, not shown")
+    host_pools.logger.warning("kvplan: a job failed")
+    return out.getvalue().splitlines()
+
+for configure in (True, True):
+    got = lines(configure)
+    assert len(got) == 2, got
+    assert " INFO " in got[0] and got[0].endswith(
+        "kvplan: decode req=d-1 done in 0.250 s, confirmed by prefill rank(s) [0, 1]"), got
+    assert " WARNING " in got[1] and got[1].endswith("kvplan: a job failed"), got
+# the level is vLLM's at each call: lowered there, the serving modules' debug lines show
+logging.getLogger("vllm").setLevel(logging.DEBUG)
+logging.getLogger("vllm").handlers[0].setLevel(logging.DEBUG)
+assert any(x.endswith("below vLLM's level, not shown") for x in lines(False))
+print("ok")
+"""
+
 HOLDS_CHECK = r"""
 import time
 from types import SimpleNamespace
@@ -314,6 +344,14 @@ def test_requests_queued_for_a_nixlconnector_prefill_are_heartbeaten(vllm_python
     waits in the queue), every ``kv_lease_duration / 6``, until it is scheduled (its read
     beats then) or aborted; a kvplan prefill's request is not (its lease is kvplan's)."""
     _in_vllm_venv(vllm_python, BEATS_CHECK)
+
+
+def test_serving_modules_log_through_vllms_logger(vllm_python):
+    """The lifecycle's modules log on stdlib loggers (``kvplan_nixl.serving.*``); the
+    connector links them under ``vllm.kvplan_nixl``, so their lines show in an engine's log in
+    vLLM's format and at its level, as when they lived in ``kvplan_nixl.vllm`` (the engine
+    tests grep them), also after vLLM configures its logging again."""
+    _in_vllm_venv(vllm_python, LOGGING_CHECK)
 
 
 def test_prefill_holds_and_decode_control_messages_over_the_side_channel(vllm_python):
