@@ -39,8 +39,9 @@ class Rank:  # the worker attributes Receives reads; its endpoint is real
         self.recv_done.add(load.req_id)
 
 def load(req):
-    return Load(req, "", "prefill", "127.0.0.1", 5700, 1, [[]], [0], [[3, 4]], 0, 32, True,
-                push=True, key="k-" + req)
+    return Load(req_id=req, remote_req="", engine="prefill", host="127.0.0.1", port=5700,
+                remote_tp=1, remote_ids=[[]], remote_first=[0], local_ids=[[3, 4]], start=0,
+                end=32, parked=True, push=True, key="k-" + req)
 
 def deliver(rx, d, n, timeout=10.0):  # what the worker's progress loop does
     got, end = [], time.monotonic() + timeout

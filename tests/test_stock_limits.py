@@ -120,19 +120,19 @@ for i, (params, field) in enumerate([
         (dict(STOCK, remote_request_id="kvs1 x"), "remote_request_id")]):
     ld = load(i, params)
     assert f"kv_transfer_params[{field!r}]" in ld.refused and ld.parked, (field, ld)
-    assert ld.host == "" and ld.remote_ids == [], ld  # nothing of it reaches the workers
+    assert ld.host == "" and ld.remote_ids == (), ld  # nothing of it reaches the workers
     refused[field] = ld.refused
 assert "4096" in refused["remote_num_tokens"] and "max_model_len" in refused["remote_num_tokens"]
 assert "4096" in refused["remote_block_offsets"]
 # at the bound: taken; the window's derived offset stays within max_model_len's blocks
 import time
 ld = load(10, dict(STOCK, remote_num_tokens=4096))
-assert not ld.refused and ld.remote_first == [0, 4096 // 16 - 2], ld
+assert not ld.refused and ld.remote_first == (0, 4096 // 16 - 2), ld
 # gap (d): the scheduler's admission time travels with the load (a stock request admitted
 # before its prefill was found restarted is not read: tests/test_restarts.py)
 assert time.time() - 60 < ld.admitted <= time.time(), ld
 ld = load(11, dict(OURS, remote_block_offsets=[0, 4096]))
-assert not ld.refused and ld.remote_first == [0, 4096], ld
+assert not ld.refused and ld.remote_first == (0, 4096), ld
 print("ok")
 """
 

@@ -244,7 +244,7 @@ for i, (k, v) in enumerate(BAD):  # vLLM's order: admission, match, allocation, 
     s.allocated(r, blocks, 40)
     (load,) = s.meta().loads
     assert f"kv_transfer_params[{k!r}]" in load.refused and load.parked, load
-    assert load.remote_tp == 0 and load.host == "" and load.local_ids == [[5, 6, 7]], load
+    assert load.remote_tp == 0 and load.host == "" and load.local_ids == ((5, 6, 7),), load
     assert s.finished(r, ([5, 6, 7],)) == (False, None) and not s.meta().loads
 r = req(90, dict(GOOD, tp_size=10**9))  # aborted before it was scheduled: nothing released
 s.new_request(r)

@@ -174,11 +174,12 @@ class Scheduler:
         if isinstance(request.kv_transfer_params, dict):
             request.kv_transfer_params["do_remote_prefill"] = False
         end = self._end(request)
-        local = [list(g) for g in blocks.get_block_ids()] if num_external > 0 else []
+        local = (tuple(tuple(g) for g in blocks.get_block_ids()) if num_external > 0
+                 else ())
         if isinstance(src, ParamsError):  # nothing to release: the address is not trusted
             if num_external > 0:
-                self.loads[rid] = Load(rid, remote_req="", engine="", host="", port=0,
-                                       remote_tp=0, remote_ids=[], remote_first=[],
+                self.loads[rid] = Load(req_id=rid, remote_req="", engine="", host="", port=0,
+                                       remote_tp=0, remote_ids=(), remote_first=(),
                                        local_ids=local, start=end - num_external, end=end,
                                        parked=True, refused=str(src))
                 self.outcomes.started(self.loads[rid])
@@ -235,7 +236,7 @@ class Scheduler:
         hand = self.handovers.pop(rid, None)
         if src is not None:  # never scheduled (aborted): free the prefill's blocks
             if isinstance(src, Source):
-                self.loads[rid] = _load(rid, src, [], 0, 0, False, self.groups)
+                self.loads[rid] = _load(rid, src, (), 0, 0, False, self.groups)
             return False, None
         outcome = self.outcomes.finished(rid)
         if outcome is not None:  # a decode whose load failed: its response says so
@@ -280,12 +281,12 @@ class Scheduler:
         }
 
 
-def _load(req_id: str, src: Source, local: list[list[int]], start: int, end: int,
+def _load(req_id: str, src: Source, local: tuple[tuple[int, ...], ...], start: int, end: int,
           parked: bool, groups: TransferGroups | None, admitted: float = 0.0) -> Load:
     """The load of a decode request whose params were checked (``src``); a NixlConnector
     prefill's list offsets derived from the tokens it computed (it hands none)."""
-    ids = [list(g) for g in src.ids] if src.ids is not None else [[]]
-    first = list(src.first) or [0] * len(ids)
+    ids = src.ids if src.ids is not None else ((),)
+    first = src.first or (0,) * len(ids)
     if src.peer is Peer.NIXL and groups is not None:
         first = groups.offsets(ids, src.tokens)
     return Load(req_id=req_id, remote_req=src.remote_req, engine=src.engine, host=src.host,
