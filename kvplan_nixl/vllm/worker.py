@@ -420,7 +420,8 @@ def _free_stock(w: Worker, load: Load, *, aborted: bool) -> bool:
     """Tell a NixlConnector prefill this rank has read before (``w.engines``) that ``load``
     will not be read, so that it frees the request's blocks now rather than at its lease:
     ``aborted`` (the request never ran; rank 0 alone calls it) every prefill rank
-    ``<id>:1``, else (every decode rank refused it) as :func:`pulling.tell_unposted` tells.
+    ``<id>:1``, else (every decode rank refused it) as
+    :func:`~kvplan_nixl.serving.pulls.tell_unposted` tells.
     False when the prefill is not connected here (nothing can be sent)."""
     if load.engine not in w.engines:
         if aborted:
