@@ -515,12 +515,12 @@ def test_a_push_decode_restarted_in_place_is_connected_afresh(vllm_python):
 #: request naming block ids the live prefill lacks (what any HTTP client can send) makes nobody
 #: stale: the fresh handshake finds the same agents.
 STALE = DRIVER_SETUP + r"""
-import dataclasses
+import attrs
 w, kv = worker("decode", port())
 X = port()
 
 def at(ld, admitted):
-    return dataclasses.replace(ld, admitted=admitted)
+    return attrs.evolve(ld, admitted=admitted)
 
 def outcome(ld):
     before = len(log.lines)
