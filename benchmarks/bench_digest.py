@@ -9,7 +9,7 @@ interleaved repetitions: the pull (``plan()`` + ``read()`` + ``wait()``), the so
 digests (each prefill rank over the bytes decode rank 0 reads from it, what a prefill's
 ``PUSHED`` carries), the destination side's (decode rank 0 over what it received), and the
 plan the connector's decode check makes again (push mode). Every repetition checks that the two
-sides' digests agree. Pull mode's exchange (:mod:`kvplan_nixl.vllm.pull_digest`) is run too,
+sides' digests agree. Pull mode's exchange (:mod:`kvplan_nixl.serving.pull_digest_io`) is run too,
 with the connector's messages over real NIXL notifications: decode rank 0 asks each prefill rank
 (``DIGASK``), each replans with its push map, digests its side and answers (``DIGEST``); the
 decode digests its own side meanwhile, so what a pull gains is the longer of the two. Printed

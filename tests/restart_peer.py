@@ -36,6 +36,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
 )
 
+from kvplan_nixl.serving.transfer_params import Peer
+
 LAYERS, HEADS, HEAD, BLOCK = 2, 2, 8, 4
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 HASH = "restart-test-compat-hash"  # both sides' compatibility hash (patched in: no model)
@@ -82,8 +84,8 @@ def worker(engine: str, port: int, *, extra: dict | None = None, num_blocks: int
     config is given here (backend, heads, compatibility hash). Returns (worker, kv_caches)."""
     import vllm.distributed.parallel_state as ps
 
+    from kvplan_nixl.serving.settings import Settings
     from kvplan_nixl.vllm import worker as wk
-    from kvplan_nixl.vllm.settings import Settings
 
     ps.get_tensor_model_parallel_rank = lambda: 0
     wk.stock_hashes = lambda cfg, backend: {HASH: "0.32.0"}
@@ -233,11 +235,11 @@ class Prefill:
 
 
 def load(req: str, engine: str, port: int, remote: list[int], local: list[int], *,
-         tp: int = 1, peer: str = "nixl", generation: int = 0):
+         tp: int = 1, peer: Peer = Peer.NIXL, generation: int = 0):
     """A decode request's ``Load``, as the connector's scheduler makes it from the params a
     prefill of ``engine`` (side channel ``port``) handed: its blocks ``remote`` into this
     decode's ``local``, every token of them."""
-    from kvplan_nixl.vllm.scheduler import Load
+    from kvplan_nixl.serving.loads import Load
 
     return Load(req_id=req, remote_req="r-" + req, engine=engine, host="127.0.0.1", port=port,
                 remote_tp=tp, remote_ids=[list(remote)], remote_first=[0],

@@ -195,9 +195,9 @@ import json, time
 from types import SimpleNamespace
 import numpy as np
 from kvplan_nixl.serving.pushes import PUSHED, PushSend, parse_done, push_done
-from kvplan_nixl.vllm import digests
-from kvplan_nixl.vllm.pushing import Receive, Receives
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving import push_digests
+from kvplan_nixl.serving.push_io import Receive, Receives
+from kvplan_nixl.serving.settings import Settings
 
 class Decode:  # the worker attributes Receives and digests read; fail() records the verdict
     def __init__(self, ep, d):
@@ -216,7 +216,7 @@ def push(pr, key, flip=False, digest=True):
         plan = ep.map("decode", "push").plan(groups.remote([ids], [0]), groups.local([mine]),
                                              tokens=(0, end))
         d = digester(src, p, pr.src_bufs) if digest else None
-        msg = digests.sign(d, plan, send, push_done(PUSHED, key, {0: plan.nbytes}, {0: 1}))
+        msg = push_digests.sign(d, plan, send, push_done(PUSHED, key, {0: plan.nbytes}, {0: 1}))
         ep.write(plan, "decode", notify=msg).wait(30, progress=pr.d)
     if flip:  # after arrival, before the decode's check: a byte prefill rank 1 wrote
         row = plan.copies()[len(plan) // 2]

@@ -16,10 +16,11 @@ import socket, threading, time
 from types import SimpleNamespace
 from kvplan_nixl.serving import sidechannel as sc
 from kvplan_nixl.serving.holds import new_generation, Verdict
-from kvplan_nixl.vllm.control import Control, Sends
-from kvplan_nixl.vllm.pull import LeaseState
-from kvplan_nixl.vllm.pulling import Pulls
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.control import Control, Sends
+from kvplan_nixl.serving.pull_state import LeaseState
+from kvplan_nixl.serving.pulls import Pulls
+from kvplan_nixl.serving.settings import Settings
+from kvplan_nixl.serving.transfer_params import Peer
 
 SECRET = "lease-test-secret"
 
@@ -43,7 +44,7 @@ class Stats:
     def record_transfer(self, *a):
         self.record("transfers")
 
-class Prefill:  # a prefill worker rank's holds and its side channel (kvplan_nixl.vllm.control)
+class Prefill:  # a prefill worker rank's holds and its side channel (kvplan_nixl.serving.control)
     def __init__(self, p, ep, base):
         self.ep = ep
         self.sends = Sends("127.0.0.1", base + p, sc.server_identity("prefill", p),
@@ -85,7 +86,7 @@ def pull(req, *, read_after=0.0, when_held=None):
     load = SimpleNamespace(req_id="d-" + req, remote_req=req, engine="prefill",
                            host="127.0.0.1", port=pbase, remote_tp=2, remote_ids=[ids],
                            remote_first=[0], local_ids=[mine], start=0, end=end, parked=True,
-                           generation=gen, push=False, key="", refused="", peer="kvplan")
+                           generation=gen, push=False, key="", refused="", peer=Peer.KVPLAN)
     with D.lock:
         D.pulls.post(load, D.ep.map("prefill"), [1, 1])
         p = D.pulls.inflight[load.req_id]

@@ -136,7 +136,7 @@ import random, socket, time
 from contextlib import ExitStack, closing
 from types import SimpleNamespace
 from kvplan_nixl.serving.holds import Verdict, new_generation
-from kvplan_nixl.vllm.control import RELEASE_QUEUE, Control, Sends
+from kvplan_nixl.serving.control import RELEASE_QUEUE, Control, Sends
 
 TP = 64
 with ExitStack() as stack:

@@ -60,10 +60,11 @@ from kvplan_nixl.serving.handshakes import Handshakes, identity
 from kvplan_nixl.serving.holds import new_generation
 from kvplan_nixl.serving.pushes import PushSend
 from kvplan_nixl.serving.sidechannel import SideChannelServer, server_identity
-from kvplan_nixl.vllm.control import Control, Sends
-from kvplan_nixl.vllm.pull_digest import Answers
-from kvplan_nixl.vllm.pulling import Pulls
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.control import Control, Sends
+from kvplan_nixl.serving.pull_digest_io import Answers
+from kvplan_nixl.serving.pulls import Pulls
+from kvplan_nixl.serving.settings import Settings
+from kvplan_nixl.serving.transfer_params import Peer
 
 def free_ports(n):  # n consecutive free ports on the loopback
     for _ in range(100):
@@ -128,7 +129,7 @@ def pull(pr, P, D, pbase, req, flip=False, silent=False):
     load = SimpleNamespace(req_id="d-" + req, remote_req=req, engine="prefill",
                            host="127.0.0.1", port=pbase, remote_tp=2, remote_ids=[ids],
                            remote_first=[0], local_ids=[mine], start=0, end=end, parked=True,
-                           generation=gen, push=False, key="", refused="", peer="kvplan")
+                           generation=gen, push=False, key="", refused="", peer=Peer.KVPLAN)
     restore = None
     if flip:  # in flight: the read carries a byte prefill rank 1 does not hold
         plan = D.ep.map("prefill").plan(groups.remote([ids], [0]), groups.local([mine]),

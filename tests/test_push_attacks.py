@@ -1,12 +1,12 @@
 """Push mode's decode side under a peer holding the secret (issue 36, items 4 and 5), with
-real NIXL agents: a decode rank's :class:`kvplan_nixl.vllm.pushing.Receives` takes the
+real NIXL agents: a decode rank's :class:`kvplan_nixl.serving.push_io.Receives` takes the
 notifications a genuine prefill and an intruder engine send, sealed, over loopback.
 
 Run by the vLLM venv's python (the connector package imports vLLM). The rank the parts
 belong to is a small stand-in holding a real Endpoint (the worker's attributes the parts
-read, :class:`kvplan_nixl.vllm.rank.Rank`); nothing of NIXL is mocked. The prefill side's
+read, :class:`kvplan_nixl.serving.rank.Rank`); nothing of NIXL is mocked. The prefill side's
 refusal of a key used twice (item 2) runs the same way: a prefill rank's
-:class:`kvplan_nixl.vllm.pushing.Writes` with a real endpoint, a real hold table and side
+:class:`kvplan_nixl.serving.push_io.Writes` with a real endpoint, a real hold table and side
 channel, connecting the decode through the decode's real side channel server.
 """
 
@@ -19,9 +19,9 @@ import threading, time
 import numpy as np
 from kvplan_nixl import Endpoint
 from kvplan_nixl.serving.pushes import MAX_UNSEEN, PUSHED, PUSHFAIL, push_done
-from kvplan_nixl.vllm.pushing import Receives
-from kvplan_nixl.vllm.scheduler import Load
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.push_io import Receives
+from kvplan_nixl.serving.loads import Load
+from kvplan_nixl.serving.settings import Settings
 from kvplan_nixl.vllm.stats import KvplanStats
 from tests.nixl_util import attn, pair, spec
 
@@ -39,8 +39,9 @@ class Rank:  # the worker attributes Receives reads; its endpoint is real
         self.recv_done.add(load.req_id)
 
 def load(req):
-    return Load(req, "", "prefill", "127.0.0.1", 5700, 1, [[]], [0], [[3, 4]], 0, 32, True,
-                push=True, key="k-" + req)
+    return Load(req_id=req, remote_req="", engine="prefill", host="127.0.0.1", port=5700,
+                remote_tp=1, remote_ids=[[]], remote_first=[0], local_ids=[[3, 4]], start=0,
+                end=32, parked=True, push=True, key="k-" + req)
 
 def deliver(rx, d, n, timeout=10.0):  # what the worker's progress loop does
     got, end = [], time.monotonic() + timeout
@@ -119,7 +120,7 @@ class Rank:  # the worker attributes Writes reads; endpoint, holds, side channel
         self.hs_timeout, self.lease = 2.0, 5.0
         self.stats, self.whole = KvplanStats(), False
         self.secret, self.digester = KEY, None  # handshakes check signed metadata; no digest
-        self.vllm_version = "0.32.0"  # decodes of another version are refused at handshake
+        self.check_peer = check_peer("0.32.0")  # decodes of another version are refused
         self.groups = TransferGroups((0,), ("full",), (16,), (None,), (0,))
         self.sends = Sends("127.0.0.1", 0, sc.server_identity("prefill", 0), ep.metadata(),
                            secret=KEY, lease=self.lease)
@@ -131,10 +132,11 @@ from kvplan.adapters.vllm import TransferGroups
 from kvplan_nixl.serving import sidechannel as sc
 from kvplan_nixl.serving.holds import new_generation
 from kvplan_nixl.serving.pushes import PushSend, Registration, parse_done
-from kvplan_nixl.vllm.control import Sends
-from kvplan_nixl.vllm.pushing import Writes
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.control import Sends
+from kvplan_nixl.serving.push_io import Writes
+from kvplan_nixl.serving.settings import Settings
 from kvplan_nixl.vllm.stats import KvplanStats
+from kvplan_nixl.vllm.versions import check_peer
 from tests.nixl_util import attn, pair, spec
 
 KEY = "kvplan-test-deployment-secret-18"
@@ -194,10 +196,11 @@ import numpy as np
 from kvplan.adapters.vllm import TransferGroups
 from kvplan_nixl.serving import sidechannel as sc
 from kvplan_nixl.serving.pushes import PushSend, Registration, parse_done
-from kvplan_nixl.vllm.control import Sends
-from kvplan_nixl.vllm.pushing import Writes
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.control import Sends
+from kvplan_nixl.serving.push_io import Writes
+from kvplan_nixl.serving.settings import Settings
 from kvplan_nixl.vllm.stats import KvplanStats
+from kvplan_nixl.vllm.versions import check_peer
 from tests.nixl_util import attn, pair, spec
 
 KEY = "kvplan-test-deployment-secret-18"

@@ -265,6 +265,7 @@ def test_an_engine_restarted_with_another_spec_replaces_its_ranks_and_says_it_we
 
 DRIVER_SETUP = r"""
 import logging, socket, time
+from kvplan_nixl.serving.transfer_params import Peer
 from tests.restart_peer import Prefill, worker, load, pull, read_back
 
 class Lines(logging.Handler):
@@ -323,7 +324,7 @@ for seed, stop in ((1, "close"), (2, "kill"), (3, "close")):
         req = f"k{seed}{i}"
         q.send(f"hold r-{req}")
         gen = int(q.wait(f"gen r-{req}").split()[2])
-        ld = load(req, "prefill-k", K, [1 + i, 2 + i], [12 + i, 13 + i], peer="kvplan",
+        ld = load(req, "prefill-k", K, [1 + i, 2 + i], [12 + i, 13 + i], peer=Peer.KVPLAN,
                   generation=gen)
         ok, took = pull(w, ld)
         assert ok and read_back(kv, ld, seed, 1), (req, log.lines[-3:])
@@ -332,7 +333,7 @@ for seed, stop in ((1, "close"), (2, "kill"), (3, "close")):
         before = len(log.lines)
         q.send("hold r-bad")
         gen = int(q.wait("gen r-bad").split()[2])
-        ok, _ = pull(w, load("bad", "prefill-k", K, [999], [20], peer="kvplan",
+        ok, _ = pull(w, load("bad", "prefill-k", K, [999], [20], peer=Peer.KVPLAN,
                              generation=gen))
         why = "\n".join(log.lines[before:])
         assert not ok and "out of range" in why and "the same prefill agents: not a " \
@@ -379,7 +380,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from kvplan_nixl.vllm.nixl_peer import fetch_nixl_metadata
 from tests.restart_peer import HASH
 
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 
 def allowed(v):
     return Settings("d", "h", 5700, 1, extra={"stock_prefills": v}).stock_prefills()
@@ -514,12 +515,12 @@ def test_a_push_decode_restarted_in_place_is_connected_afresh(vllm_python):
 #: request naming block ids the live prefill lacks (what any HTTP client can send) makes nobody
 #: stale: the fresh handshake finds the same agents.
 STALE = DRIVER_SETUP + r"""
-import dataclasses
+import attrs
 w, kv = worker("decode", port())
 X = port()
 
 def at(ld, admitted):
-    return dataclasses.replace(ld, admitted=admitted)
+    return attrs.evolve(ld, admitted=admitted)
 
 def outcome(ld):
     before = len(log.lines)

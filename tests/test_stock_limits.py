@@ -120,19 +120,19 @@ for i, (params, field) in enumerate([
         (dict(STOCK, remote_request_id="kvs1 x"), "remote_request_id")]):
     ld = load(i, params)
     assert f"kv_transfer_params[{field!r}]" in ld.refused and ld.parked, (field, ld)
-    assert ld.host == "" and ld.remote_ids == [], ld  # nothing of it reaches the workers
+    assert ld.host == "" and ld.remote_ids == (), ld  # nothing of it reaches the workers
     refused[field] = ld.refused
 assert "4096" in refused["remote_num_tokens"] and "max_model_len" in refused["remote_num_tokens"]
 assert "4096" in refused["remote_block_offsets"]
 # at the bound: taken; the window's derived offset stays within max_model_len's blocks
 import time
 ld = load(10, dict(STOCK, remote_num_tokens=4096))
-assert not ld.refused and ld.remote_first == [0, 4096 // 16 - 2], ld
+assert not ld.refused and ld.remote_first == (0, 4096 // 16 - 2), ld
 # gap (d): the scheduler's admission time travels with the load (a stock request admitted
 # before its prefill was found restarted is not read: tests/test_restarts.py)
 assert time.time() - 60 < ld.admitted <= time.time(), ld
 ld = load(11, dict(OURS, remote_block_offsets=[0, 4096]))
-assert not ld.refused and ld.remote_first == [0, 4096], ld
+assert not ld.refused and ld.remote_first == (0, 4096), ld
 print("ok")
 """
 
@@ -381,7 +381,7 @@ socket.getaddrinfo = real_gai
 
 # item 7: a request claiming tp_size 2 for this TP 1 prefill, through the connector's own
 # NixlPrefills: refused from rank 0's block lengths, rank 1 never asked for
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 w = SimpleNamespace(lock=threading.Lock(), hs_timeout=5.0, lease=30.0, rank=0, cuda=False,
                     ep=SimpleNamespace(spec=EngineSpec.from_dict(dspec)),
                     c=Settings("dec", "127.0.0.1", 5700, 1))  # no stock_prefills: any address
@@ -459,7 +459,8 @@ from kvplan import RequestError
 from kvplan.adapters.vllm import TransferGroups
 from kvplan_nixl import Endpoint
 from kvplan_nixl._nixl import make_agent
-from kvplan_nixl.vllm.pulling import Pulls
+from kvplan_nixl.serving.pulls import Pulls
+from kvplan_nixl.serving.transfer_params import Peer
 from tests import oracle
 from tests.nixl_util import attn, spec
 
@@ -511,7 +512,7 @@ def load(req, ids):
     return SimpleNamespace(req_id="d-" + req, remote_req=req, engine="stock", host="127.0.0.1",
                            port=5600, remote_tp=2, remote_ids=[ids], remote_first=[0],
                            local_ids=[[7, 8, 9]], start=0, end=48, parked=True, generation=0,
-                           push=False, key="", refused="", peer="nixl")
+                           push=False, key="", refused="", peer=Peer.NIXL)
 
 # the prefill handed a block id it does not have: the plan is refused before posting
 try:

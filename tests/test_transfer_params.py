@@ -16,6 +16,7 @@ from kvplan_nixl.serving.transfer_params import (
     MAX_BLOCK_IDS,
     MAX_TP,
     Handover,
+    Peer,
     Source,
     check_decode,
     check_prefill,
@@ -34,7 +35,7 @@ PUSH = {"do_remote_prefill": True, "transfer_id": "t-9", "remote_engine_id": "pr
 def test_genuine_pull_and_push_params_are_taken_as_given():
     s = check_decode("d-1", PULL, groups=1)
     assert s == Source("pre", "10.0.0.7", 5700, 2, "cmpl-1-0-abcdef12", ((3, 4, 5),), (0,),
-                       1733300000000000001, "", "kvplan", 40)
+                       1733300000000000001, "", Peer.KVPLAN, 40)
     assert not s.push
     # the generation as a decimal string (a proxy without 63-bit JSON ints), a flat list
     flat = dict(PULL, remote_block_ids=[7, 8], remote_generation="12",
@@ -66,11 +67,11 @@ NIXL = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids"
 def test_a_nixlconnector_prefill_is_told_by_its_transfer_mode():
     s = check_decode("d-2", NIXL, groups=1)
     assert s == Source("stock-p", "10.0.0.8", 5600, 2, "cmpl-2-0-abcdef12", ((3, 4, 5),), (0,),
-                       0, "", "nixl", 70)
+                       0, "", Peer.NIXL, 70)
     assert not s.push
     # offsets are derived by the decode, never taken from a stock prefill's params
     assert check_decode("d", dict(NIXL, remote_block_offsets=[9]), groups=1).first == (0,)
-    assert check_decode("d", PULL, groups=1).peer == "kvplan"
+    assert check_decode("d", PULL, groups=1).peer is Peer.KVPLAN
     for field, value, words in (("pp_size", 2, "one pipeline stage"),
                                 ("dcp_size", 4, "no decode context parallelism"),
                                 ("remote_block_ids", None, "must name its blocks"),

@@ -376,7 +376,7 @@ def test_layerwise_wait_takes_zero_and_refuses_a_negative_naming_the_key(vllm_py
     is checked at start like every key; 0 turns the wait off (in the vLLM venv: the connector
     package imports vLLM)."""
     check = (
-        "from kvplan_nixl.vllm.settings import Settings\n"
+        "from kvplan_nixl.serving.settings import Settings\n"
         "s = lambda v: Settings('e', 'h', 5700, 1, extra={'layerwise_wait_s': v})\n"
         "assert s(0).seconds('layerwise_wait_s', 1.0, zero=True) == 0.0\n"
         "assert Settings('e', 'h', 5700, 1).seconds('layerwise_wait_s', 1.0, zero=True) == 1\n"

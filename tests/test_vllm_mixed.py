@@ -1,7 +1,8 @@
 """Mixed fleets (issue 38): a KvplanConnector decode reading from a prefill that runs vLLM
 0.32's own NixlConnector, unmodified, through the stock prefill's handshake and notifications
-(kvplan_nixl/vllm/nixl_peer.py, pulling.py). Real engines (tests/vllm_pool.py): the stock
-prefill is ``llama-p1-nixl`` (NixlConnector, ``kv_both``), the decode ``llama-d1``.
+(kvplan_nixl/vllm/nixl_peer.py, kvplan_nixl/serving/pulls.py). Real engines
+(tests/vllm_pool.py): the stock prefill is ``llama-p1-nixl`` (NixlConnector, ``kv_both``),
+the decode ``llama-d1``.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ NOT_CONFIRMED = r"kvplan: pull req=\S+ from \S+ failed \(not confirmed by prefil
 SETTINGS_CHECK = r"""
 import contextlib, re
 from kvplan_nixl.errors import ArgumentError
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 
 class pytest:  # the vLLM venv has no pytest: its raises(), enough for this check
     @staticmethod
@@ -111,15 +111,17 @@ print("ok")
 
 OUTCOMES_CHECK = r"""
 from vllm.v1.outputs import KVConnectorOutput
-from kvplan_nixl.vllm.outcomes import LoadOutcomes
-from kvplan_nixl.vllm.scheduler import Load
+from kvplan_nixl.serving.loads import Load
+from kvplan_nixl.serving.outcomes import LoadOutcomes
+from kvplan_nixl.vllm.stats import KvplanStats
 
 def load(req, blocks, parked=True):
     return Load(req_id=req, remote_req="r" + req, engine="pre", host="10.0.0.1", port=5700,
                 remote_tp=1, remote_ids=[[1, 2]], remote_first=[0], local_ids=[blocks],
                 start=0, end=64, parked=parked)
 
-o = LoadOutcomes("recompute")
+stats = KvplanStats()
+o = LoadOutcomes("recompute", stats)
 for x in (load("a", [3, 4]), load("b", [5, 6]), load("c", [7]), load("d", [8], parked=False)):
     o.started(x)
 o.update(KVConnectorOutput(finished_recving={"a", "b"}, invalid_block_ids={6}))
@@ -129,9 +131,39 @@ assert o.finished("b") == {"kvplan_load_failed": {"remote_engine_id": "pre",
     "remote_host": "10.0.0.1", "remote_port": 5700, "policy": "recompute"}}
 assert o.finished("c")["kvplan_load_failed"]["policy"] == "recompute"  # a hybrid's, by id
 assert o.finished("b") is None and o.finished("d") is None  # once; an unparked load: never
-st = o.take_stats()
+st = stats.clone_and_reset()  # what the scheduler's take_stats hands vLLM
 assert st.data["num_failed_loads"] == [1, 1] and st.reduce()["Num failed loads"] == 2
-assert o.take_stats() is None and not o.pending
+assert stats.is_empty() and not o.pending
+print("ok")
+"""
+
+LOGGING_CHECK = r"""
+import io, logging
+from vllm.logger import _configure_vllm_root_logger
+import kvplan_nixl.vllm  # the connector: links the serving modules' loggers under vLLM's
+from kvplan_nixl.serving import control, host_pools, pulls
+
+def lines(configure):
+    if configure:  # what each engine process does at its start (dictConfig), once or again
+        _configure_vllm_root_logger()
+    out = io.StringIO()
+    logging.getLogger("vllm").handlers[0].setStream(out)
+    pulls.logger.info("kvplan: decode req=%s done in %.3f s, confirmed by prefill rank(s) %s",
+                      "d-1", 0.25, [0, 1])
+    control.logger.debug("kvplan: below vLLM's level, not shown")
+    host_pools.logger.warning("kvplan: a job failed")
+    return out.getvalue().splitlines()
+
+for configure in (True, True):
+    got = lines(configure)
+    assert len(got) == 2, got
+    assert " INFO " in got[0] and got[0].endswith(
+        "kvplan: decode req=d-1 done in 0.250 s, confirmed by prefill rank(s) [0, 1]"), got
+    assert " WARNING " in got[1] and got[1].endswith("kvplan: a job failed"), got
+# the level is vLLM's at each call: lowered there, the serving modules' debug lines show
+logging.getLogger("vllm").setLevel(logging.DEBUG)
+logging.getLogger("vllm").handlers[0].setLevel(logging.DEBUG)
+assert any(x.endswith("below vLLM's level, not shown") for x in lines(False))
 print("ok")
 """
 
@@ -139,7 +171,7 @@ HOLDS_CHECK = r"""
 import time
 from types import SimpleNamespace
 from kvplan_nixl.serving.holds import Verdict, new_generation
-from kvplan_nixl.vllm.control import Control, Sends
+from kvplan_nixl.serving.control import Control, Sends
 
 sends = Sends("127.0.0.1", 0, "pre#0", b"md", secret="s", lease=0.5)
 ctl = Control("s", timeout=1.0)
@@ -188,7 +220,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 from kvplan_nixl.vllm.scheduler import Scheduler
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 
 spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
 cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
@@ -212,7 +244,7 @@ for i, (k, v) in enumerate(BAD):  # vLLM's order: admission, match, allocation, 
     s.allocated(r, blocks, 40)
     (load,) = s.meta().loads
     assert f"kv_transfer_params[{k!r}]" in load.refused and load.parked, load
-    assert load.remote_tp == 0 and load.host == "" and load.local_ids == [[5, 6, 7]], load
+    assert load.remote_tp == 0 and load.host == "" and load.local_ids == ((5, 6, 7),), load
     assert s.finished(r, ([5, 6, 7],)) == (False, None) and not s.meta().loads
 r = req(90, dict(GOOD, tp_size=10**9))  # aborted before it was scheduled: nothing released
 s.new_request(r)
@@ -241,7 +273,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 from kvplan_nixl.vllm.scheduler import Scheduler
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.serving.settings import Settings
 
 assert Settings("dec", "127.0.0.1", 5700, 1).nixl_heartbeat() == 5.0  # vLLM's 30 s / 6
 spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
@@ -312,6 +344,14 @@ def test_requests_queued_for_a_nixlconnector_prefill_are_heartbeaten(vllm_python
     waits in the queue), every ``kv_lease_duration / 6``, until it is scheduled (its read
     beats then) or aborted; a kvplan prefill's request is not (its lease is kvplan's)."""
     _in_vllm_venv(vllm_python, BEATS_CHECK)
+
+
+def test_serving_modules_log_through_vllms_logger(vllm_python):
+    """The lifecycle's modules log on stdlib loggers (``kvplan_nixl.serving.*``); the
+    connector links them under ``vllm.kvplan_nixl``, so their lines show in an engine's log in
+    vLLM's format and at its level, as when they lived in ``kvplan_nixl.vllm`` (the engine
+    tests grep them), also after vLLM configures its logging again."""
+    _in_vllm_venv(vllm_python, LOGGING_CHECK)
 
 
 def test_prefill_holds_and_decode_control_messages_over_the_side_channel(vllm_python):

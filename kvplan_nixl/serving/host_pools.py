@@ -33,7 +33,7 @@ from kvplan_nixl.errors import ArgumentError
 
 __all__ = ["HostPool"]
 
-logger = logging.getLogger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 #: (host, port) a job talks to.
 Where = tuple[str, int]

@@ -14,7 +14,7 @@ a prefill engine (:func:`check_decode`, :class:`Source`), and a prefill request
 (``do_remote_decode``) whose KV goes to a decode (:func:`check_prefill`, :class:`Handover`).
 Keys the connector does not read are left alone (a proxy may add its own).
 
-Which connector the prefill runs is read here too (:data:`PEERS`): vLLM 0.32's own
+Which connector the prefill runs is read here too (:class:`Peer`): vLLM 0.32's own
 NixlConnector hands ``"transfer_mode": "pull"`` (``request_finished`` in
 ``kv_connector/v1/nixl/pull_scheduler.py``), ``KvplanConnector`` ``"kvplan"``; a NixlConnector
 prefill must name its blocks and run one pipeline stage without decode context parallelism
@@ -26,6 +26,7 @@ Nothing here imports vLLM or NIXL, so every rule is tested on its own
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,16 +35,25 @@ from typing import Any
 from kvplan_nixl.errors import ParamsError
 from kvplan_nixl.serving.pushes import MAX_BLOCK_ID, MAX_KEY, block_ids, transfer_key
 
-__all__ = ["MAX_BLOCK_IDS", "MAX_TP", "MODES", "PEERS", "STOCK_ID_PREFIXES", "Handover",
+__all__ = ["MAX_BLOCK_IDS", "MAX_TP", "MODES", "STOCK_ID_PREFIXES", "Handover", "Peer",
            "Source", "check_decode", "check_prefill"]
 
 #: How a prefill hands its KV to a decode (``mode``, and a prefill request's
 #: ``transfer_mode``).
 MODES = ("pull", "push", "layerwise")
 
-#: The connector a decode request's prefill runs (:attr:`Source.peer`): ours, or vLLM's own
-#: NixlConnector (its params say ``"transfer_mode": "pull"``).
-PEERS = ("kvplan", "nixl")
+
+
+class Peer(enum.Enum):
+    """The connector a decode request's prefill runs (:attr:`Source.peer`), which decides how
+    the decode reads it and ends its hold."""
+
+    #: ``KvplanConnector``: holds confirmed over the side channel (LEASE, CONFIRM, RELEASE)
+    KVPLAN = "kvplan"
+    #: vLLM's own NixlConnector (its params say ``"transfer_mode": "pull"``): read as its own
+    #: decode reads it, released by NIXL notifications, heartbeaten, never confirmed
+    NIXL = "nixl"
+
 
 #: Largest prefill ``tp_size`` a request may name. Every rank costs a side channel connection
 #: (handshake, RELEASE, CONFIRM) and a port (``remote_port + rank``): the bound caps what one
@@ -76,7 +86,7 @@ class Source:
     ``ids`` are the prefill's block lists per KV-cache group (None: push mode, the prefill
     writes), ``first`` the position of each list's first block, ``generation`` the prefill's
     hold (0: none), ``key`` the transfer key a push is matched by ("" for a pull), ``peer``
-    the prefill's connector (one of :data:`PEERS`), ``tokens`` the tokens it computed
+    the prefill's connector (a :class:`Peer`), ``tokens`` the tokens it computed
     (``remote_num_tokens``; 0 when not said)."""
 
     engine: str
@@ -88,7 +98,7 @@ class Source:
     first: tuple[int, ...]
     generation: int
     key: str
-    peer: str = "kvplan"
+    peer: Peer = Peer.KVPLAN
     tokens: int = 0
 
     @property
@@ -144,7 +154,7 @@ def check_decode(request_id: str, params: Any, groups: int | None, *,
     ids = _lists(raw, groups)
     first = _offsets(p.get("remote_block_offsets"), len(ids), max_model_len)
     return Source(engine, host, port, tp, _name(p, "remote_request_id", MAX_REQUEST_ID),
-                  ids, first, _generation(p), "", "kvplan", tokens)
+                  ids, first, _generation(p), "", Peer.KVPLAN, tokens)
 
 
 def _nixl_source(p: Mapping[str, Any], engine: str, host: str, port: int, tp: int,
@@ -159,7 +169,7 @@ def _nixl_source(p: Mapping[str, Any], engine: str, host: str, port: int, tp: in
         raise ParamsError("remote_block_ids", None, "a NixlConnector prefill "
                           "(transfer_mode 'pull') must name its blocks")
     ids = _lists(p["remote_block_ids"], groups)
-    return Source(engine, host, port, tp, _stock_id(p), ids, (0,) * len(ids), 0, "", "nixl",
+    return Source(engine, host, port, tp, _stock_id(p), ids, (0,) * len(ids), 0, "", Peer.NIXL,
                   tokens)
 
 

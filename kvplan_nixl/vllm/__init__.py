@@ -49,13 +49,13 @@ step.
   ``failed_recving``); vLLM's ``kv_load_failure_policy`` then recomputes them or fails the
   request.
 - **Push mode** (``mode``: ``"push"`` or ``"layerwise"``, or a prefill request's
-  ``transfer_mode``; :mod:`kvplan_nixl.serving.pushes`, :mod:`.pushing`): the decode request comes
-  first, naming its prefill engine; the decode registers its blocks with every prefill rank,
-  and the prefill writes the KV into them with its push map (after the request finished, or
-  layer-wise from ``save_kv_layer`` during the forward, state regions from
-  ``wait_for_save``). A decode rank proceeds once every prefill rank that writes it said the
-  write completed; a failed write, a dead prefill or ``push_timeout_s`` plus a grace goes to
-  ``kv_load_failure_policy``.
+  ``transfer_mode``; :mod:`kvplan_nixl.serving.pushes`, :mod:`kvplan_nixl.serving.push_io`):
+  the decode request comes first, naming its prefill engine; the decode registers its blocks
+  with every prefill rank, and the prefill writes the KV into them with its push map (after
+  the request finished, or layer-wise from ``save_kv_layer`` during the forward, state
+  regions from ``wait_for_save``). A decode rank proceeds once every prefill rank that
+  writes it said the write completed; a failed write, a dead prefill or ``push_timeout_s``
+  plus a grace goes to ``kv_load_failure_policy``.
 - **Stats**: ``get_kv_connector_stats`` (:mod:`kvplan_nixl.vllm.stats`): vLLM's periodic
   "KV Transfer metrics" log line and ``vllm:kvplan_*`` Prometheus metrics.
 
@@ -70,12 +70,14 @@ start: :mod:`kvplan_nixl.serving.addresses`), ``side_channel_port`` (base port, 
 30: the lease of prefills running vLLM's NixlConnector, whose requests are heartbeaten every
 ``kv_lease_duration / 6``), ``nixl_backends`` (default ``["UCX"]``), ``mode`` (``"pull"``,
 ``"push"`` or ``"layerwise"``; default ``"pull"``), ``push_timeout_s`` (default 60),
-``digest`` (default false: a transfer digest checks every push and pull, :mod:`.digests`,
-:mod:`.pull_digest`), ``layerwise_wait_s`` (default 1; 0: never). See docs/vllm.md.
+``digest`` (default false: a transfer digest checks every push and pull,
+:mod:`kvplan_nixl.serving.push_digests`, :mod:`kvplan_nixl.serving.pull_digest_io`),
+``layerwise_wait_s`` (default 1; 0: never). See docs/vllm.md.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -89,9 +91,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvplan_nixl.serving.addresses import side_channel_addresses
+from kvplan_nixl.serving.settings import Settings
 from kvplan_nixl.vllm import layer_hooks
-from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load, Scheduler
-from kvplan_nixl.vllm.settings import Settings
+from kvplan_nixl.vllm.scheduler import KvplanMetadata, Scheduler
 from kvplan_nixl.vllm.stats import KvplanStats, KvplanStatsMixin
 from kvplan_nixl.vllm.worker import Worker
 
@@ -103,7 +105,35 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KvplanConnector", "KvplanMetadata", "Load", "Settings"]
+__all__ = ["KvplanConnector", "KvplanMetadata"]
+
+#: The engine-neutral modules' loggers (``logging.getLogger(__name__)`` in each).
+SERVING_LOGGER = "kvplan_nixl.serving"
+#: The connector's own logger: vLLM's ``init_logger("vllm.kvplan_nixl")``, a child of "vllm".
+VLLM_LOGGER = "vllm.kvplan_nixl"
+
+
+def _serving_logs_as_vllm() -> None:
+    """Make :mod:`kvplan_nixl.serving`'s log lines vLLM's, as they were when those modules
+    lived here and logged on ``vllm.kvplan_nixl``.
+
+    Why (vllm/logger.py, 0.32): vLLM's logging config (``DEFAULT_LOGGING_CONFIG``, applied by
+    ``dictConfig`` in each engine process) gives a handler, a format and a level to the
+    ``vllm`` logger alone, with ``propagate: False``; ``init_logger(name)`` is only
+    ``logging.getLogger(name)`` with ``*_once`` methods added. A logger outside the ``vllm``
+    tree (``kvplan_nixl.serving.pulls``) reaches the root logger instead, which has no handler
+    there: its INFO lines (``done in X s, confirmed by prefill rank(s)``, ``inside its lease``)
+    would be dropped, its warnings printed bare (``logging.lastResort``). So the
+    ``kvplan_nixl.serving`` logger is made a child of ``vllm.kvplan_nixl``: its records take
+    vLLM's level and handlers at every call (also after vLLM configures logging again, and
+    whatever a ``VLLM_LOGGING_CONFIG_PATH`` file sets on ``vllm`` or ``vllm.kvplan_nixl``).
+    ``kvplan_nixl`` is made first, so that logging never inserts a logger between the two
+    later (``logging.Manager`` does when an ancestor name is created after its children)."""
+    logging.getLogger("kvplan_nixl")
+    logging.getLogger(SERVING_LOGGER).parent = logging.getLogger(VLLM_LOGGER)
+
+
+_serving_logs_as_vllm()
 
 
 class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
@@ -166,7 +196,7 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' results of a step: which decode loads failed (their response and the
-        ``num_failed_loads`` count say so: :mod:`.outcomes`)."""
+        ``num_failed_loads`` count say so: :mod:`kvplan_nixl.serving.outcomes`)."""
         if self._scheduler is not None:
             self._scheduler.outcomes.update(connector_output)
 
@@ -233,7 +263,7 @@ class KvplanConnector(KvplanStatsMixin, KVConnectorBase_V1, SupportsHMA):
         """This worker's pulls, failures, expired leases, refused confirmations and dropped
         side channel messages since the last call (vLLM's log line and Prometheus)."""
         if self._worker is None:  # the scheduler's: decode requests whose load failed
-            return self._scheduler.outcomes.take_stats() if self._scheduler else None
+            return self._scheduler.take_stats() if self._scheduler else None
         return self._worker.take_stats()
 
     def shutdown(self) -> None:

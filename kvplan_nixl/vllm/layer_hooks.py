@@ -1,6 +1,6 @@
 """The prefill's layer-wise hooks, run on the forward's thread: open a step's layer-wise pushes
 before the forward, post each layer's writes as the forward computes it, and what is left after
-it (the writes themselves are :class:`kvplan_nixl.vllm.pushing.Writes`').
+it (the writes themselves are :class:`kvplan_nixl.serving.push_io.Writes`').
 
 Functions of a :class:`~kvplan_nixl.vllm.worker.Worker`, kept apart from it because they run on
 another thread than its step and its progress loop, and take the worker's lock only around each

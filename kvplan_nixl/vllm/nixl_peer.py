@@ -88,8 +88,8 @@ from kvplan_nixl.serving.sidechannel import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kvplan_nixl.vllm.rank import Rank
-    from kvplan_nixl.vllm.scheduler import Load
+    from kvplan_nixl.serving.loads import Load
+    from kvplan_nixl.serving.rank import Rank
 
 __all__ = ["MAX_ANSWER", "NixlAnswerTooLarge", "NixlHashMismatch", "NixlPrefills",
            "NixlTpSizeUnverified", "admit", "compat_hash", "fetch_nixl_metadata",
@@ -260,7 +260,7 @@ def _sizes(allowed: tuple[tuple[str | None, str, int, int | None], ...] | None
 def admit(allowed: tuple[tuple[str | None, str, int, int | None], ...] | None
           ) -> Callable[[str, str, int], str | None] | None:
     """Handshakes' ``admit`` for ``stock_prefills`` (``allowed``, as
-    :meth:`~kvplan_nixl.vllm.settings.Settings.stock_prefills` reads it; None: no check):
+    :meth:`~kvplan_nixl.serving.settings.Settings.stock_prefills` reads it; None: no check):
     why a request may not make the decode dial ``engine`` at ``host:port``, or None."""
     if allowed is None:
         return None

@@ -41,41 +41,16 @@ from vllm.logger import init_logger
 from kvplan.adapters.vllm import TransferGroups
 from kvplan_nixl.errors import ParamsError
 from kvplan_nixl.serving.holds import new_generation
+from kvplan_nixl.serving.loads import Load
+from kvplan_nixl.serving.outcomes import LoadOutcomes
 from kvplan_nixl.serving.pushes import PushSend
-from kvplan_nixl.serving.transfer_params import Handover, Source, check_decode, check_prefill
-from kvplan_nixl.vllm.outcomes import LoadOutcomes
+from kvplan_nixl.serving.transfer_params import Handover, Peer, Source, check_decode, check_prefill
+from kvplan_nixl.vllm.stats import KvplanStats
 
 if TYPE_CHECKING:
-    from kvplan_nixl.vllm.settings import Settings
+    from kvplan_nixl.serving.settings import Settings
 
 logger = init_logger("vllm.kvplan_nixl")
-
-
-@dataclass
-class Load:
-    """One decode request's pull: what the scheduler decided, for every worker rank."""
-
-    req_id: str
-    remote_req: str
-    engine: str
-    host: str
-    port: int  # the side channel port of the prefill's TP rank 0 (rank r: port + r)
-    remote_tp: int
-    remote_ids: list[list[int]]  # per transfer group, as the prefill handed them
-    remote_first: list[int]  # block position of each remote list's first element
-    local_ids: list[list[int]]  # per transfer group, every block of the request from position 0
-    start: int  # positions decode already holds (a prefix-cache hit)
-    end: int  # positions to hold after the pull (the prompt, less the token decode computes)
-    parked: bool  # the request waits for this load (False: only release the prefill's blocks)
-    generation: int = 0  # the prefill's hold generation (``remote_generation``; 0: none)
-    push: bool = False  # the prefill writes (push mode): wait for it instead of reading
-    key: str = ""  # push: the transfer key the prefill matches (kvplan_nixl.serving.pushes)
-    refused: str = ""  # its params were refused (why): fails at once, nobody contacted
-    peer: str = "kvplan"  # the prefill's connector: "kvplan", or "nixl" (vLLM's NixlConnector)
-    # when the scheduler admitted the request (time.time(): the workers may run elsewhere;
-    # 0: unknown): a stock prefill's request admitted before the decode found that prefill
-    # restarted is never read from the new instance (kvplan_nixl.vllm.restarts)
-    admitted: float = 0.0
 
 
 @dataclass
@@ -105,7 +80,8 @@ class Scheduler:
         # bounds what a request's params may make the workers pad or derive (transfer_params)
         self.max_model_len = max_model_len
         # which parked loads failed (policy: vLLM's kv_load_failure_policy)
-        self.outcomes = LoadOutcomes(policy)
+        self.stats = KvplanStats()  # num_failed_loads, counted by outcomes
+        self.outcomes = LoadOutcomes(policy, self.stats)
         cfg = kv_cache_config
         self.groups = TransferGroups.from_config(cfg) if cfg is not None else None
         # tokens the decode computes itself: one with a state group (see the module docstring)
@@ -128,6 +104,11 @@ class Scheduler:
         # decode's interval (``kv_lease_duration / 6``, the key NixlConnector reads)
         self.nixl_beat = settings.nixl_heartbeat()
         self.next_beat = 0.0
+
+    def take_stats(self) -> KvplanStats | None:
+        """The counts since the last call (aggregated with the workers' by vLLM), None if
+        none."""
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def new_request(self, request: Any) -> None:
         """Admission: check the request's ``kv_transfer_params`` once (a bad field fails the
@@ -193,11 +174,12 @@ class Scheduler:
         if isinstance(request.kv_transfer_params, dict):
             request.kv_transfer_params["do_remote_prefill"] = False
         end = self._end(request)
-        local = [list(g) for g in blocks.get_block_ids()] if num_external > 0 else []
+        local = (tuple(tuple(g) for g in blocks.get_block_ids()) if num_external > 0
+                 else ())
         if isinstance(src, ParamsError):  # nothing to release: the address is not trusted
             if num_external > 0:
-                self.loads[rid] = Load(rid, remote_req="", engine="", host="", port=0,
-                                       remote_tp=0, remote_ids=[], remote_first=[],
+                self.loads[rid] = Load(req_id=rid, remote_req="", engine="", host="", port=0,
+                                       remote_tp=0, remote_ids=(), remote_first=(),
                                        local_ids=local, start=end - num_external, end=end,
                                        parked=True, refused=str(src))
                 self.outcomes.started(self.loads[rid])
@@ -239,7 +221,7 @@ class Scheduler:
             return {}
         beats: dict[str, list[str]] = {}
         for src in self.sources.values():
-            if isinstance(src, Source) and src.peer == "nixl":
+            if isinstance(src, Source) and src.peer is Peer.NIXL:
                 beats.setdefault(src.engine, []).append(src.remote_req)
         if beats:
             self.next_beat = now + self.nixl_beat
@@ -254,7 +236,7 @@ class Scheduler:
         hand = self.handovers.pop(rid, None)
         if src is not None:  # never scheduled (aborted): free the prefill's blocks
             if isinstance(src, Source):
-                self.loads[rid] = _load(rid, src, [], 0, 0, False, self.groups)
+                self.loads[rid] = _load(rid, src, (), 0, 0, False, self.groups)
             return False, None
         outcome = self.outcomes.finished(rid)
         if outcome is not None:  # a decode whose load failed: its response says so
@@ -299,13 +281,13 @@ class Scheduler:
         }
 
 
-def _load(req_id: str, src: Source, local: list[list[int]], start: int, end: int,
+def _load(req_id: str, src: Source, local: tuple[tuple[int, ...], ...], start: int, end: int,
           parked: bool, groups: TransferGroups | None, admitted: float = 0.0) -> Load:
     """The load of a decode request whose params were checked (``src``); a NixlConnector
     prefill's list offsets derived from the tokens it computed (it hands none)."""
-    ids = [list(g) for g in src.ids] if src.ids is not None else [[]]
-    first = list(src.first) or [0] * len(ids)
-    if src.peer == "nixl" and groups is not None:
+    ids = src.ids if src.ids is not None else ((),)
+    first = src.first or (0,) * len(ids)
+    if src.peer is Peer.NIXL and groups is not None:
         first = groups.offsets(ids, src.tokens)
     return Load(req_id=req_id, remote_req=src.remote_req, engine=src.engine, host=src.host,
                 port=src.port, remote_tp=src.tp, remote_ids=ids, remote_first=first,

@@ -39,7 +39,7 @@ SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_runs",
           "num_descriptors")
 #: Event counts (one entry per event, or a count per report).
 #: ``num_failed_loads`` is counted by the decode's scheduler, once per request whatever the TP
-#: (kvplan_nixl.vllm.outcomes); the other failures by each worker rank that saw them.
+#: (kvplan_nixl.serving.outcomes); the other failures by each worker rank that saw them.
 #: ``num_unconfirmed_pulls``: pulls from a prefill running vLLM's own NixlConnector, used
 #: without a CONFIRM (such a prefill holds no lease of ours: docs/vllm.md, "Migrating a fleet").
 #: ``num_leased_pulls``: pulls reported inside their LEASE, before their CONFIRM (a RETURN,

@@ -1,6 +1,7 @@
 """The worker half of ``KvplanConnector``, one per TP rank: the endpoint, the side channel
-(metadata and hold control), the progress thread, and the rank's parts that move requests:
-pulls (:mod:`.pulling`), pushes to wait for and to write (:mod:`.pushing`).
+(metadata and hold control), the progress thread, and the rank's parts that move requests
+(engine-neutral, in :mod:`kvplan_nixl.serving`): pulls (:mod:`~kvplan_nixl.serving.pulls`),
+pushes to wait for and to write (:mod:`~kvplan_nixl.serving.push_io`).
 
 Never serving freed KV (docs/vllm.md, "Holds, CONFIRM and heartbeats"): a prefill rank holds
 each request under the generation its scheduler chose (:class:`kvplan_nixl.serving.holds.Holds`) and
@@ -28,8 +29,10 @@ from vllm.logger import init_logger
 import kvplan
 from kvplan.adapters.vllm import TransferGroups, spec_from_vllm, vllm_buffers, whole_pages
 from kvplan_nixl.errors import NixlError, NotConnectedError
+from kvplan_nixl.serving import push_digests
 from kvplan_nixl.serving import sidechannel as sc
 from kvplan_nixl.serving.addresses import is_loopback
+from kvplan_nixl.serving.control import Control, Sends
 from kvplan_nixl.serving.handshakes import (
     FAILED,
     AddressConflict,
@@ -39,20 +42,20 @@ from kvplan_nixl.serving.handshakes import (
     identity,
 )
 from kvplan_nixl.serving.locks import FairLock
-from kvplan_nixl.vllm import digests
-from kvplan_nixl.vllm.control import Control, Sends
+from kvplan_nixl.serving.pull_digest_io import Answers
+from kvplan_nixl.serving.pulls import Pulls, tell_unposted
+from kvplan_nixl.serving.push_io import Receives, Writes
+from kvplan_nixl.serving.restarts import Restarts
+from kvplan_nixl.serving.spans import lacking
+from kvplan_nixl.serving.transfer_params import Peer
 from kvplan_nixl.vllm.nixl_peer import NixlPrefills, stock_backend
-from kvplan_nixl.vllm.pull_digest import Answers
-from kvplan_nixl.vllm.pulling import Pulls, tell_unposted
-from kvplan_nixl.vllm.pushing import Receives, Writes
-from kvplan_nixl.vllm.restarts import Restarts
-from kvplan_nixl.vllm.spans import lacking
 from kvplan_nixl.vllm.stats import KvplanStats
 from kvplan_nixl.vllm.versions import advertised, check_peer, local_version, stock_hashes
 
 if TYPE_CHECKING:
-    from kvplan_nixl.vllm.scheduler import KvplanMetadata, Load
-    from kvplan_nixl.vllm.settings import Settings
+    from kvplan_nixl.serving.loads import Load
+    from kvplan_nixl.serving.settings import Settings
+    from kvplan_nixl.vllm.scheduler import KvplanMetadata
 
 # a child of vLLM's logger, so that its handlers and level apply
 logger = init_logger("vllm.kvplan_nixl")
@@ -69,6 +72,7 @@ class Worker:
         self.rank = get_tensor_model_parallel_rank()
         self.secret = c.extra.get("secret")
         self.vllm_version = local_version()  # advertised; a peer's checked at handshake
+        self.check_peer = check_peer(self.vllm_version)  # (serving.rank.Rank.check_peer)
         self.timeout = c.seconds("transfer_timeout_s", 30.0)
         self.hs_timeout = c.seconds("handshake_timeout_s", 5.0)
         self.lease = c.seconds("lease_s", 120.0)
@@ -137,7 +141,7 @@ class Worker:
         self.cuda = first.device.type == "cuda"
         if self.cuda:  # NIXL needs the device: flat views of the buffers
             bufs = {k: _flat(kv_caches, a, n) for k, (a, n) in bufs.items()}
-        self.digester = digests.digester(self.c, spec, self.rank, bufs, self.cuda)
+        self.digester = push_digests.digester(self.c, spec, self.rank, bufs, self.cuda)
         # the vLLM version, signed with the layout: a peer of another version checks the
         # pair at handshake (kvplan_nixl/vllm/versions.py: a rolling upgrade)
         self.ep = Endpoint(self.c.engine_id, spec, self.rank, bufs, secret=self.secret,
@@ -162,7 +166,7 @@ class Worker:
         # without a secret a kvplan prefill's metadata is unsigned: its address is its
         # identity, as a stock prefill's (serving/handshakes.py, "Restarts and identity")
         self.hs = Handshakes(self._hs_connect, lock=self.lock, timeout=self.hs_timeout,
-                             identify=identity(self.secret, check_peer(self.vllm_version)),
+                             identify=identity(self.secret, self.check_peer),
                              retry_after_s=min(5.0, self.lease),
                              warn=lambda m: logger.warning("kvplan: pull %s", m),
                              pin=self.secret is None)
@@ -279,7 +283,7 @@ class Worker:
         # or at its own timeout)
         self.admitted.pop(load.req_id, None)
         self.reporting.pop(load.req_id, None)
-        if not load.push and not load.refused and load.peer == "kvplan":
+        if not load.push and not load.refused and load.peer is Peer.KVPLAN:
             self.ctl.release(load, range(load.remote_tp) if self.rank == 0 else peers)
         if not load.parked:
             return
@@ -416,7 +420,8 @@ def _free_stock(w: Worker, load: Load, *, aborted: bool) -> bool:
     """Tell a NixlConnector prefill this rank has read before (``w.engines``) that ``load``
     will not be read, so that it frees the request's blocks now rather than at its lease:
     ``aborted`` (the request never ran; rank 0 alone calls it) every prefill rank
-    ``<id>:1``, else (every decode rank refused it) as :func:`pulling.tell_unposted` tells.
+    ``<id>:1``, else (every decode rank refused it) as
+    :func:`~kvplan_nixl.serving.pulls.tell_unposted` tells.
     False when the prefill is not connected here (nothing can be sent)."""
     if load.engine not in w.engines:
         if aborted:
@@ -437,19 +442,19 @@ def _ended_early(w: Worker, load: Load) -> bool:
     params were refused (nobody named in them is contacted), a stock prefill's under the
     transfer digest (its KV is never used unchecked), nothing to read (the prefill is let free
     its blocks), a stock request older than its prefill's restart in place
-    (:meth:`~kvplan_nixl.vllm.restarts.Restarts.stale`)."""
+    (:meth:`~kvplan_nixl.serving.restarts.Restarts.stale`)."""
     if load.refused:
         w.fail(load, f"kv_transfer_params refused: {load.refused}")
         return True
-    if load.peer == "nixl" and w.digester is not None:
+    if load.peer is Peer.NIXL and w.digester is not None:
         w.fail(load, "the transfer digest is on, and a NixlConnector prefill cannot digest "
                      "what it served")
         _free_stock(w, load, aborted=False)
         return True
     if not load.local_ids:
-        if w.rank == 0 and load.peer == "kvplan" and not load.push:
+        if w.rank == 0 and load.peer is Peer.KVPLAN and not load.push:
             w.ctl.release(load, range(load.remote_tp))  # (a push's: its lease)
-        elif w.rank == 0 and load.peer == "nixl" and not _free_stock(w, load, aborted=True):
+        elif w.rank == 0 and load.peer is Peer.NIXL and not _free_stock(w, load, aborted=True):
             _owe_stock(w, load, aborted=True)
         return True
     stale = w.restarts.stale(load)
@@ -471,7 +476,7 @@ def _owe_stock(w: Worker, load: Load, *, aborted: bool) -> None:
     told after that, vLLM's prefill logs an ERROR for an unrecognized request. At most
     :data:`MAX_OWED` loads are kept (the oldest dropped: its blocks wait for the lease, as
     before)."""
-    if load.peer != "nixl" or load.push or load.refused or not load.remote_req:
+    if load.peer is not Peer.NIXL or load.push or load.refused or not load.remote_req:
         return
     if load.engine in w.engines:
         _free_stock(w, load, aborted=aborted)
@@ -534,13 +539,13 @@ def _timelines(w: Worker, now: float) -> None:
 def _hs_start(w: Worker, load: Load) -> HandshakeState:
     """Start (or look up) the handshake with ``load``'s prefill: a NixlConnector one's on
     :class:`NixlPrefills`, a kvplan one's on the rank's own :class:`Handshakes`."""
-    if load.peer == "nixl":
+    if load.peer is Peer.NIXL:
         return w.nixl.start(load)
     return w.hs.start(load.engine, load.host, load.port)
 
 
 def _hs_state(w: Worker, load: Load) -> HandshakeState | None:
-    if load.peer == "nixl":
+    if load.peer is Peer.NIXL:
         return w.nixl.state(load)
     return w.hs.state(load.engine, load.host, load.port)
 

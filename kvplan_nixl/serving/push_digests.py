@@ -1,6 +1,6 @@
 """The transfer digest in ``KvplanConnector`` (``kv_connector_extra_config["digest"]``;
 docs/vllm.md, "Transfer digest"): both halves of a push, checked before the decode's first
-token (a pull's: :mod:`kvplan_nixl.vllm.pull_digest`).
+token (a pull's: :mod:`kvplan_nixl.serving.pull_digest_io`).
 
 It rides on the push protocol because that is where both sides already know the runs: the
 prefill rank plans the write (its push map) and adds to its ``PUSHED`` message, which NIXL
@@ -10,32 +10,31 @@ from; each decode rank plans the same request with its pull map from those lists
 blocks, digests what it received from each writer, and fails the request into
 ``kv_load_failure_policy`` on any difference. A pull is checked the other way round (the
 decode reads one-sided, so the prefill learns the decode's blocks only when asked:
-:mod:`kvplan_nixl.vllm.pull_digest`). A layer-wise push is written whole after the forward
+:mod:`kvplan_nixl.serving.pull_digest_io`). A layer-wise push is written whole after the forward
 instead, since the digest is of the finished KV.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from vllm.logger import init_logger
-
 from kvplan import KVPlanError
 from kvplan_nixl.digest import Digester
 from kvplan_nixl.serving.pushes import PUSHED
-from kvplan_nixl.vllm.spans import span
+from kvplan_nixl.serving.spans import span
 
 if TYPE_CHECKING:
     from kvplan import EngineSpec, TransferPlan
+    from kvplan_nixl.serving.loads import Load
     from kvplan_nixl.serving.pushes import PushSend
-    from kvplan_nixl.vllm.rank import Rank
-    from kvplan_nixl.vllm.scheduler import Load
-    from kvplan_nixl.vllm.settings import Settings
+    from kvplan_nixl.serving.rank import Rank
+    from kvplan_nixl.serving.settings import Settings
 
-logger = init_logger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 def digester(settings: Settings, spec: EngineSpec, rank: int, buffers: Mapping[str, Any],
              cuda: bool) -> Digester | None:

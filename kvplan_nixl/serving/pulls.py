@@ -10,11 +10,11 @@ ranks it read proved they held its blocks throughout: by a LEASE each answered y
 read was seen complete, within the lease's margin (reported at once; its CONFIRM, sent as a
 RETURN, follows off the critical path), else by every CONFIRM answered yes (docs/vllm.md,
 "Reporting inside a lease"). LEASE, RENEW, CONFIRM and RETURN run on the rank's
-:class:`kvplan_nixl.vllm.control.Control` pool, never on the engine step. With the transfer
+:class:`kvplan_nixl.serving.control.Control` pool, never on the engine step. With the transfer
 digest on, the report waits for each prefill rank's digest of what it read, and no CONFIRM is
-sent for a read that does not match (:mod:`kvplan_nixl.vllm.pull_digest`).
+sent for a read that does not match (:mod:`kvplan_nixl.serving.pull_digest_io`).
 
-A prefill running vLLM's own NixlConnector (``load.peer == "nixl"``) speaks its own protocol
+A prefill running vLLM's own NixlConnector (``load.peer is Peer.NIXL``) speaks its own protocol
 instead, over NIXL notifications (``pull_worker.py``): no RENEW, CONFIRM or RELEASE; while the
 read is in flight ``HB:<its request id>`` every ``kv_lease_duration / 6`` (NixlConnector's key
 and interval; before, while queued, the scheduler's ``KvplanMetadata.beats``) extends its
@@ -30,26 +30,26 @@ own timeout, with nothing that says which came first.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from vllm.logger import init_logger
-
+from kvplan_nixl.serving import pull_digest_io
+from kvplan_nixl.serving.control import UNKNOWN_VERB
 from kvplan_nixl.serving.holds import Verdict
 from kvplan_nixl.serving.pull_digests import parse_answer
-from kvplan_nixl.vllm import pull_digest
-from kvplan_nixl.vllm.control import UNKNOWN_VERB
-from kvplan_nixl.vllm.pull import ASKING, Lease, LeaseSlot, LeaseState, Pull
-from kvplan_nixl.vllm.spans import lacking, span
+from kvplan_nixl.serving.pull_state import ASKING, Lease, LeaseSlot, LeaseState, Pull
+from kvplan_nixl.serving.spans import lacking, span
+from kvplan_nixl.serving.transfer_params import Peer
 
 if TYPE_CHECKING:
     from kvplan_nixl.notifications import Notification
+    from kvplan_nixl.serving.loads import Load
+    from kvplan_nixl.serving.rank import Rank
     from kvplan_nixl.serving.sidechannel import SentLease
-    from kvplan_nixl.vllm.rank import Rank
-    from kvplan_nixl.vllm.scheduler import Load
 
-logger = init_logger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 #: How far the two hosts' monotonic clocks may differ in rate (NTP slews a clock by at most
 #: 500 ppm): the pin a prefill grants for ``pin`` of its seconds lasts at least
@@ -86,7 +86,7 @@ class Pulls:
             t0 = time.perf_counter()
             t = w.ep.read(plan, load.engine, timeout=w.timeout)
         except Exception:  # refused before anything was posted: the caller fails the load
-            if load.peer == "nixl":
+            if load.peer is Peer.NIXL:
                 tell_unposted(w, load, tmap.peers, counts)
             raise
         post_s = time.perf_counter() - t0
@@ -99,13 +99,13 @@ class Pulls:
                     w.rank, blocks, start, end, plan.nbytes, len(plan), list(tmap.peers),
                     load.end, "+".join(w.groups.kinds))
         unread = [p for p, n in enumerate(counts) if n == 0]
-        if w.rank == 0 and unread and load.peer == "nixl":  # nobody reads them: free them now
+        if w.rank == 0 and unread and load.peer is Peer.NIXL:  # nobody reads them: free them now
             _tell(w, load, unread, f"{load.remote_req}:1")
         elif w.rank == 0 and unread:  # prefill ranks nobody reads: release them now
             w.ctl.release(load, unread)
         # a pull shorter than heartbeat_s (the usual one) sends no RENEW at all; a
         # NixlConnector prefill's is beaten at once (its queued beats stopped at scheduling)
-        beat = time.monotonic() + (0.0 if load.peer == "nixl" else w.heartbeat)
+        beat = time.monotonic() + (0.0 if load.peer is Peer.NIXL else w.heartbeat)
         self.inflight[load.req_id] = Pull(
             load, t, counts, tuple(tmap.peers), post_s, len(plan), sum(t.runs().values()), beat,
             admitted=w.admitted.get(load.req_id, started), started=started, posted=posted,
@@ -116,7 +116,7 @@ class Pulls:
         prefill, leases on, not known to lack LEASE); the slot its answers fill."""
         w = self.w
         slot = LeaseSlot()
-        if load.peer != "kvplan" or not w.lease_pin or not peers \
+        if load.peer is not Peer.KVPLAN or not w.lease_pin or not peers \
                 or self.no_lease.get(load.engine, 0.0) > now:
             return slot
         slot.value = ASKING
@@ -144,7 +144,7 @@ class Pulls:
                 # taken after the poll that saw it: the read ended before this time (``now``
                 # came before the poll, maybe before the read ended; a lease needs after)
                 p.seen_done = time.monotonic()
-            if p.load.peer == "nixl":
+            if p.load.peer is Peer.NIXL:
                 self._nixl(req_id, p, now)
                 continue
             if not p.t.done:
@@ -170,7 +170,7 @@ class Pulls:
                 del self.inflight[req_id]
                 w.stats.record("num_failed_transfers")
                 # the prefill may have died or restarted in place: connected afresh and read
-                # once more if it answers with new agents (kvplan_nixl.vllm.restarts), else
+                # once more if it answers with new agents (kvplan_nixl.serving.restarts), else
                 # failed; either way the next request handshakes again
                 if not w.restarts.connect_again(p.load, p.t.error(), p.peers):
                     w.fail(p.load, str(p.t.error()), p.peers)
@@ -191,7 +191,7 @@ class Pulls:
             w.stats.record("num_failed_transfers")
             # it may have restarted in place: forgotten, so that the next request connects
             # afresh; this one fails (a stock prefill confirms nothing: the new instance may
-            # not hold its blocks, kvplan_nixl.vllm.restarts)
+            # not hold its blocks, kvplan_nixl.serving.restarts)
             w.restarts.connect_again(load, p.t.error(), p.peers)
             w.fail(load, str(p.t.error()), p.peers)
             return
@@ -216,17 +216,17 @@ class Pulls:
         if not p.asked_until:
             p.asked_until, p.seen_done = now + w.timeout, p.seen_done or now
             try:
-                pull_digest.ask(w, p)
+                pull_digest_io.ask(w, p)
             except Exception as e:  # cannot ask: never used unchecked
                 p.digests = {r: (None, f"not asked: {type(e).__name__}: {e}") for r in p.peers}
             # while the prefill ranks digest their side (the two sides in parallel), on a
             # thread of its own: the engine step never waits for it
             if self.pool is None:
                 self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvplan-digest")
-            p.received = self.pool.submit(pull_digest.received, w, p)
+            p.received = self.pool.submit(pull_digest_io.received, w, p)
         if (len(p.digests) < len(p.peers) and now < p.asked_until) or not p.received.done():
             return False
-        why = pull_digest.check(w, p, p.digests)
+        why = pull_digest_io.check(w, p, p.digests)
         if why is None:
             p.verified = True
             return True

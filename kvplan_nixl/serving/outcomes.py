@@ -14,13 +14,14 @@ OpenAI server returns in its response.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
-from vllm.logger import init_logger
+if TYPE_CHECKING:
+    from kvplan_nixl.serving.loads import Load
+    from kvplan_nixl.serving.rank import Stats
 
-from kvplan_nixl.vllm.stats import KvplanStats
-
-logger = init_logger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 #: The key of a decode request's final ``kv_transfer_params`` whose KV load failed.
 FAILED_KEY = "kvplan_load_failed"
@@ -29,16 +30,14 @@ FAILED_KEY = "kvplan_load_failed"
 class LoadOutcomes:
     """The scheduler's record of its parked loads until the workers report them."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, stats: Stats) -> None:
         self.policy = policy  # vLLM's kv_load_failure_policy: "recompute" or "fail"
-        # a scheduler Load each (typed Any: the scheduler imports this module)
-        self.pending: dict[str, tuple[Any, frozenset[int]]] = {}
+        self.pending: dict[str, tuple[Load, frozenset[int]]] = {}
         self.failed: dict[str, dict[str, Any]] = {}
-        self.stats = KvplanStats()
+        self.stats = stats  # the scheduler's counts (num_failed_loads), its engine's kind
 
-    def started(self, load: Any) -> None:
-        """``load`` (a :class:`~kvplan_nixl.vllm.scheduler.Load`; parked: the request waits
-        for it) goes to the workers this step."""
+    def started(self, load: Load) -> None:
+        """``load`` (parked: the request waits for it) goes to the workers this step."""
         if load.parked:
             blocks = frozenset(int(b) for g in load.local_ids[:1] for b in g)
             self.pending[load.req_id] = (load, blocks)
@@ -57,7 +56,7 @@ class LoadOutcomes:
             elif req in done:
                 del self.pending[req]
 
-    def _failed(self, load: Any) -> None:
+    def _failed(self, load: Load) -> None:
         what = "recomputes its prompt" if self.policy == "recompute" else "fails the request"
         refused = getattr(load, "refused", "")
         if refused:  # its params never named a trusted address: nobody was contacted
@@ -81,8 +80,3 @@ class LoadOutcomes:
         self.pending.pop(req_id, None)
         why = self.failed.pop(req_id, None)
         return None if why is None else {FAILED_KEY: why}
-
-    def take_stats(self) -> KvplanStats | None:
-        """The count since the last call (aggregated with the workers' by vLLM), None if
-        none."""
-        return None if self.stats.is_empty() else self.stats.clone_and_reset()

@@ -20,14 +20,14 @@ the network.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.logger import init_logger
-
 from kvplan_nixl.errors import DeadlinePassed
 from kvplan_nixl.notifications import Notification
+from kvplan_nixl.serving import push_digests
 from kvplan_nixl.serving.handshakes import Handshakes, identity
 from kvplan_nixl.serving.pushes import (
     PUSHED,
@@ -41,15 +41,13 @@ from kvplan_nixl.serving.pushes import (
     parse_done,
     push_done,
 )
-from kvplan_nixl.vllm import digests
-from kvplan_nixl.vllm.spans import span
-from kvplan_nixl.vllm.versions import check_peer
+from kvplan_nixl.serving.spans import span
 
 if TYPE_CHECKING:
-    from kvplan_nixl.vllm.rank import Rank
-    from kvplan_nixl.vllm.scheduler import Load
+    from kvplan_nixl.serving.loads import Load
+    from kvplan_nixl.serving.rank import Rank
 
-logger = init_logger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 @dataclass
 class Receive:
@@ -142,7 +140,7 @@ class Receives:
 
     def _done(self, r: Receive, now: float) -> None:
         del self.waiting[r.load.req_id]
-        why = None if self.w.digester is None else digests.check(self.w, r.load, r.got)
+        why = None if self.w.digester is None else push_digests.check(self.w, r.load, r.got)
         if why is not None:  # before its first token: the policy recomputes or fails it
             self._fail(r, why)
             return
@@ -209,8 +207,7 @@ class Writes:
         self.layers: dict[str, Layered] = {}
         self.open = False  # a layer-wise push of this step's forward is open (forward thread)
         self.hs = Handshakes(self._connect, lock=worker.lock, timeout=worker.hs_timeout,
-                             identify=identity(worker.secret,
-                                               check_peer(worker.vllm_version)),
+                             identify=identity(worker.secret, worker.check_peer),
                              retry_after_s=min(5.0, worker.lease),
                              warn=lambda m: logger.warning("kvplan: push %s", m))
         self.owed = Owed(worker, self.hs)  # PUSHFAILs for refused registrations
@@ -448,7 +445,7 @@ class Writes:
             self._end(m.send)
             return
         targets = plan.peers
-        msg = digests.sign(w.digester, plan, m.send, msg)
+        msg = push_digests.sign(w.digester, plan, m.send, msg)
         t0 = time.perf_counter()
         # the deadline ends the write inside the registration's window: never a late write
         left = m.valid_until - time.monotonic()

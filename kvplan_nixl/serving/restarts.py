@@ -36,20 +36,21 @@ admission time is unknown (``Load.admitted`` 0).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.logger import init_logger
+from kvplan_nixl.serving.transfer_params import Peer
 
 if TYPE_CHECKING:
     from kvplan_nixl.serving.handshakes import HandshakeState
-    from kvplan_nixl.vllm.rank import Rank
-    from kvplan_nixl.vllm.scheduler import Load
+    from kvplan_nixl.serving.loads import Load
+    from kvplan_nixl.serving.rank import Rank
 
 __all__ = ["Again", "Restarts"]
 
-logger = init_logger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,12 @@ class Restarts:
         why = f"{type(error).__name__}: {error}"
         agents = self.agents(load.engine)  # what it failed with (none: its peer had gone)
         self.forget(load.engine)
-        if load.peer == "nixl" and agents:  # the latest failure with these agents: a leg
+        if load.peer is Peer.NIXL and agents:  # the latest failure with these agents: a leg
             # admitted before it may have run on them even if an earlier failure was no restart
             self.suspect.pop(load.engine, None)
             _bounded(self.suspect)
             self.suspect[load.engine] = (time.time(), agents)
-        if load.push or load.peer != "kvplan" or load.req_id in self.again \
+        if load.push or load.peer is not Peer.KVPLAN or load.req_id in self.again \
                 or isinstance(error, TimeoutError):
             self.again.pop(load.req_id, None)
             return False
@@ -138,7 +139,7 @@ class Restarts:
         if st.failed:
             self.again.pop(load.req_id, None)
             return f"{was}handshake failed: {st.reason}{dialled}", peers
-        if load.peer == "nixl":
+        if load.peer is Peer.NIXL:
             self._settle_suspect(load.engine)
             stale = self.stale(load)
             if stale is not None:
@@ -170,7 +171,7 @@ class Restarts:
         """Why stock ``load`` must not be read (its prefill leg may have run on an instance of
         its prefill that was found gone after the request was admitted), or None."""
         gone = self.gone_at.get(load.engine)
-        if load.peer != "nixl" or gone is None or not 0 < load.admitted < gone:
+        if load.peer is not Peer.NIXL or gone is None or not 0 < load.admitted < gone:
             return None
         return (f"StaleStockRequest: NixlConnector prefill {load.engine!r} restarted in place; "
                 f"a read from its old instance failed {gone - load.admitted:.3f} s after this "

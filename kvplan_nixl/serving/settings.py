@@ -87,7 +87,7 @@ class Settings:
 
     def digest(self) -> bool:
         """``extra["digest"]``: check every push and pull with a transfer digest (true / false,
-        default false; :mod:`kvplan_nixl.vllm.digests`, :mod:`kvplan_nixl.vllm.pull_digest`)."""
+        default false; :mod:`.push_digests`, :mod:`.pull_digest_io`)."""
         v = self.extra.get("digest", False)
         if not isinstance(v, bool):
             raise ValueError(f"kv_connector_extra_config['digest'] must be true or false, got "

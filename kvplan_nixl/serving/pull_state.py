@@ -1,6 +1,6 @@
 """One request's pull on one decode rank (:class:`Pull`): the state that
-:class:`kvplan_nixl.vllm.pulling.Pulls` keeps per request and
-:mod:`kvplan_nixl.vllm.pull_digest` reads and fills, in a module of its own so that neither
+:class:`kvplan_nixl.serving.pulls.Pulls` keeps per request and
+:mod:`kvplan_nixl.serving.pull_digest_io` reads and fills, in a module of its own so that neither
 of those two imports the other for it; and what its LEASEs proved (:class:`Lease`).
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvplan_nixl.digest import Digest
-    from kvplan_nixl.vllm.scheduler import Load
+    from kvplan_nixl.serving.loads import Load
 
 
 class LeaseState(enum.Enum):

@@ -8,11 +8,10 @@ behind a RELEASE (the class docstring says why).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
-
-from vllm.logger import init_logger
 
 from kvplan_nixl.errors import ArgumentError, ExecutorError
 from kvplan_nixl.serving import sidechannel as sc
@@ -21,9 +20,9 @@ from kvplan_nixl.serving.host_pools import HostPool
 from kvplan_nixl.serving.locks import FairLock
 
 if TYPE_CHECKING:
-    from kvplan_nixl.vllm.scheduler import Load
+    from kvplan_nixl.serving.loads import Load
 
-logger = init_logger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 #: Side channel server counters that are dropped messages (``num_side_channel_dropped``).
 DROPPED = ("malformed", "unsigned", "forged", "replayed", "oversized")

@@ -1,14 +1,14 @@
 """The transfer digest of a pull in ``KvplanConnector`` (``kv_connector_extra_config["digest"]``;
 docs/vllm.md, "Transfer digest"): both sides, the words in :mod:`kvplan_nixl.serving.pull_digests`.
 
-- Decode (:func:`ask`, :func:`check`, called by :class:`kvplan_nixl.vllm.pulling.Pulls`): once
+- Decode (:func:`ask`, :func:`check`, called by :class:`kvplan_nixl.serving.pulls.Pulls`): once
   a read completed, each prefill rank it read is asked (``DIGASK``) for the digest of what this
   rank read from it; the CONFIRM waits until every answer came (or ``transfer_timeout_s``), and
   a missing, refused, malformed or different digest fails the request into
   ``kv_load_failure_policy`` before its first token, never CONFIRMed as used.
 - Prefill (:class:`Answers`): keeps its own handed lists of each pull send it holds (the
   scheduler sends them with the digest on), connects the asking decode in push mode (the
-  push's verified handshakes, :attr:`kvplan_nixl.vllm.pushing.Writes.hs`), plans the request
+  push's verified handshakes, :attr:`kvplan_nixl.serving.push_io.Writes.hs`), plans the request
   with its push map from its lists and the decode's blocks, digests its side while the hold is
   live (checked before and after), and answers ``DIGEST``. A prefill with the digest off
   answers that it is off, so the decode fails by name instead of at its timeout.
@@ -22,29 +22,28 @@ for them.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.logger import init_logger
-
 from kvplan import KVPlanError
 from kvplan_nixl.digest import Digest
 from kvplan_nixl.notifications import Notification
 from kvplan_nixl.serving.holds import Verdict
 from kvplan_nixl.serving.pull_digests import DIGASK, DigestAsk, digest_answer
-from kvplan_nixl.vllm.spans import span
+from kvplan_nixl.serving.spans import span
 
 if TYPE_CHECKING:
     from kvplan import TransferPlan
     from kvplan_nixl.serving.handshakes import Handshakes
+    from kvplan_nixl.serving.pull_state import Pull
     from kvplan_nixl.serving.pushes import PushSend
-    from kvplan_nixl.vllm.pull import Pull
-    from kvplan_nixl.vllm.rank import Rank
+    from kvplan_nixl.serving.rank import Rank
 
-logger = init_logger("vllm.kvplan_nixl")
+logger = logging.getLogger(__name__)
 
 #: Questions a prefill rank keeps waiting for their decode's handshake at most (beyond,
 #: dropped with a warning: that decode fails the request at its timeout).
