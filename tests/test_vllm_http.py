@@ -822,41 +822,47 @@ def test_dense_behind_vllm_router_two_prefills_two_decodes_a_killed_decode(sets,
                 time.sleep(0.02)
             killed_after, killed_at = len(answers), time.monotonic()
             s.drop("decode-1")
+            # marked down within its health checks, while the client's requests keep coming
+            deadline = time.monotonic() + 30
+            while True:
+                w = s.http("a", f"http://{a}:{KILLD_PORT}/workers", None, timeout=10)
+                down = [x["url"] for x in json.loads(w["body"])["workers"]
+                        if not x["is_healthy"]]
+                if down == [d1]:
+                    break
+                assert time.monotonic() < deadline, f"router's workers after the kill: {w}"
+                time.sleep(0.2)
+            marked = time.monotonic() - killed_at
         finally:
             th.join(timeout=600)
         assert len(answers) == k, f"{len(answers)} of {k} answered"
         ok: list[tuple[int, str]] = []
         failed: list[int] = []
-        bodies = set()
-        for i, r, _, _ in answers:
+        for i, r, sent, _ in answers:
             if r["status"] == 200:
                 got = json.loads(r["body"])["choices"][0]["token_ids"]
                 assert got == plain[i], f"request {i}: {got} != plain run {plain[i]}"
                 ok.append((i, routed_to(r)))
+                # sent once the router had marked decode-1 down: the survivor's
+                assert sent < killed_at + marked or ok[-1][1] == d0, (i, ok[-1])
             else:
                 assert r["status"] == 500 and f"Decode request failed to {d1}/v1/completions" \
                     in r["body"], f"request {i}: HTTP {r['status']}: {r['body'][:300]}"
                 assert i >= killed_after, f"request {i} failed before the kill: {r['body']}"
+                assert sent < killed_at + marked, f"request {i} failed after the marking"
                 failed.append(i)
-                bodies.add(r["body"][:400])
-        print(f"decode-1 killed after {killed_after} of {k} answers: {len(ok)} answered 200, "
-              f"equal to the plain run ({sum(d == d0 for _, d in ok)} by {d0}); "
-              f"{len(failed)} answered 500 naming {d1} (requests {failed}):")
-        for body in sorted(bodies):
-            print(f"  500: {body}")
+        print(f"decode-1 killed after {killed_after} of {k} answers, marked down by "
+              f"router-killd {marked:.1f} s after the kill: {len(ok)} answered 200, equal to the "
+              f"plain run ({sum(d == d0 for _, d in ok)} by {d0}); {len(failed)} answered 500 "
+              f"naming {d1}. By request:")
+        for i, r, sent, _ in answers:
+            print(f"  {i}: sent {sent - killed_at:+.1f} s after the kill, "
+                  + (f"200 from {routed_to(r)}" if r["status"] == 200 else
+                     f"{r['status']}: {r['body'][:400]}"))
         assert failed, f"no request met the killed decode: {ok}"
         assert not [x for x in s.lines("decode")[since_d:] if FAILED.search(x)]
 
-        # marked down within its health checks: then every request goes to the survivor
-        deadline = time.monotonic() + 30
-        while True:
-            w = s.http("a", f"http://{a}:{KILLD_PORT}/workers", None, timeout=10)
-            down = [x["url"] for x in json.loads(w["body"])["workers"] if not x["is_healthy"]]
-            if down == [d1]:
-                break
-            assert time.monotonic() < deadline, f"router's workers after the kill: {w['body']}"
-            time.sleep(0.5)
-        marked = time.monotonic() - killed_at
+        # then every request goes to the survivor
         later = set()
         for i in range(3):
             since = {"prefill-1": len(s.lines("prefill-1"))}
@@ -864,8 +870,8 @@ def test_dense_behind_vllm_router_two_prefills_two_decodes_a_killed_decode(sets,
             assert got["decode"] == "decode" and len(got["remote"]) == 1, got
             assert s.released_by(got["remote"][0], ("prefill-1",), since) == "prefill-1"
             later.add(got["remote"][0])
-        print(f"decode-1 marked down by router-killd {marked:.1f} s after the kill; 3 requests "
-              f"then, each served by {d0}, pulled and equal to the plain run")
+        print(f"3 requests after the marking, each served by {d0}, pulled and equal to the "
+              f"plain run")
 
         # every request of the run held by prefill-1 once (its prefill leg ran there): a
         # 200's hold ended by its CONFIRM, a failed leg's by the lease
