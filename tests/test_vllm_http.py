@@ -16,7 +16,9 @@ mode is per request):
 vLLM's own router, vllm-router (tests/router_env.py), runs in front of the dense set too, with
 a second prefill beside the first: requests spread over both, a decode leg that fails (the
 prefill's hold then freed by its lease: the router sends no RELEASE), a prefill killed while
-requests come (docs/vllm.md, "In front: vllm-router, or the project's proxy").
+requests come; then with a second decode beside the first too: requests spread over both
+prefills and both decodes, a decode killed while requests come (docs/vllm.md, "In front:
+vllm-router, or the project's proxy").
 
 Each answer through the proxy must equal the plain run (the same body straight to the prefill),
 no transfer may have failed (equal tokens alone would follow a recompute), and the veth's
@@ -166,12 +168,13 @@ class Serving:
     def lines(self, role: str) -> list[str]:
         return self.logs[role].read_text(errors="replace").splitlines()
 
-    def moved(self, since: int) -> int:
-        """Bytes the decode's ranks logged as pulled or pushed to them, past line ``since``. A
-        pull posted again on a fresh connection (its first post met a restarted prefill's old
-        agent: ``restarts.py``) logs its line twice and counts once, its last."""
+    def moved(self, since: int, role: str = "decode") -> int:
+        """Bytes the decode's ranks logged as pulled or pushed to them, past line ``since`` (of
+        ``role``'s log: a second decode's is ``decode-1``). A pull posted again on a fresh
+        connection (its first post met a restarted prefill's old agent: ``restarts.py``) logs
+        its line twice and counts once, its last."""
         got = {}
-        for x in self.lines("decode")[since:]:
+        for x in self.lines(role)[since:]:
             if m := MOVED.search(x):
                 got[m.group(1, 2) if m.group(1) else m.group(0)] = int(m.group(3) or m.group(4))
         return sum(got.values())
@@ -203,25 +206,32 @@ class Serving:
         no failed transfer, and at least the moved bytes on the link. Returns the numbers."""
         return self.via(self.url(MODES[mode]), ids, what)
 
-    def via(self, url: str, ids: list[int], what: str) -> dict:
+    def via(self, url: str, ids: list[int], what: str,
+            decodes: tuple[str, ...] = ("decode",)) -> dict:
         """:meth:`via_proxy` through the front at ``url`` (a proxy's or a router's). Also
-        returns the prefill's request ids the decode pulled (``remote``: its pull lines')."""
+        returns the prefill's request ids the decode pulled (``remote``: its pull lines'), and
+        which of the decodes ``decodes`` (roles, all on host B) did: exactly one logged bytes
+        moved (``decode``)."""
         plain = self.complete(self.url(self.s.http_ports[0]), ids, f"{what} plain run")
-        since, rx = len(self.lines("decode")), self.rx()
+        since, rx = {d: len(self.lines(d)) for d in decodes}, self.rx()
         got = self.complete(url, ids, what)
         assert got == plain, f"{what}: tokens {got} != plain run {plain}{self.tails()}"
         # a push decode logs its write once its PUSHED came, which may trail the answer
         deadline = time.monotonic() + 10
-        while (n := self.moved(since)) == 0 and time.monotonic() < deadline:
+        while not any((moved := {d: self.moved(since[d], d) for d in decodes}).values()) \
+                and time.monotonic() < deadline:
             time.sleep(0.2)
         crossed = self.rx() - rx
-        failed = [x for x in self.lines("decode")[since:] if FAILED.search(x)]
+        failed = [x for d in decodes for x in self.lines(d)[since[d]:] if FAILED.search(x)]
         assert not failed, f"{what}: {failed}{self.tails()}"
-        assert n > 0, f"{what}: the decode logged no bytes moved{self.tails()}"
+        served = [d for d, n in moved.items() if n]
+        assert served, f"{what}: the decode logged no bytes moved{self.tails()}"
+        assert len(served) == 1, f"{what}: decodes {served} all logged bytes moved"
+        d, n = served[0], moved[served[0]]
         assert crossed >= n, f"{what}: {crossed} bytes crossed the veth < {n} moved"
-        remote = sorted({m.group(1) for x in self.lines("decode")[since:]
+        remote = sorted({m.group(1) for x in self.lines(d)[since[d]:]
                          if (m := PULLED_FROM.search(x))})
-        return {"moved": n, "crossed": crossed, "remote": remote}
+        return {"moved": n, "crossed": crossed, "remote": remote, "decode": d}
 
     def kv_usage(self, role: str = "prefill", **at: tuple[str, int]) -> float:
         """``vllm:kv_cache_usage_perc`` of ``role``'s engine (its ``/metrics``, from its host):
@@ -500,7 +510,8 @@ def test_dense_behind_vllm_router_two_prefills_a_dead_decode_leg_a_killed_prefil
       orchestrator restarts a crashed pod): the router marks it healthy, and requests again
       reach both prefills, each pulled from the incarnation that served its prefill leg.
 
-    The set stays alive (the second prefill, the routers and the stand-in are this test's)."""
+    The set stays alive (the routers and the stand-in are this test's); so does the second
+    prefill where the test passed, for the two-decode test that follows."""
     try:
         binary = router_env.ensure()
     except router_env.EnvUnavailable as e:
@@ -514,6 +525,7 @@ def test_dense_behind_vllm_router_two_prefills_a_dead_decode_leg_a_killed_prefil
     router, deadleg = (f"http://{a}:{p}/v1/completions" for p in (ROUTER_PORT, DEADLEG_PORT))
     prefills = ("prefill", "prefill-1")
     pool.make_room(ENGINE_GIB[1])
+    passed = False
     try:
         env, argv = second_prefill(s)
         s._spawn("prefill-1", "a", argv, env, s.workdir)
@@ -650,8 +662,265 @@ def test_dense_behind_vllm_router_two_prefills_a_dead_decode_leg_a_killed_prefil
               f"requests served by {served}, each pulled and equal to the plain run")
         print(f"vllm-router test: the second prefill started in {started:.0f} s, the test "
               f"took {time.monotonic() - t0:.0f} s with it (the set's start not counted)")
+        passed = True
     finally:
-        for role in ("router", "router-deadleg", "fake-decode", "prefill-1"):
+        # the second prefill, healthy once the test passed, is left for the next test's
+        # routers (one engine start less); otherwise it goes with the rest
+        for role in ("router", "router-deadleg", "fake-decode",
+                     *(() if passed else ("prefill-1",))):
+            if role in s.procs:
+                s.drop(role)
+
+
+#: the two-decode test's: a second decode on host B beside the first (core 1, its own HTTP
+#: and side channel ports, the router's lease), ``router-2d`` over both prefills and both
+#: decodes, ``router-killd`` over the second prefill (the one with the router's lease) and both
+#: decodes, the decode killed under it
+SECOND_DECODE = {"http": 8201, "side": 5810}
+ROUTER2D_PORT, KILLD_PORT = 8012, 8013
+#: the ids vllm-router gives a request (its X-Request-Id, in vLLM's completion id ``cmpl-ID``
+#: and at the head of the prefill's request id): the prefill and the decode it chose
+ROUTED = re.compile(r"___prefill_addr_(\S+?)___decode_addr_(\S+?)_[0-9a-f]{32}")
+HOLD_ENDED = re.compile(r"kvplan: prefill req=(\S+) (lease of \S+ s ran out|released)")
+
+
+def second_decode(s: Serving) -> tuple[dict, list[str]]:
+    """(environment, argv) of a second decode beside the set's, built by pd_serve as the
+    first is, with its own HTTP and side channel ports and ``lease_s``."""
+    setup = dataclasses.replace(
+        s.s, http_ports=(s.s.http_ports[0], SECOND_DECODE["http"], s.s.http_ports[2]),
+        side_ports=(s.s.side_ports[0], SECOND_DECODE["side"]),
+        extra_config={**s.s.extra_config, "lease_s": ROUTER_LEASE_S})
+    env, argv = pd_serve.engine_command(setup, "decode")
+    return {**env, "HF_HUB_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN",
+            "TORCHINDUCTOR_CACHE_DIR": str(s.workdir / f"inductor-{s.name}-decode-1"),
+            "VLLM_CACHE_ROOT": str(cache_root(s.workdir, f"{s.name}-decode-1"))}, argv
+
+
+def routed_to(r: dict) -> str | None:
+    """The decode (``http://HOST:PORT``) a 200 from vllm-router came from, by its id."""
+    if r["status"] != 200:
+        return None
+    rid = json.loads(r["body"])["id"]
+    m = ROUTED.search(rid)
+    assert m, f"the router's answer's id {rid!r} names no decode"
+    return f"http://{m.group(2)}"
+
+
+@pytest.mark.engines("http")
+def test_dense_behind_vllm_router_two_prefills_two_decodes_a_killed_decode(sets, pool):
+    """vllm-router 0.1.17 over two prefills and two decodes of the llama set, pull mode, on
+    the two hosts: the set's prefill and decode, the second prefill the previous test left
+    (started here when run alone), and a second decode on host B, ``decode-1``. Four engines
+    on two cores: both prefills pinned to core 0 on host A, both decodes to core 1 on host B;
+    they carry requests sent one at a time (the set's proxies, the routers and the clients
+    share the cores unpinned).
+
+    - requests through ``router-2d`` (round robin) reach both prefills and both decodes, each
+      answer equal to the plain run, its KV pulled by the decode that served it (bytes logged
+      moved there and crossing the veth, no failed transfer), its hold ended by that
+      decode's CONFIRM on the prefill that served its prefill leg;
+    - ``decode-1`` SIGKILLed (API server, engine core, worker) while a client sends requests
+      in a row through ``router-killd`` (the second prefill, both decodes; health checks
+      every 2 s, 2 failures: docs/vllm.md): killed right after an answer the surviving decode
+      gave, so that the next request, which round robin sends to ``decode-1``, meets it dead.
+      Every 200 equal to the plain run; every other answer a 500 naming ``decode-1`` (no
+      retry to the other decode in P/D mode); the prefill's hold of each request whose
+      decode leg failed ends by its lease (30 s, not by a RELEASE: the router sends none),
+      logged ``lease of 30 s ran out`` no sooner than the lease after the request was sent
+      and within 15 s after the lease from the router's 500, and its KV usage back to idle;
+      the holds of the 200s end by their CONFIRMs (``released``);
+    - once the router's health checks marked ``decode-1`` down, every request goes to the
+      surviving decode and pulls its KV.
+
+    The set stays alive (the second prefill, the second decode and the routers are this
+    test's: stopped at its end)."""
+    try:
+        binary = router_env.ensure()
+    except router_env.EnvUnavailable as e:
+        print(f"skipped: vllm-router unavailable: {e}")
+        pytest.skip(f"vllm-router unavailable: {e}")
+    s = sets("llama")
+    t0 = time.monotonic()  # the set's own start (if this test is its first) not counted
+    a, b = netns.ADDRS["a"], netns.ADDRS["b"]
+    p0, p1 = f"http://{a}:{s.s.http_ports[0]}", f"http://{a}:{SECOND['http']}"
+    d0, d1 = f"http://{b}:{s.s.http_ports[1]}", f"http://{b}:{SECOND_DECODE['http']}"
+    router, killd = (f"http://{a}:{p}/v1/completions" for p in (ROUTER2D_PORT, KILLD_PORT))
+    prefills, decodes = ("prefill", "prefill-1"), ("decode", "decode-1")
+    stop = threading.Event()
+    try:
+        pool.make_room(ENGINE_GIB[1])
+        env, argv = second_decode(s)
+        s._spawn("decode-1", "b", argv, env, s.workdir)
+        reused = "prefill-1" in s.procs and s.procs["prefill-1"].poll() is None
+        if not reused:  # run alone, or the previous test failed: started here
+            if "prefill-1" in s.procs:
+                s.drop("prefill-1")
+            pool.make_room(ENGINE_GIB[1])
+            penv, pargv = second_prefill(s)
+            s._spawn("prefill-1", "a", pargv, penv, s.workdir)
+        s.wait_health("prefill-1", "a", SECOND["http"])
+        s.wait_health("decode-1", "b", SECOND_DECODE["http"])
+        started = time.monotonic() - t0
+        s._spawn("router-2d", "a", router_command(binary, [p0, p1], [d0, d1], ROUTER2D_PORT,
+                                                  ROUTER_HEALTH), {}, s.workdir)
+        s._spawn("router-killd", "a", router_command(binary, [p1], [d0, d1], KILLD_PORT,
+                                                     ROUTER_HEALTH), {}, s.workdir)
+        s.wait_health("router-2d", "a", ROUTER2D_PORT)
+        s.wait_health("router-killd", "a", KILLD_PORT)
+
+        # both prefills and both decodes serve, each request pulled by the decode it went to
+        pairs: dict[tuple[str, str], int] = {}
+        for i in range(4):
+            since = {p: len(s.lines(p)) for p in prefills}
+            got = s.via(router, prompt(9600 + i, N), f"two decodes, request {i}", decodes)
+            assert len(got["remote"]) == 1, got
+            pair = (s.released_by(got["remote"][0], prefills, since), got["decode"])
+            pairs[pair] = pairs.get(pair, 0) + 1
+        print(f"vllm-router over two prefills and two decodes: 4 requests, (prefill, decode) "
+              f"pairs {pairs}, each pulled and equal to the plain run")
+        assert {p for p, _ in pairs} == set(prefills), f"a prefill served nothing: {pairs}"
+        assert {d for _, d in pairs} == set(decodes), f"a decode served nothing: {pairs}"
+
+        # decode-1 killed while requests keep coming through router-killd. The second
+        # prefill's hold ends are watched from here on, each with the moment it was seen
+        since1, since_d = len(s.lines("prefill-1")), len(s.lines("decode"))
+        ends: dict[str, tuple[str, float]] = {}  # by request id: how, when seen
+        ends_lock = threading.Lock()
+
+        def watch() -> None:
+            while not stop.wait(0.2):
+                lines = s.lines("prefill-1")[since1:]
+                with ends_lock:
+                    for x in lines:
+                        if (m := HOLD_ENDED.search(x)) and m.group(1) not in ends:
+                            ends[m.group(1)] = (m.group(2), time.monotonic())
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        idle1 = s.kv_usage("prefill-1", **{"prefill-1": ("a", SECOND["http"])})
+        k = 10
+        plain = [s.complete(s.url(s.s.http_ports[0]), prompt(9700 + i, N), f"plain run {i}")
+                 for i in range(k)]
+        answers: list[tuple[int, dict, float, float]] = []  # (i, answer, sent, answered)
+
+        def client() -> None:
+            for i in range(k):
+                sent = time.monotonic()
+                r = s.http("a", killd, pd_serve.request_body(s.s, prompt(9700 + i, N), TOKENS))
+                answers.append((i, r, sent, time.monotonic()))
+
+        th = threading.Thread(target=client)
+        th.start()
+        try:
+            # right after an answer from the surviving decode: the request on its way now is
+            # round robin's next, decode-1's
+            while not (len(answers) >= 2 and routed_to(answers[-1][1]) == d0):
+                by = [routed_to(r) for _, r, _, _ in answers]
+                assert th.is_alive() and len(answers) < k - 3, (
+                    f"no answer from {d0} to kill after: {by}{s.tails()}")
+                time.sleep(0.02)
+            killed_after, killed_at = len(answers), time.monotonic()
+            s.drop("decode-1")
+            # marked down within its health checks, while the client's requests keep coming
+            deadline = time.monotonic() + 30
+            while True:
+                w = s.http("a", f"http://{a}:{KILLD_PORT}/workers", None, timeout=10)
+                down = [x["url"] for x in json.loads(w["body"])["workers"]
+                        if not x["is_healthy"]]
+                if down == [d1]:
+                    break
+                assert time.monotonic() < deadline, f"router's workers after the kill: {w}"
+                time.sleep(0.2)
+            marked = time.monotonic() - killed_at
+        finally:
+            th.join(timeout=600)
+        assert len(answers) == k, f"{len(answers)} of {k} answered"
+        ok: list[tuple[int, str]] = []
+        failed: list[int] = []
+        for i, r, sent, _ in answers:
+            if r["status"] == 200:
+                got = json.loads(r["body"])["choices"][0]["token_ids"]
+                assert got == plain[i], f"request {i}: {got} != plain run {plain[i]}"
+                ok.append((i, routed_to(r)))
+                # sent once the router had marked decode-1 down: the survivor's
+                assert sent < killed_at + marked or ok[-1][1] == d0, (i, ok[-1])
+            else:
+                assert r["status"] == 500 and f"Decode request failed to {d1}/v1/completions" \
+                    in r["body"], f"request {i}: HTTP {r['status']}: {r['body'][:300]}"
+                assert i >= killed_after, f"request {i} failed before the kill: {r['body']}"
+                assert sent < killed_at + marked, f"request {i} failed after the marking"
+                failed.append(i)
+        print(f"decode-1 killed after {killed_after} of {k} answers, marked down by "
+              f"router-killd {marked:.1f} s after the kill: {len(ok)} answered 200, equal to the "
+              f"plain run ({sum(d == d0 for _, d in ok)} by {d0}); {len(failed)} answered 500 "
+              f"naming {d1}. By request:")
+        for i, r, sent, _ in answers:
+            print(f"  {i}: sent {sent - killed_at:+.1f} s after the kill, "
+                  + (f"200 from {routed_to(r)}" if r["status"] == 200 else
+                     f"{r['status']}: {r['body'][:400]}"))
+        assert failed, f"no request met the killed decode: {ok}"
+        assert not [x for x in s.lines("decode")[since_d:] if FAILED.search(x)]
+
+        # then every request goes to the survivor
+        later = set()
+        for i in range(3):
+            since = {"prefill-1": len(s.lines("prefill-1"))}
+            got = s.via(killd, prompt(9800 + i, N), f"after the decode's kill, request {i}")
+            assert got["decode"] == "decode" and len(got["remote"]) == 1, got
+            assert s.released_by(got["remote"][0], ("prefill-1",), since) == "prefill-1"
+            later.add(got["remote"][0])
+        print(f"3 requests after the marking, each served by {d0}, pulled and equal to the "
+              f"plain run")
+
+        # every request of the run held by prefill-1 once (its prefill leg ran there): a
+        # 200's hold ended by its CONFIRM, a failed leg's by the lease
+        last = max(done for i, _, _, done in answers if i in failed)
+        while True:
+            with ends_lock:
+                run = {r: v for r, v in ends.items() if r not in later}
+            if len(run) >= k:
+                break
+            assert time.monotonic() < last + ROUTER_LEASE_S + 15, (
+                f"prefill-1 ended {len(run)} of the run's {k} holds {ROUTER_LEASE_S + 15:g} s "
+                f"after the last 500: {run}{s.tails()}")
+            time.sleep(0.2)
+        assert len(run) == k, run
+        for i, _ in ok:
+            rid = json.loads(answers[i][1]["body"])["id"]
+            mine = [v[0] for r, v in run.items() if r.startswith(f"{rid}-")]
+            assert mine == ["released"], f"request {i} ({rid}): {mine}"
+        rest = {r: v for r, v in run.items() if not any(
+            r.startswith(json.loads(answers[i][1]["body"])["id"] + "-") for i, _ in ok)}
+        assert len(rest) == len(failed), (rest, failed)
+        assert all(f"decode_addr_{d1[len('http://'):]}_" in r for r in rest), rest
+        leased = sorted(t for how, t in rest.values() if how != "released")
+        assert all(how in ("released", f"lease of {ROUTER_LEASE_S:g} s ran out")
+                   for how, _ in rest.values()), rest
+        # a failed leg's hold is confirmed only by a decode that pulled before it died: the
+        # request on its way at the kill, the first to fail; the others' ran out
+        assert len(leased) >= len(failed) - 1 and leased, (
+            f"holds of the failed legs: {rest}{s.tails()}")
+        times = []
+        for i, seen in zip(failed[len(failed) - len(leased):], leased):
+            _, _, sent, done = answers[i]
+            # the hold began after the request was sent (its prefill leg ran first)
+            assert seen - sent >= ROUTER_LEASE_S, (i, seen - sent)
+            times.append(f"{seen - done:.1f}")
+        while (usage := s.kv_usage("prefill-1", **{"prefill-1": ("a", SECOND["http"])})) \
+                > idle1:
+            assert time.monotonic() < last + ROUTER_LEASE_S + 25, (usage, idle1)
+            time.sleep(0.5)
+        print(f"killed decode: {len(leased)} of the {len(failed)} failed legs' holds on "
+              f"prefill-1 ran out their lease, seen {', '.join(times)} s after the router's "
+              f"500 (lease_s {ROUTER_LEASE_S:g}), {len(failed) - len(leased)} released by the "
+              f"decode's CONFIRM before it died; KV usage back to {usage} (idle {idle1})")
+        print(f"vllm-router two-decode test: the second decode started in {started:.0f} s "
+              f"(the second prefill {'reused' if reused else 'started too'}), the test took "
+              f"{time.monotonic() - t0:.0f} s with it (the set's start not counted)")
+    finally:
+        stop.set()
+        for role in ("router-2d", "router-killd", "decode-1", "prefill-1"):
             if role in s.procs:
                 s.drop(role)
 
