@@ -64,10 +64,11 @@ def stock(args: argparse.Namespace) -> None:
     """One stock-like agent: print its metadata and regions, serve until stdin says bye."""
     import numpy as np
 
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
+    try:  # what vLLM's ``nixl._api`` resolves to on a machine without CUDA (the meta
+        # package's import would first look for torch's CUDA, a second or more)
         from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl._api import nixl_agent, nixl_agent_config
     import uuid
 
     if args.stock_pt is None:  # exactly vLLM's call: NIXL's defaults for the rest
@@ -86,6 +87,9 @@ def stock(args: argparse.Namespace) -> None:
         import threading
 
         def spin() -> None:
+            if args.stock_spin == "yield":  # vLLM's workers wait on their queue so
+                while True:
+                    os.sched_yield()
             while True:
                 pass
 
@@ -212,7 +216,9 @@ def one_run(args: argparse.Namespace, k: int, reader) -> dict:
     if args.stock_poll:
         cmd += ["--stock-poll"]
     if args.stock_spin:
-        cmd += ["--stock-spin"]
+        cmd += ["--stock-spin", args.stock_spin]
+    if args.stock_cpu is not None:  # every thread of the stock processes on one core
+        cmd = ["taskset", "-c", args.stock_cpu, *cmd]
     if args.stock_nice:
         cmd = ["nice", "-n", str(args.stock_nice), *cmd]
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdin=subprocess.PIPE,
@@ -249,8 +255,12 @@ def main() -> None:
                     help="progress thread on the stock agents (default: NIXL's, on)")
     ap.add_argument("--stock-poll", action="store_true",
                     help="the stock processes call get_new_notifs in a loop")
-    ap.add_argument("--stock-spin", action="store_true",
-                    help="a thread of each stock process spins (a worker awaiting its step)")
+    ap.add_argument("--stock-spin", nargs="?", const="busy", default=None,
+                    choices=("busy", "yield"),
+                    help="a thread of each stock process spins (a worker awaiting its step): "
+                         "busy (holding the GIL) or yield (sched_yield in a loop)")
+    ap.add_argument("--stock-cpu", default=None,
+                    help="pin the stock processes (all their threads) to these cores")
     ap.add_argument("--stock-nice", type=int, default=0,
                     help="niceness added to the stock processes (the tests' TP 2 engine: 10)")
     ap.add_argument("--stock-python", default=None, help="interpreter of the stock agents")
@@ -305,7 +315,7 @@ def main() -> None:
     med = sorted(took)[len(took) // 2] if took else float("nan")
     print(f"summary: runs {args.runs} stuck {stuck} bad_bytes {bad} median_s {med:.4f} "
           f"variant threads={args.stock_threads} pt={args.stock_pt} poll={args.stock_poll} "
-          f"spin={args.stock_spin} nice+={args.stock_nice} "
+          f"spin={args.stock_spin} cpu={args.stock_cpu} nice+={args.stock_nice} "
           f"order={args.order} connect={args.connect} hb={args.hb} burn={args.burn} "
           f"tls={args.tls} "
           f"fresh_reader={args.fresh_reader}", flush=True)
