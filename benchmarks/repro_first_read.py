@@ -20,9 +20,19 @@ Each run starts a fresh pair of stock processes (and, with ``--fresh-reader``, a
 process); ``--runs`` runs, a line per run, a summary line at the end. The variants:
 ``--stock-threads`` (vLLM's 4, or 0), ``--stock-pt`` (progress thread on the stock agents),
 ``--stock-poll`` (the stock process calls ``get_new_notifs`` in a loop, as an engine's busy
-step would; an idle vLLM worker does not), ``--order together|serial`` (both reads posted at
+step would; an idle vLLM worker does not), ``--stock-spin busy|yield`` (a thread of each stock
+process spins, as a vLLM worker does on its queue while a request awaits its read),
+``--stock-cpu``/``--stock-nice``/``--burn`` (the stock processes pinned, niced, and spinning
+processes beside them: a starved prefill), ``--order together|serial`` (both reads posted at
 once, or the second after the first completed), ``--connect`` (``make_connection`` to each
-stock agent before the read), ``--tls`` (``UCX_TLS`` for every process).
+stock agent before the read), ``--hb`` (a notification to each stock agent right after the
+post, as our decode heartbeats a stock prefill's request), ``--settle`` (seconds between the
+stock agents' start and the read), ``--tls`` (``UCX_TLS`` for every process).
+
+Found with it (docs/vllm.md, "A first read that hangs"): a first read completes only once the
+stock agent's worker has answered UCX's wireup, so a stock agent that is not progressed (its
+progress thread off: ``--stock-pt 0``) leaves every first read stuck, and a starved one slows
+it; with vLLM's config none was stuck.
 
 Run from the repository root with the kvplan venv (the stock processes run the same
 interpreter unless ``--stock-python``)::
@@ -62,7 +72,6 @@ def pattern(rank: int, region: int, nbytes: int):
 
 def stock(args: argparse.Namespace) -> None:
     """One stock-like agent: print its metadata and regions, serve until stdin says bye."""
-    import numpy as np
 
     try:  # what vLLM's ``nixl._api`` resolves to on a machine without CUDA (the meta
         # package's import would first look for torch's CUDA, a second or more)
