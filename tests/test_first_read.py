@@ -11,8 +11,9 @@ kvplan peer's endpoint is already connected by then, by the hello its connect se
 The engine-tier test (it needs the vLLM venv's NIXL) is the loop the issue asks for, with
 fresh stock ranks every time: twenty pairs of agents configured as vLLM 0.32's NixlConnector
 configures its own, each in its own process, read at once by a kvplan-configured reader
-(``benchmarks/repro_first_read.py``); none may miss a 5 s deadline. Twenty fresh stock TP 2
-engines would take half an hour on two cores.
+(``benchmarks/repro_first_read.py``); none may miss a 15 s deadline (the engine tests' reads
+have 20 s; a stock rank starved on a loaded machine took up to 4.75 s here). Twenty fresh
+stock TP 2 engines would take half an hour on two cores.
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ def test_vllm_still_configures_its_agent_as_the_loop_does(vllm_python):
 def test_twenty_fresh_stock_tp2_pairs_each_first_read_at_once(vllm_python, tmp_path):
     """Twenty fresh pairs of stock-configured agents (the vLLM venv's NIXL, a process each),
     each read at once by one kvplan-configured reader, with kvplan's heartbeat right after the
-    post: no read misses its 5 s deadline, every byte as the stock rank wrote it."""
+    post: no read misses its 15 s deadline, every byte as the stock rank wrote it."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--runs", "20", "--hb", "--deadline", "5",
+        [sys.executable, str(SCRIPT), "--runs", "20", "--hb", "--deadline", "15",
          "--stock-python", str(vllm_python)],
         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
