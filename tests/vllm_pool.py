@@ -652,7 +652,8 @@ class Pool:
     def close(self) -> None:
         """Every engine gone, killed: nothing is checked after the last test, and a graceful
         stop takes 5-15 s an engine (:func:`remove_orphan_shm` takes what a kill leaves)."""
-        for n in [n for n in _LIVE if n not in self.parked]:
+        # an engine a test killed (its session gone) has nothing to park: stop() reaps it
+        for n in [n for n in _LIVE if n not in self.parked and _LIVE[n].proc.poll() is None]:
             self._park(n)
         self.stop(*_LIVE)
 
