@@ -473,6 +473,16 @@ def second_prefill(s: Serving) -> tuple[dict, list[str]]:
             "VLLM_CACHE_ROOT": str(cache_root(s.workdir, f"{s.name}-prefill-1"))}, argv
 
 
+def router_binary() -> Path:
+    """vllm-router's binary (installed once, tests/router_env.py), or the test skipped with the
+    reason printed."""
+    try:
+        return router_env.ensure()
+    except router_env.EnvUnavailable as e:
+        print(f"skipped: vllm-router unavailable: {e}")
+        pytest.skip(f"vllm-router unavailable: {e}")
+
+
 def router_command(binary: Path, prefills: list[str], decodes: list[str], port: int,
                    extra: list[str]) -> list[str]:
     """vllm-router's P/D line (docs/vllm.md), round robin so that requests alternate."""
@@ -512,11 +522,7 @@ def test_dense_behind_vllm_router_two_prefills_a_dead_decode_leg_a_killed_prefil
 
     The set stays alive (the routers and the stand-in are this test's); so does the second
     prefill where the test passed, for the two-decode test that follows."""
-    try:
-        binary = router_env.ensure()
-    except router_env.EnvUnavailable as e:
-        print(f"skipped: vllm-router unavailable: {e}")
-        pytest.skip(f"vllm-router unavailable: {e}")
+    binary = router_binary()
     s = sets("llama")
     t0 = time.monotonic()  # the set's own start (if this test is its first) not counted
     a, b = netns.ADDRS["a"], netns.ADDRS["b"]
@@ -735,11 +741,7 @@ def test_dense_behind_vllm_router_two_prefills_two_decodes_a_killed_decode(sets,
 
     The set stays alive (the second prefill, the second decode and the routers are this
     test's: stopped at its end)."""
-    try:
-        binary = router_env.ensure()
-    except router_env.EnvUnavailable as e:
-        print(f"skipped: vllm-router unavailable: {e}")
-        pytest.skip(f"vllm-router unavailable: {e}")
+    binary = router_binary()
     s = sets("llama")
     t0 = time.monotonic()  # the set's own start (if this test is its first) not counted
     a, b = netns.ADDRS["a"], netns.ADDRS["b"]
