@@ -79,6 +79,27 @@ def test_pull_across_versions_both_ways_equals_the_plain_run(pool, vllm_previous
     assert got["tokens"] != new_p.generate(ids2, 16)["tokens"], f"KV ignored{tails()}"
 
 
+def test_pull_across_versions_at_hetero_tp_both_ways(pool, vllm_previous):
+    """A TP 2 prefill of one version read by a TP 1 decode of the other, one plan reading both
+    of its ranks (heterogeneous TP across an upgrade), both directions: equal to the plain
+    run, read and confirmed, never recomputed, the pair checked as mixed; and the negative
+    control (another prompt's KV gives other tokens)."""
+    for p_name, d_name, p_ver, d_ver, seed in (("llama-t2-v31", "llama-d1", "0.31.0", "0.32.0",
+                                                4430),
+                                               ("llama-t2", "llama-d1-v31", "0.32.0", "0.31.0",
+                                                4433)):
+        p, d = pool.only(p_name, d_name)
+        ids = prompt(seed)
+        plain = p.generate(ids, 16)
+        check_equal(d.generate(ids, 16), plain, f"plain runs of vLLM {p_ver} TP 2 and {d_ver}")
+        seen = mixed(d, d_ver, p_ver)
+        pulled(p, d, ids, plain, f"pull P {p_ver} TP 2 -> D {d_ver} TP 1")
+        assert mixed(d, d_ver, p_ver) > seen, f"no mixed pair checked{tails()}"
+        ids2 = prompt(seed + 1)
+        got = pd(p, d, ids2, prefill_ids=prompt(seed + 2))
+        assert got["tokens"] != p.generate(ids2, 16)["tokens"], f"KV ignored{tails()}"
+
+
 def test_push_and_layerwise_across_versions_both_ways(pool, vllm_previous):
     """The decode registers first, the prefill writes (whole after its forward, or layer by
     layer from it): both directions, each equal to the plain run and written on the decode."""

@@ -121,7 +121,7 @@ SETS = {
     "eagle": ("eagle-p1-few", "eagle-d1-few", "eagle-t2-few", "eagle-p1-nixl"),
     # not a model: the rolling-upgrade tests' engines of the previous vLLM (the group
     # "upgrade" runs right after "llama", whose 0.32 engines it reuses, still parked)
-    "upgrade": ("llama-p1-v31", "llama-d1-v31", "llama-p1-nixl-v31"),
+    "upgrade": ("llama-p1-v31", "llama-d1-v31", "llama-p1-nixl-v31", "llama-t2-v31"),
 }
 
 
