@@ -161,6 +161,8 @@ def test_a_lease_sent_on_a_spare_connection_is_one_send_and_one_answer():
         assert spares.take(HOST, srv.port, ID) is None
         spares.fill(HOST, srv.port, ID, 5.0)
         accepted = srv.stats["accepted"]
+        spares.fill(HOST, srv.port, ID, 5.0)  # a young spare is there: no second connection
+        assert srv.stats["accepted"] == accepted and len(spares) == 1
         got = spares.take(HOST, srv.port, ID)
         assert got is not None and spares.take(HOST, srv.port, ID) is None and not len(spares)
         before = time.monotonic()

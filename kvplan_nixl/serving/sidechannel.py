@@ -781,8 +781,13 @@ class Spares:
 
     def fill(self, host: str, port: int, identity: str, timeout: float) -> None:
         """Open a spare to ``identity`` at ``host:port`` (blocking: connect and banner,
-        within ``timeout``), replacing an older one. Errors raise as :func:`control`'s; none
-        is kept then."""
+        within ``timeout``), replacing an older one; nothing when one younger than half
+        ``max_age`` is there (the several LEASEs of one step each ask for a spare). Errors
+        raise as :func:`control`'s; none is kept then."""
+        with self._lock:
+            kept = self._spares.get((host, port, identity))
+            if kept is not None and self._clock() - kept[2] < self.max_age / 2:
+                return
         c = _Client(host, port, timeout, "a spare connection")
         try:
             nonce = c.banner(identity)
